@@ -1,0 +1,48 @@
+"""condinit: conditioned initialization for attention, and fused attention JVP/VJP kernels.
+
+Public API (imported lazily, so ``import condinit`` is cheap, never initializes CUDA and never
+fails because triton or the native extension is missing):
+
+* conditioned initialization (``condinit.init``): :func:`orthogonalize`, :func:`semi_orthogonal_`,
+  :func:`rect_identity_`, :func:`conditioned_init_`, :func:`conditioned_init_layers_`,
+  :func:`spectrum`, :func:`recondition_`;
+* fused attention with forward- and reverse-mode AD (``condinit.attention``):
+  :func:`attention`, :func:`attention_jvp`;
+
+``python -m condinit info`` lists which backends (cuda, triton, cpp-cpu, torch) each op can use.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "orthogonalize": "condinit.init",
+    "semi_orthogonal_": "condinit.init",
+    "rect_identity_": "condinit.init",
+    "conditioned_init_": "condinit.init",
+    "conditioned_init_layers_": "condinit.init",
+    "spectrum": "condinit.init",
+    "recondition_": "condinit.init",
+    "attention": "condinit.attention",
+    "attention_jvp": "condinit.attention",
+    "apply": "condinit.models",
+    "BackendUnavailableError": "condinit._backends",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'condinit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,3 @@
+from condinit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``condinit`` CLI (see ``condinit.cli``)."""

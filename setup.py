@@ -1,0 +1,137 @@
+"""Build condinit, with its optional native extension ``condinit._C``.
+
+The extension holds the C++ CPU kernels and, when nvcc is found, the CUDA kernels, all registered
+under the ``condinit_C`` torch.library namespace. It is optional: when torch is not importable at
+build time (an isolated build), no C++ compiler works, or the build fails, condinit installs without
+it and falls back to Triton / PyTorch (``python -m condinit info`` says why). Build it with::
+
+    pip install --no-build-isolation .
+
+Switches (environment variables):
+  CONDINIT_NO_EXT=1        skip the extension entirely
+  CONDINIT_NO_CUDA=1       build only the CPU part even when nvcc is present
+  CONDINIT_FORCE_CUDA=1    build the CUDA part even without a visible GPU (needs nvcc / CUDA_HOME)
+  CONDINIT_STRICT_BUILD=1  a failed extension build fails the install (CI uses this)
+  TORCH_CUDA_ARCH_LIST     CUDA archs, default "8.0;9.0"
+  MAX_JOBS                 parallel compile jobs (ninja)
+"""
+import glob
+import os
+import shutil
+import sys
+import warnings
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _cuda_home():
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:
+        CUDA_HOME = None
+    home = CUDA_HOME or os.environ.get("CUDA_HOME")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
+
+
+def _extensions():
+    """Return (ext_modules, cmdclass); empty when the extension cannot or should not be built."""
+    if _flag("CONDINIT_NO_EXT"):
+        print("condinit: CONDINIT_NO_EXT=1, not building the native extension")
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    except Exception as exc:  # isolated build env without torch
+        print(f"condinit: torch not importable at build time ({exc}); building without the native "
+              "extension (install with --no-build-isolation to build it)")
+        return [], {}
+
+    def rel(paths):
+        return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+    all_cpp = rel(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True))
+    cpu_sources = [p for p in all_cpp if not p.endswith("_cuda.cpp")]
+    cuda_sources = [p for p in all_cpp if p.endswith("_cuda.cpp")]
+    cu_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
+
+    cuda_home = _cuda_home()
+    torch_has_cuda = torch.version.cuda is not None
+    # nvcc plus a CUDA build of torch is enough: the CUDA code compiles without a GPU.
+    with_cuda = not _flag("CONDINIT_NO_CUDA") and cuda_home is not None and torch_has_cuda
+    if _flag("CONDINIT_FORCE_CUDA") and not with_cuda:
+        raise RuntimeError("CONDINIT_FORCE_CUDA=1 but nvcc (CUDA_HOME) or a CUDA build of torch is missing")
+
+    # Portable baseline; hot loops pick AVX2/AVX-512 at run time with target_clones.
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    define_macros = [("CONDINIT_BUILD_TORCH_VERSION", f'"{torch.__version__}"')]
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        os.environ.setdefault("CUDA_HOME", cuda_home)
+        define_macros.append(("CONDINIT_WITH_CUDA", None))
+        ext = CUDAExtension(
+            "condinit._C",
+            sources=cpu_sources + cuda_sources + cu_sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={
+                "cxx": cxx,
+                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+                         "--expt-relaxed-constexpr"],
+            },
+            extra_link_args=["-fopenmp"],
+        )
+        print(f"condinit: building condinit._C with CUDA (nvcc at {cuda_home}, archs "
+              f"{os.environ['TORCH_CUDA_ARCH_LIST']})")
+    else:
+        why = ("CONDINIT_NO_CUDA=1" if _flag("CONDINIT_NO_CUDA") else
+               "nvcc not found" if cuda_home is None else "torch is a CPU-only build")
+        print(f"condinit: building condinit._C for CPU only ({why})")
+        ext = CppExtension(
+            "condinit._C",
+            sources=cpu_sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+
+    class OptionalBuildExtension(BuildExtension):
+        """A failed native build warns and installs the pure-Python package (unless strict)."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:
+                if _flag("CONDINIT_STRICT_BUILD"):
+                    raise
+                warnings.warn(f"condinit: native extension build failed ({exc}); installing without it")
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:
+                if _flag("CONDINIT_STRICT_BUILD"):
+                    raise
+                warnings.warn(f"condinit: building {ext.name} failed ({exc}); installing without it")
+
+    return [ext], {"build_ext": OptionalBuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    packages=find_packages(include=["condinit", "condinit.*"]) + ["condinit.kernels"],
+    package_dir={"condinit.kernels": "kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
