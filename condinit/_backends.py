@@ -25,7 +25,7 @@ Nothing here imports triton, loads the extension or touches CUDA until an op is 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import functools
 import os
 import threading
 import warnings
@@ -81,16 +81,24 @@ def ops() -> list[str]:
     return sorted(_REGISTRY)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_import() -> tuple[bool, str]:
+    try:
+        import triton
+    except Exception as exc:  # missing, or a broken install: either way not usable
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    return True, f"triton {triton.__version__}"
+
+
 def _triton_status(device_type: str) -> tuple[bool, str]:
-    if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed"
-    if device_type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            return False, "on CPU only under TRITON_INTERPRET=1 (set before triton is imported)"
-        return True, "available (interpreter)"
-    if device_type == "cuda":
-        return True, "available"
-    return False, f"no Triton support for device type {device_type!r}"
+    if device_type not in ("cpu", "cuda"):
+        return False, f"no Triton support for device type {device_type!r}"
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False, "on CPU only under TRITON_INTERPRET=1 (set before triton is imported)"
+    ok, why = _triton_import()
+    if not ok:
+        return False, why
+    return True, "available (interpreter)" if device_type == "cpu" else "available"
 
 
 def backend_status(backend: str, device_type: str, op: str | None = None) -> tuple[bool, str]:

@@ -1,0 +1,485 @@
+"""The public fused-attention ops, their torch.library registration and backend dispatch.
+
+Three custom ops in the ``condinit`` namespace, each dispatched through :mod:`condinit._backends`
+to the best available implementation (cuda, triton, cpp-cpu, or the tiled PyTorch reference):
+
+* ``condinit::attention_fwd(q, k, v, causal, scale, backend) -> (out, lse)``
+* ``condinit::attention_bwd(dout, q, k, v, out, lse, causal, scale, backend) -> (dq, dk, dv)``
+* ``condinit::attention_jvp(q, k, v, tq?, tk?, tv?, causal, scale, backend) -> (out, tout, lse)``
+
+Each has a fake (meta) kernel, so ``torch.compile`` traces them, and a vmap rule that folds the
+vmapped dimension into the batch dimension, so ``torch.vmap`` / ``jacfwd`` / ``jacrev`` work.
+On top of them, :func:`attention` (a ``torch.autograd.Function``: backward = flash VJP from the
+saved log-sum-exp, ``jvp`` = the fused JVP op) and :func:`attention_jvp` (the single-pass JVP
+with several probes, differentiable in all six inputs).
+
+Math and conventions: DESIGN.md section 3 and :mod:`condinit.attention.reference`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from condinit import _backends
+from condinit.attention import reference
+
+__all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES"]
+
+# What the Triton / C++ / CUDA kernels are built for; the torch reference takes anything.
+KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------
+
+def _kernel_supports(head_dim: int, dtype: torch.dtype, **_) -> Optional[str]:
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} not supported (float32, float16, bfloat16)"
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim {head_dim} not in {KERNEL_HEAD_DIMS}"
+    return None
+
+
+def _call_info(q: Tensor) -> dict:
+    return {"head_dim": q.shape[-1], "dtype": q.dtype}
+
+
+def _zeros_tangents(q, k, v, tq, tk, tv):
+    """Kernels take every tangent: a missing one becomes zeros [P, ...] (P from a given one)."""
+    P = next(t.shape[0] for t in (tq, tk, tv) if t is not None)
+    z = lambda x: x.new_zeros((P,) + tuple(x.shape))  # noqa: E731
+    return (tq if tq is not None else z(q), tk if tk is not None else z(k),
+            tv if tv is not None else z(v))
+
+
+# torch: the tiled reference
+@_backends.register("attention_fwd", "torch")
+def _fwd_torch(q, k, v, causal, scale):
+    return reference.attention_fwd(q, k, v, causal, scale)
+
+
+@_backends.register("attention_bwd", "torch")
+def _bwd_torch(dout, q, k, v, out, lse, causal, scale):
+    return reference.attention_bwd(dout, q, k, v, out, lse, causal, scale)
+
+
+@_backends.register("attention_jvp", "torch")
+def _jvp_torch(q, k, v, tq, tk, tv, causal, scale):
+    return reference.attention_jvp(q, k, v, tq, tk, tv, causal, scale)
+
+
+# triton (imported lazily: the module imports triton)
+@_backends.register("attention_fwd", "triton", supports=_kernel_supports)
+def _fwd_triton(q, k, v, causal, scale):
+    from condinit.kernels import attention as kernels
+    return kernels.attention_fwd(q, k, v, causal, scale)
+
+
+@_backends.register("attention_bwd", "triton", supports=_kernel_supports)
+def _bwd_triton(dout, q, k, v, out, lse, causal, scale):
+    from condinit.kernels import attention as kernels
+    return kernels.attention_bwd(dout, q, k, v, out, lse, causal, scale)
+
+
+@_backends.register("attention_jvp", "triton", supports=_kernel_supports)
+def _jvp_triton(q, k, v, tq, tk, tv, causal, scale):
+    from condinit.kernels import attention as kernels
+    tq, tk, tv = _zeros_tangents(q, k, v, tq, tk, tv)
+    return kernels.attention_jvp(q, k, v, tq, tk, tv, causal, scale)
+
+
+# native: the same condinit_C schema has CPU (cpp-cpu) and CUDA (cuda) kernels
+def _fwd_native(q, k, v, causal, scale):
+    return tuple(torch.ops.condinit_C.attention_fwd(q, k, v, causal, scale))
+
+
+def _bwd_native(dout, q, k, v, out, lse, causal, scale):
+    return tuple(torch.ops.condinit_C.attention_bwd(dout, q, k, v, out, lse, causal, scale))
+
+
+def _jvp_native(q, k, v, tq, tk, tv, causal, scale):
+    tq, tk, tv = _zeros_tangents(q, k, v, tq, tk, tv)
+    return tuple(torch.ops.condinit_C.attention_jvp(q, k, v, tq, tk, tv, causal, scale))
+
+
+for _backend in ("cpp-cpu", "cuda"):
+    _backends.register("attention_fwd", _backend, native_op="attention_fwd", supports=_kernel_supports)(_fwd_native)
+    _backends.register("attention_bwd", _backend, native_op="attention_bwd", supports=_kernel_supports)(_bwd_native)
+    _backends.register("attention_jvp", _backend, native_op="attention_jvp", supports=_kernel_supports)(_jvp_native)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: condinit::attention_fwd / attention_bwd / attention_jvp
+# --------------------------------------------------------------------------------------------
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _c(x: Optional[Tensor]) -> Optional[Tensor]:
+    return x.contiguous() if x is not None else None
+
+
+@torch.library.custom_op("condinit::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                      backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    """Fused attention forward on the chosen backend: ``(out, lse)``."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse = _backends.dispatch("attention_fwd", q.device, (q, k, v, causal, scale),
+                                  backend=backend, call_info=_call_info(q))
+    return out, lse
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, causal, scale, backend):
+    B, H, Nq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, H, Nq), dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("condinit::attention_bwd", mutates_args=())
+def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      causal: bool, scale: float, backend: Optional[str]
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """Flash VJP from the saved ``lse`` on the chosen backend: ``(dq, dk, dv)``."""
+    args = tuple(x.contiguous() for x in (dout, q, k, v, out, lse)) + (causal, scale)
+    dq, dk, dv = _backends.dispatch("attention_bwd", q.device, args, backend=backend,
+                                    call_info=_call_info(q))
+    return dq, dk, dv
+
+
+@_attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("condinit::attention_jvp", mutates_args=())
+def _attention_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
+                      tv: Optional[Tensor], causal: bool, scale: float, backend: Optional[str]
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused single-pass JVP on the chosen backend: ``(out, tout, lse)``; tangents ``[P, ...]``,
+    at least one not None (a None tangent is zero)."""
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), _c(tq), _c(tk), _c(tv), causal, scale)
+    out, tout, lse = _backends.dispatch("attention_jvp", q.device, args, backend=backend,
+                                        call_info=_call_info(q))
+    return out, tout, lse
+
+
+@_attention_jvp_op.register_fake
+def _(q, k, v, tq, tk, tv, causal, scale, backend):
+    B, H, Nq, _ = q.shape
+    P = next(t.shape[0] for t in (tq, tk, tv) if t is not None)
+    return (torch.empty_like(q), q.new_empty((P,) + tuple(q.shape)),
+            q.new_empty((B, H, Nq), dtype=_lse_dtype(q.dtype)))
+
+
+# vmap rules: move the vmapped dim to the front and fold it into B ([V, B, ...] -> [V*B, ...]);
+# tangents [P, B, ...] become [P, V*B, ...]. Unbatched inputs are expanded.
+
+def _fold(x: Optional[Tensor], bdim: Optional[int], size: int) -> Optional[Tensor]:
+    if x is None:
+        return None
+    x = x.movedim(bdim, 0) if bdim is not None else x.unsqueeze(0).expand(size, *x.shape)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _fold_tangent(x: Optional[Tensor], bdim: Optional[int], size: int) -> Optional[Tensor]:
+    if x is None:
+        return None
+    x = x.movedim(bdim, 0) if bdim is not None else x.unsqueeze(0).expand(size, *x.shape)
+    x = x.transpose(0, 1)                                   # [P, V, B, ...]
+    return x.reshape(x.shape[0], size * x.shape[2], *x.shape[3:])
+
+
+def _unfold(x: Tensor, size: int, lead: int = 0) -> Tensor:
+    """[..lead.., V*B, ...] -> [..lead.., V, B, ...]."""
+    s = x.shape
+    return x.reshape(*s[:lead], size, s[lead] // size, *s[lead + 1:])
+
+
+@torch.library.register_vmap("condinit::attention_fwd")
+def _(info, in_dims, q, k, v, causal, scale, backend):
+    n = info.batch_size
+    qd, kd, vd = in_dims[:3]
+    out, lse = _attention_fwd_op(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), causal, scale, backend)
+    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
+@torch.library.register_vmap("condinit::attention_bwd")
+def _(info, in_dims, dout, q, k, v, out, lse, causal, scale, backend):
+    n = info.batch_size
+    args = [_fold(x, d, n) for x, d in zip((dout, q, k, v, out, lse), in_dims[:6])]
+    dq, dk, dv = _attention_bwd_op(*args, causal, scale, backend)
+    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
+
+
+@torch.library.register_vmap("condinit::attention_jvp")
+def _(info, in_dims, q, k, v, tq, tk, tv, causal, scale, backend):
+    n = info.batch_size
+    primals = [_fold(x, d, n) for x, d in zip((q, k, v), in_dims[:3])]
+    tangents = [_fold_tangent(x, d, n) for x, d in zip((tq, tk, tv), in_dims[3:6])]
+    out, tout, lse = _attention_jvp_op(*primals, *tangents, causal, scale, backend)
+    return (_unfold(out, n), _unfold(tout, n, lead=1), _unfold(lse, n)), (0, 1, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or "
+                        f"float64), got {t.dtype}")
+
+
+def _check_primals(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, N, d], got shape {tuple(t.shape)}")
+        if any(s == 0 for s in t.shape):
+            raise ValueError(f"{name} must have no empty dimension, got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    B, H, _, d = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"k and v must have q's batch size {B}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"k and v must have q's head dim d={d}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, Hkv, Nk, d], got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if H % k.shape[1] != 0:
+        raise ValueError(f"k's head count Hkv={k.shape[1]} must divide q's head count H={H} "
+                         f"(grouped-query attention)")
+
+
+def _check_options(causal, scale, backend, d: int) -> tuple[float, Optional[str]]:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    if backend == "auto":
+        backend = None
+    if backend is not None and backend not in _backends.BACKENDS:
+        raise ValueError(f"backend must be one of {_backends.BACKENDS}, 'auto' or None, got {backend!r}")
+    return float(scale), backend
+
+
+def _check_tangents(primals, tangents) -> tuple[bool, int]:
+    """Validate tangents against their primals; returns (has probe dim, P)."""
+    probe, P = None, None
+    for (pname, x), (tname, t) in zip(primals, tangents):
+        if t is None:
+            continue
+        _check_tensor(tname, t)
+        if t.dtype != x.dtype:
+            raise TypeError(f"{tname} must have {pname}'s dtype {x.dtype}, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{tname} must be on {pname}'s device {x.device}, got {t.device}")
+        if t.shape == x.shape:
+            has_p, p = False, 1
+        elif t.dim() == x.dim() + 1 and t.shape[1:] == x.shape and t.shape[0] >= 1:
+            has_p, p = True, t.shape[0]
+        else:
+            raise ValueError(f"{tname} must have {pname}'s shape {tuple(x.shape)} or [P, "
+                             f"*{tuple(x.shape)}] with a leading probe dim, got {tuple(t.shape)}")
+        if probe is None:
+            probe, P = has_p, p
+        elif has_p != probe:
+            raise ValueError("tangents must all have a leading probe dim P or all not, got "
+                             + ", ".join(f"{n} {tuple(t.shape)}" for n, t in tangents if t is not None))
+        elif p != P:
+            raise ValueError(f"tangents must agree on the probe count P, got {tname} with P={p}, "
+                             f"expected P={P}")
+    return bool(probe), P or 1
+
+
+# --------------------------------------------------------------------------------------------
+# attention: autograd.Function with VJP and fused JVP
+# --------------------------------------------------------------------------------------------
+
+class _Attention(torch.autograd.Function):
+    """``(out, lse) = attention(q, k, v)``; backward is the flash VJP from the saved ``lse``.
+
+    This class has no ``jvp`` so that ``torch.compile`` (Dynamo) can trace it; :class:`_AttentionAD`
+    adds the forward-mode rule for eager / ``torch.func`` use.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, backend):
+        return _attention_fwd_op(q, k, v, causal, scale, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, scale, backend = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend)
+        return dq, dk, dv, None, None, None
+
+
+class _AttentionAD(_Attention):
+    """:class:`_Attention` plus forward mode: the tangent comes from the fused JVP op.
+
+    Forward-mode AD calls ``forward`` (primal) and then ``jvp``, which runs the fused pass again
+    (primal tiles included): about 4 forwards in all. :func:`attention_jvp` is the single-pass
+    route when the tangent is all you need.
+    """
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _Attention.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[:3])
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, *_):
+        q, k, v = ctx.saved_tensors
+        if tq is None and tk is None and tv is None:
+            return torch.zeros_like(q), None
+        tangents = [t.unsqueeze(0) if t is not None else None for t in (tq, tk, tv)]
+        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, ctx.causal, ctx.scale, ctx.backend)
+        return tout.squeeze(0), None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+              scale: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
+    """Fused scaled-dot-product attention, ``softmax(scale Q K^T [+ causal mask]) V``.
+
+    Args:
+        q: ``[B, H, Nq, d]``.
+        k, v: ``[B, Hkv, Nk, d]``, ``Hkv`` divides ``H`` (query head ``h`` uses key/value head
+            ``h // (H // Hkv)``).
+        causal: query ``i`` attends key ``j`` iff ``j <= i + (Nk - Nq)`` (bottom-right aligned).
+            A query with no key gets 0 (and zero gradients).
+        scale: defaults to ``1 / sqrt(d)``.
+        backend: ``"cuda"``, ``"triton"``, ``"cpp-cpu"``, ``"torch"``, or None / ``"auto"``
+            (best available; see ``python -m condinit info``).
+
+    Returns ``out`` ``[B, H, Nq, d]`` in the input dtype (fp32 accumulation).
+
+    Differentiable in reverse mode (flash VJP from the saved log-sum-exp, O(N) memory) and
+    forward mode (``torch.func.jvp``, ``torch.autograd.forward_ad``: the fused JVP kernel), and
+    under ``torch.func.vmap`` / ``jacfwd`` / ``jacrev`` and ``torch.compile``. Forward mode runs
+    the primal and then the fused JVP; :func:`attention_jvp` does both in one pass, with several
+    probes at once.
+    """
+    _check_primals(q, k, v)
+    scale, backend = _check_options(causal, scale, backend, q.shape[-1])
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
+    out, _ = fn.apply(q, k, v, causal, scale, backend)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# attention_jvp: the fused single-pass JVP, differentiable in all six inputs
+# --------------------------------------------------------------------------------------------
+
+def _reference_jvp_outputs(causal, scale, present):
+    """f(q, k, v, *given tangents) -> (out, tout) through the tiled reference (for the VJP)."""
+    def f(q, k, v, *ts):
+        it = iter(ts)
+        tq, tk, tv = (next(it) if p else None for p in present)
+        out, tout, _ = reference.attention_jvp(q, k, v, tq, tk, tv, causal, scale)
+        return out, tout
+    return f
+
+
+class _AttentionJVP(torch.autograd.Function):
+    """``(out, tout, lse)`` from the fused JVP op; backward recomputes through the tiled torch
+    reference with autograd (whatever backend ran forward), so it is itself differentiable."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, tq, tk, tv, causal, scale, backend):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, tq, tk, tv, causal, scale, backend = inputs
+        ctx.mark_non_differentiable(output[2])
+        ctx.present = tuple(t is not None for t in (tq, tk, tv))
+        ctx.save_for_backward(q, k, v, *(t for t in (tq, tk, tv) if t is not None))
+        ctx.causal, ctx.scale = causal, scale
+
+    @staticmethod
+    def backward(ctx, gout, gtout, _glse):
+        saved = ctx.saved_tensors
+        f = _reference_jvp_outputs(ctx.causal, ctx.scale, ctx.present)
+        _, vjp_fn = torch.func.vjp(f, *saved)
+        grads = iter(vjp_fn((gout, gtout)))
+        dq, dk, dv = next(grads), next(grads), next(grads)
+        dt = [next(grads) if p else None for p in ctx.present]
+        return (dq, dk, dv, *dt, None, None, None)
+
+
+def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
+                  tk: Optional[Tensor] = None, tv: Optional[Tensor] = None, *,
+                  causal: bool = False, scale: Optional[float] = None,
+                  backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """Attention and its Jacobian-vector product in one fused pass: ``(out, tangent_out)``.
+
+    With ``S = scale Q K^T (+ mask)``, ``P = softmax(S)``, ``O = P V``::
+
+        S' = scale (Q' K^T + Q K'^T),   P' = P * (S' - rowsum(P * S')),   O' = P' V + P V'
+
+    computed without any N x N matrix (online softmax; DESIGN.md section 3).
+
+    Args:
+        q, k, v: as in :func:`attention`.
+        tq, tk, tv: tangents shaped like their primal, or with a leading probe dim ``[P, ...]``
+            (all given ones alike); None means a zero tangent (its work is skipped where the
+            backend allows). The ``P`` probes share the primal tiles in one pass.
+        causal, scale, backend: as in :func:`attention`.
+
+    Returns ``out`` ``[B, H, Nq, d]`` and ``tangent_out`` ``[B, H, Nq, d]`` or
+    ``[P, B, H, Nq, d]``, both in the input dtype.
+
+    Differentiable: gradients reach q, k, v, tq, tk, tv through both outputs (e.g. to train on a
+    JVP-based loss). The backward recomputes through the tiled PyTorch reference with autograd,
+    whatever backend ran the forward (it holds the block intermediates: O(N^2 / block) memory).
+    """
+    _check_primals(q, k, v)
+    scale, backend = _check_options(causal, scale, backend, q.shape[-1])
+    has_p, P = _check_tangents((("q", q), ("k", k), ("v", v)), (("tq", tq), ("tk", tk), ("tv", tv)))
+    if tq is None and tk is None and tv is None:
+        tv = torch.zeros_like(v)  # all-zero tangent: keep one code path (out is still needed)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    tangents = []
+    for t in (tq, tk, tv):
+        if t is not None and not has_p:
+            t = t.unsqueeze(0)
+        tangents.append(_c(t))
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, *tangents))
+    if needs_grad:
+        out, tout, _ = _AttentionJVP.apply(q, k, v, *tangents, causal, scale, backend)
+    else:
+        out, tout, _ = _attention_jvp_op(q, k, v, *tangents, causal, scale, backend)
+    return out, (tout if has_p else tout.squeeze(0))

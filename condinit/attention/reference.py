@@ -1,0 +1,240 @@
+"""Tiled PyTorch reference of fused attention: forward (with log-sum-exp), VJP and fused JVP.
+
+This is the ``torch`` backend of the ``attention_fwd`` / ``attention_bwd`` / ``attention_jvp`` ops
+and the readable statement of what the Triton and C++ kernels compute (DESIGN.md section 3). It
+walks blocks of queries x blocks of keys with an online softmax, so besides the inputs and outputs
+it holds O(block_q * block_k) scores at a time, never an N x N matrix. Accumulation is in float32
+(float64 when the inputs are float64); outputs are cast back to the input dtype.
+
+Conventions shared by every backend:
+
+* ``q`` is ``[B, H, Nq, d]``; ``k``, ``v`` are ``[B, Hkv, Nk, d]`` with ``Hkv | H``; query head
+  ``h`` reads key/value head ``h // (H // Hkv)`` (grouped-query attention). Here the ``G = H / Hkv``
+  query heads of a group are a broadcast dimension: ``q`` is viewed as ``[B, Hkv, G, Nq, d]`` and
+  ``k``, ``v`` as ``[B, Hkv, 1, Nk, d]``, so K and V are never repeated.
+* ``S = scale * Q K^T``; with ``causal``, query ``i`` attends key ``j`` iff ``j <= i + (Nk - Nq)``
+  (bottom-right aligned, the FlashAttention convention).
+* ``lse[b, h, i] = log(sum_j exp(S_ij))`` over the attended keys, float32 (float64 for float64
+  inputs). A row that attends no key has ``out = 0``, tangent 0, ``lse = -inf`` and gradient 0.
+* Tangents are 5-D ``[P, B, H or Hkv, N, d]``: ``P`` probes share one pass over the primal tiles.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention_fwd", "attention_bwd", "attention_jvp", "attention_naive", "BLOCK_Q", "BLOCK_K"]
+
+# Big enough that the Python loop is not the cost on CPU, small enough that a block of scores
+# ([B, H, BLOCK_Q, BLOCK_K] per probe) stays cache- and memory-friendly.
+BLOCK_Q = 256
+BLOCK_K = 256
+
+_NEG_INF = float("-inf")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(x: Tensor, hkv: int) -> Tensor:
+    """[..., B, H, N, d] -> [..., B, Hkv, G, N, d] (a view)."""
+    *lead, b, h, n, d = x.shape
+    return x.reshape(*lead, b, hkv, h // hkv, n, d)
+
+
+def _ungrouped(x: Tensor) -> Tensor:
+    """[..., B, Hkv, G, N, d] -> [..., B, H, N, d]."""
+    *lead, b, hkv, g, n, d = x.shape
+    return x.reshape(*lead, b, hkv * g, n, d)
+
+
+def _key_range(i0: int, i1: int, nq: int, nk: int, causal: bool) -> int:
+    """Number of keys any query in [i0, i1) may attend (keys [0, end) are visited)."""
+    if not causal:
+        return nk
+    return max(0, min(nk, i1 - 1 + (nk - nq) + 1))
+
+
+def _mask(i0: int, i1: int, j0: int, j1: int, nq: int, nk: int, device) -> Optional[Tensor]:
+    """Boolean [bq, bk] mask of allowed (query, key) pairs for a causal block, None if all allowed."""
+    if j1 - 1 <= i0 + (nk - nq):  # the block's last key is visible to its first query
+        return None
+    i = torch.arange(i0, i1, device=device)[:, None]
+    j = torch.arange(j0, j1, device=device)[None, :]
+    return j <= i + (nk - nq)
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                  block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
+    """Forward: ``out = softmax(scale * Q K^T) V`` and ``lse = logsumexp(scale * Q K^T)``.
+
+    Online softmax per query block: running max ``m``, ``l = rowsum(exp(S - m))`` and
+    ``acc = exp(S - m) V``, rescaled by ``alpha = exp(m_old - m_new)`` when ``m`` grows.
+    """
+    out, _, lse = attention_jvp(q, k, v, None, None, None, causal, scale, block_q, block_k)
+    return out, lse
+
+
+def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
+                  tv: Optional[Tensor], causal: bool, scale: float,
+                  block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+                  ) -> tuple[Tensor, Optional[Tensor], Tensor]:
+    """Fused single-pass JVP: ``(out, tout, lse)`` for tangents ``[P, ...]`` (None = zero tangent).
+
+    With ``S' = scale (Q' K^T + Q K'^T)``, ``P~ = exp(S - m)`` and ``l = rowsum(P~)`` carry, next
+    to ``acc = P~ V``, the sums ``accA = P~ V'``, ``accB = (P~ * S') V`` and
+    ``r = rowsum(P~ * S')``, all rescaled by the same ``alpha``. Then ``O = acc / l`` and
+    ``O' = (accA + accB) / l - (r / l) O``. The primal tiles (scores, exponentials, ``m``, ``l``)
+    are computed once and shared by all ``P`` probes. When every tangent is None only the
+    forward runs and ``tout`` is None.
+
+    Differentiable with plain torch autograd (every op is), which is how
+    :func:`condinit.attention_jvp` gets its gradients.
+    """
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    acc_t = _acc_dtype(q.dtype)
+    with_tangent = tq is not None or tk is not None or tv is not None
+    P = next(t.shape[0] for t in (tq, tk, tv) if t is not None) if with_tangent else 0
+
+    qg = _grouped(q, Hkv).to(acc_t)                      # [B, Hkv, G, Nq, d]
+    kg = k.to(acc_t).unsqueeze(2)                        # [B, Hkv, 1, Nk, d]
+    vg = v.to(acc_t).unsqueeze(2)
+    tqg = _grouped(tq, Hkv).to(acc_t) if tq is not None else None   # [P, B, Hkv, G, Nq, d]
+    tkg = tk.to(acc_t).unsqueeze(3) if tk is not None else None      # [P, B, Hkv, 1, Nk, d]
+    tvg = tv.to(acc_t).unsqueeze(3) if tv is not None else None
+
+    outs, touts, lses = [], [], []
+    for i0 in range(0, Nq, block_q):
+        i1 = min(Nq, i0 + block_q)
+        qb = qg[..., i0:i1, :]
+        tqb = tqg[..., i0:i1, :] if tqg is not None else None
+        rows = qb.shape[:-1]                                            # [B, Hkv, G, bq]
+        m = qb.new_full(rows, _NEG_INF)
+        l = qb.new_zeros(rows)
+        acc = qb.new_zeros(qb.shape)
+        if with_tangent:
+            acc_t_ = qb.new_zeros((P,) + qb.shape)                      # accA + accB, summed as we go
+            r = qb.new_zeros((P,) + rows)
+        for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
+            j1 = min(Nk, j0 + block_k)
+            kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
+            s = scale * (qb @ kb.transpose(-1, -2))                     # [B, Hkv, G, bq, bk]
+            mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
+            if mask is not None:
+                s = s.masked_fill(~mask, _NEG_INF)
+            # m only stabilizes the exponentials; the result does not depend on it, so it is
+            # held constant for autograd (exact, and avoids differentiating through max).
+            m_new = torch.maximum(m, s.detach().amax(-1))
+            m_safe = torch.where(m_new == _NEG_INF, torch.zeros_like(m_new), m_new)  # empty rows
+            alpha = torch.exp(m - m_safe)
+            p = torch.exp(s - m_safe[..., None])                        # P~, 0 where masked
+            l = alpha * l + p.sum(-1)
+            acc = alpha[..., None] * acc + p @ vb
+            if with_tangent:
+                ds = None                                               # S' = scale (Q' K^T + Q K'^T)
+                if tqb is not None:
+                    ds = tqb @ kb.transpose(-1, -2)
+                if tkg is not None:
+                    t = qb @ tkg[..., j0:j1, :].transpose(-1, -2)
+                    ds = t if ds is None else ds + t
+                a = alpha[..., None]
+                upd = acc_t_ * a
+                if ds is not None:
+                    ps = p * (scale * ds)                               # P~ * S' (0 where masked)
+                    r = alpha * r + ps.sum(-1)
+                    upd = upd + ps @ vb                                 # accB
+                else:
+                    r = alpha * r
+                if tvg is not None:
+                    upd = upd + p @ tvg[..., j0:j1, :]                  # accA
+                acc_t_ = upd
+            m = m_new
+        nonempty = l > 0
+        l_safe = torch.where(nonempty, l, torch.ones_like(l))
+        o = torch.where(nonempty[..., None], acc / l_safe[..., None], torch.zeros_like(acc))
+        outs.append(o)
+        lses.append(torch.where(nonempty, m + torch.log(l_safe), torch.full_like(l, _NEG_INF)))
+        if with_tangent:
+            to = acc_t_ / l_safe[..., None] - (r / l_safe)[..., None] * o
+            touts.append(torch.where(nonempty[..., None], to, torch.zeros_like(to)))
+    out = _ungrouped(torch.cat(outs, dim=-2)).to(q.dtype)
+    lse = torch.cat(lses, dim=-1).reshape(B, H, Nq)
+    tout = _ungrouped(torch.cat(touts, dim=-2)).to(q.dtype) if with_tangent else None
+    return out, tout, lse
+
+
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  causal: bool, scale: float, block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """VJP from the saved ``lse`` (the flash backward): ``(dq, dk, dv)``.
+
+    ``P = exp(S - lse)``, ``D = rowsum(dO * O)``, ``dP = dO V^T``, ``dS = P * (dP - D)``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P^T dO``; ``dK`` and ``dV`` sum over the
+    query heads of each group.
+    """
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    acc_t = _acc_dtype(q.dtype)
+    qg = _grouped(q, Hkv).to(acc_t)
+    dog = _grouped(dout, Hkv).to(acc_t)
+    og = _grouped(out, Hkv).to(acc_t)
+    kg = k.to(acc_t).unsqueeze(2)
+    vg = v.to(acc_t).unsqueeze(2)
+    lseg = lse.to(acc_t).reshape(B, Hkv, H // Hkv, Nq)
+    # Empty rows (lse = -inf) have P = exp(-inf - 0) = 0 everywhere.
+    lseg = torch.where(lseg == _NEG_INF, torch.zeros_like(lseg), lseg)
+    dk = torch.zeros(B, Hkv, Nk, d, dtype=acc_t, device=q.device)
+    dv = torch.zeros_like(dk)
+    dqs = []
+    for i0 in range(0, Nq, block_q):
+        i1 = min(Nq, i0 + block_q)
+        qb, dob = qg[..., i0:i1, :], dog[..., i0:i1, :]
+        lb = lseg[..., i0:i1, None]
+        D = (dob * og[..., i0:i1, :]).sum(-1, keepdim=True)             # [B, Hkv, G, bq, 1]
+        dq = torch.zeros_like(qb)
+        for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
+            j1 = min(Nk, j0 + block_k)
+            kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
+            s = scale * (qb @ kb.transpose(-1, -2))
+            mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
+            if mask is not None:
+                s = s.masked_fill(~mask, _NEG_INF)
+            p = torch.exp(s - lb)                                       # [B, Hkv, G, bq, bk]
+            dp = dob @ vb.transpose(-1, -2)
+            ds = p * (dp - D)
+            dq += ds @ kb
+            dk[..., j0:j1, :] += (ds.transpose(-1, -2) @ qb).sum(2)
+            dv[..., j0:j1, :] += (p.transpose(-1, -2) @ dob).sum(2)
+        dqs.append(dq)
+    dq = _ungrouped(torch.cat(dqs, dim=-2)) * scale
+    return dq.to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
+
+
+def attention_naive(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                    scale: Optional[float] = None) -> Tensor:
+    """Materializing attention (the N x N matrix), for tests: ``softmax(scale Q K^T + mask) V``.
+
+    Differentiable by torch autograd / torch.func in any mode; empty causal rows give 0.
+    """
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    kr = k.repeat_interleave(H // Hkv, dim=1)
+    vr = v.repeat_interleave(H // Hkv, dim=1)
+    s = scale * (q @ kr.transpose(-1, -2))
+    if causal:
+        i = torch.arange(Nq, device=q.device)[:, None]
+        j = torch.arange(Nk, device=q.device)[None, :]
+        allowed = j <= i + (Nk - Nq)
+        nonempty = allowed.any(-1, keepdim=True)
+        # Empty rows: softmax over a row of zeros (finite in every AD mode), then zeroed.
+        s = torch.where(nonempty, s.masked_fill(~allowed, _NEG_INF), torch.zeros_like(s))
+        p = torch.where(nonempty, torch.softmax(s, dim=-1), torch.zeros_like(s))
+    else:
+        p = torch.softmax(s, dim=-1)
+    return p @ vr

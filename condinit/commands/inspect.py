@@ -1,0 +1,138 @@
+"""``condinit inspect``: per-head condition numbers of the attention weights in a safetensors file.
+
+    condinit inspect model.safetensors [--plot cond.png]
+    condinit inspect other.safetensors --num-heads 12 [--head-dim 64] [--num-kv-heads 4]
+
+Reads with safetensors only (never unpickles: a ``torch.save`` / pickle file is refused). Attention
+weights are located from the ``condinit`` header entry that ``condinit init`` writes, or else by the
+parameter names of the supported families (``q_proj/k_proj/v_proj``, ``query/key/value``, GPT-2's
+fused transposed ``c_attn``, timm's ``qkv``, ``in_proj_weight``), with head counts from the options.
+For every layer and Q/K/V it prints the min / median / max over heads of ``kappa = sigma_max /
+sigma_min`` of each head's ``[head_dim, in]`` block (float64 singular values); ``--plot`` draws them
+per layer (matplotlib, Agg) into an image written atomically.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+NAME = "inspect"
+HELP = "per-layer / per-head condition numbers of Q/K/V in a .safetensors file (optionally a plot)"
+
+
+def add_arguments(p):
+    p.add_argument("file", metavar="FILE.safetensors", help="checkpoint to read (safetensors only)")
+    p.add_argument("--plot", metavar="OUT.png", default=None, help="write a figure of kappa per layer")
+    p.add_argument("--num-heads", type=int, default=None, help="heads of Q (needed without condinit metadata)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="heads of K/V (default: inferred)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dimension (default: rows / heads)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def head_conditions(blocks):
+    """float64 ``(sigma_max, sigma_min, kappa)`` per block of a ``[B, m, n]`` stack."""
+    import torch
+
+    s = torch.linalg.svdvals(blocks.double())
+    smax, smin = s[:, 0], s[:, -1]
+    cond = torch.where(smin > 0, smax / smin.clamp_min(torch.finfo(torch.float64).tiny),
+                       torch.full_like(smax, math.inf))
+    return smax, smin, cond
+
+
+def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None):
+    """``(metadata, rows)``: one row per attention layer with per-head kappa of Q, K, V."""
+    from condinit.models.checkpoint import locate_attention, open_checkpoint, projection_blocks, read_metadata
+
+    for name, val in (("--num-heads", num_heads), ("--num-kv-heads", num_kv_heads), ("--head-dim", head_dim)):
+        if val is not None and val < 1:
+            raise ValueError(f"{name} must be >= 1, got {val}")
+    with open_checkpoint(path) as fh:
+        meta = read_metadata(fh)
+        shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+        layers = locate_attention(shapes, meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        if not layers:
+            raise ValueError(f"{path}: no attention weights found (looked for q_proj/k_proj/v_proj, query/key/value, "
+                             f"c_attn, qkv, in_proj_weight, wq/wk/wv)")
+        rows, cache = [], {}
+        for i, loc in enumerate(layers):
+            row = {"layer": loc.get("index", i), "name": loc["name"], "num_heads": loc["num_heads"],
+                   "num_kv_heads": loc["num_kv_heads"], "head_dim": loc["head_dim"]}
+            for p in ("q", "k", "v"):
+                smax, smin, cond = head_conditions(projection_blocks(fh, loc, p, cache))
+                row[p] = {"cond_per_head": cond.tolist(), "sigma_max": float(smax.max()),
+                          "sigma_min": float(smin.min())}
+            rows.append(row)
+    return meta, rows
+
+
+def _stats(vals):
+    s = sorted(vals)
+    n = len(s)
+    med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    return s[0], med, s[-1]
+
+
+def plot(rows, out, title):
+    from condinit.models.checkpoint import atomic_output
+
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    ext = os.path.splitext(out)[1].lstrip(".").lower() or "png"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = list(range(len(rows)))
+    for p, color in (("q", "tab:blue"), ("k", "tab:orange"), ("v", "tab:green")):
+        st = [_stats([min(c, 1e12) for c in r[p]["cond_per_head"]]) for r in rows]
+        ax.plot(x, [s[1] for s in st], marker="o", ms=3, color=color, label=f"W_{p.upper()} median")
+        ax.fill_between(x, [s[0] for s in st], [s[2] for s in st], color=color, alpha=0.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("attention layer")
+    ax.set_ylabel("κ per head (band: min–max over heads)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        with atomic_output(out) as tmp:
+            fig.savefig(tmp, format=ext)
+    finally:
+        plt.close(fig)
+
+
+def run(args) -> int:
+    from condinit.models.checkpoint import PICKLE_SUFFIXES, check_output_path
+
+    if args.plot is not None:
+        check_output_path(args.plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+    if args.file.lower().endswith(PICKLE_SUFFIXES) and not os.path.isdir(args.file):
+        raise ValueError(f"{args.file}: pickle-based checkpoints ({', '.join(PICKLE_SUFFIXES)}) are refused; condinit "
+                         f"reads only safetensors files and never unpickles (convert with safetensors first)")
+    meta, rows = analyze(args.file, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    if args.plot is not None:
+        plot(rows, args.plot, os.path.basename(args.file))
+    if args.json:
+        import json
+
+        print(json.dumps({"file": args.file, "metadata": meta, "layers": rows}, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{args.file}: κ = σmax/σmin per head, min / median / max over heads"
+                    + (f" (condinit {meta.get('family')}, seed {meta.get('seed')})" if meta else ""))
+    for col in ("layer", "name", "heads", "Q κ", "K κ", "V κ"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(str(r["layer"]), r["name"], f"{r['num_heads']}/{r['num_kv_heads']}x{r['head_dim']}",
+                  *("/".join(f"{v:.4g}" for v in _stats(r[p]["cond_per_head"])) for p in ("q", "k", "v")))
+    con = Console()
+    con.print(t)
+    if args.plot is not None:
+        con.print(f"wrote {os.path.abspath(args.plot)}")
+    return 0

@@ -1,0 +1,385 @@
+"""Batched orthogonalization of per-head blocks: the core of conditioned initialization.
+
+A stack ``W`` of ``B`` blocks ``m x n`` is mapped to blocks with orthonormal rows (``m <= n``,
+``Q Q^T = I_m``) or orthonormal columns (``m > n``, ``Q^T Q = I_n``). Every method below works on
+the *wide* orientation (``m <= n``); a tall block is handled as its transpose. Methods
+(DESIGN.md section 5):
+
+``householder``
+    ``W^T = Q R`` (``torch.linalg.qr``) with the sign fix ``diag(R) > 0``, i.e. ``W = R^T Q^T``.
+    Exact and backward stable for any conditioning. Of a Gaussian block this ``Q`` is Haar
+    distributed (Mezzadri 2007); without the sign fix it is not.
+``cholqr2``
+    CholeskyQR2: ``G = W W^T`` (fp32 batched GEMM), ``L = chol(G)`` in float64 (``m x m``, tiny),
+    ``W <- L^{-1} W`` with an explicit triangular inverse and a batched GEMM, twice. ``W = L Q``
+    with ``L`` lower triangular and ``diag(L) > 0`` is the same factorization as the sign-fixed
+    Householder QR, so both give the *same* ``Q`` (up to rounding). Stable while
+    ``kappa(W) <~ u^{-1/2}``; a Gaussian ``m x n`` block with ``n >= 4m`` has
+    ``kappa ~ (sqrt(n)+sqrt(m)) / (sqrt(n)-sqrt(m)) <= 3``. A block whose Cholesky fails
+    (``cholesky_ex`` info), whose first factor is too ill-conditioned, or whose second Gram is not
+    close to ``I`` falls back, alone, to Householder. Cost: 4 GEMMs of ``2 m^2 n`` flops.
+``polar``
+    The polar factor ``U V^T`` of ``W = U S V^T`` by odd polynomial iterations
+    ``X <- (alpha I + beta X X^T) X`` in fp32. Each step uses the optimal cubic for the current
+    singular-value interval ``[l, 1]`` (the Polar Express / scaled Newton-Schulz construction):
+    ``alpha = beta (1 + l + l^2)``, ``beta = 2 / (2/(3 sqrt 3) (1 + l + l^2)^{3/2} + l + l^2)``,
+    normalized so the largest image is 1; ``l = 1`` is Newton-Schulz ``(3/2, -1/2)``. ``X_0``
+    is scaled by ``sigma_max`` (exact from the small Gram's eigenvalues when ``m <= 256``, else the
+    bound ``min(||G||_F, ||G||_inf)``). Iterations stop per block once ``max|X X^T - I| <= tol``
+    (``tol = 1e-6`` or the fp32 rounding floor of the Gram, whichever is larger); a block that
+    does not converge falls back to ``svd``. On CUDA the two GEMMs of a step run as Triton kernels
+    (``condinit.kernels.polar``).
+``svd``
+    ``U V^T`` from ``torch.linalg.svd``: the paper's own construction, the reference.
+``auto``
+    ``cholqr2`` for wide (or tall) blocks with aspect ratio ``>= 4`` (well-conditioned when
+    Gaussian), ``householder`` otherwise (measured fastest on CPU; see benchmarks/bench_init.py).
+
+Polar and SVD give the polar factor, QR and CholeskyQR the Q factor: different matrices, the same
+(Haar) distribution for Gaussian input.
+
+Determinism: blocks are processed in chunks of a fixed number of blocks (a function of the block
+shape, the device type and the memory budget only); a short last chunk is padded with copies of a
+real block. Every block's result therefore depends only on its own data, never on how many other
+blocks were processed with it (batched BLAS may pick another algorithm for another batch size).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from condinit import _backends
+
+__all__ = ["orthogonalize", "METHODS", "resolve_method", "chunk_blocks", "orthogonalize_wide_"]
+
+METHODS = ("auto", "householder", "cholqr2", "polar", "svd")
+
+# auto: CholeskyQR2 when the long side is at least this many times the short side.
+CHOLQR_MIN_ASPECT = 4
+# CholeskyQR2 falls back when the first factor's diagonal spread (a lower bound on kappa(W)) is above
+# this (pass-1 orthogonality error ~ u32 kappa^2 must stay << 1 for pass 2 to finish the job) ...
+CHOLQR_MAX_DIAG_RATIO = 1.0e2
+# ... or when the second Gram is farther than this from I (pass 1 did not get close enough).
+CHOLQR_MAX_GRAM2_DEVIATION = 1.0e-2
+# polar: target max|X X^T - I|, and how many extra Newton-Schulz steps after the schedule.
+POLAR_TOL = 1.0e-6
+POLAR_EXTRA_STEPS = 6
+POLAR_DEFAULT_LOWER = 1.0e-3   # assumed sigma_min / sigma_max when it is not computed exactly
+POLAR_EXACT_SCALE_MAX_M = 256  # eigvalsh of the m x m Gram for m up to this
+
+# Default scratch budget per chunk buffer (bytes): CPU chunks stay cache-sized, GPU chunks are big.
+DEFAULT_BUDGET = {"cpu": 16 << 20, "cuda": 1 << 30}
+MAX_CHUNK_BLOCKS = {"cpu": 64}  # per device type (default 256): bounds the padding work of a short call
+_U32 = 2.0 ** -24
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers shared with condinit.init.functional
+
+def check_method(method) -> str:
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def resolve_method(m: int, n: int, method: str) -> str:
+    """The concrete method ``"auto"`` stands for, for an ``m x n`` block."""
+    if method != "auto":
+        return method
+    small, big = min(m, n), max(m, n)
+    return "cholqr2" if big >= CHOLQR_MIN_ASPECT * small and small >= 2 else "householder"
+
+
+def chunk_blocks(m: int, n: int, device_type: str, memory_budget: Optional[int] = None) -> int:
+    """Blocks per chunk for ``m x n`` blocks: ``memory_budget`` bytes of fp32 per scratch buffer,
+    at least 2 (a batch of one takes a different BLAS path, hence other bits)."""
+    if memory_budget is None:
+        memory_budget = DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cuda"])
+    return max(2, min(MAX_CHUNK_BLOCKS.get(device_type, 256), int(memory_budget) // (4 * m * n)))
+
+
+def _eye(m: int, device, dtype) -> torch.Tensor:
+    return torch.eye(m, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the methods, on a contiguous fp32 chunk A [C, m, n], m <= n. ``A`` may be clobbered; the result is
+# written to ``out`` (contiguous fp32 [C, m, n], may alias ``A``).
+
+def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    Q, R = torch.linalg.qr(A.transpose(1, 2))          # A^T = Q R, Q [C, n, m]
+    d = R.diagonal(dim1=-2, dim2=-1)
+    sign = torch.where(d < 0, -1.0, 1.0).to(Q.dtype)   # sign(0) := +1
+    out.copy_((Q * sign.unsqueeze(1)).transpose(1, 2))
+    return out
+
+
+def _svd_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    U, _, Vh = torch.linalg.svd(A, full_matrices=False)   # U [C, m, m], Vh [C, m, n]
+    torch.bmm(U, Vh, out=out)
+    return out
+
+
+def _gram(X: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(X, X.transpose(1, 2))
+
+
+def _chol_inverse(G: torch.Tensor, *, near_identity: bool):
+    """``L^{-1}`` (fp32) of ``G = L L^T`` computed in float64, and a mask of blocks to redo."""
+    G64 = G.double()
+    L, info = torch.linalg.cholesky_ex(G64)
+    d = L.diagonal(dim1=-2, dim2=-1)
+    bad = info != 0
+    if near_identity:
+        eye = _eye(G.shape[-1], G.device, torch.float64)
+        bad |= (G64 - eye).abs().flatten(1).amax(1) > CHOLQR_MAX_GRAM2_DEVIATION
+    else:
+        bad |= ~(d.amax(-1) <= CHOLQR_MAX_DIAG_RATIO * d.amin(-1))   # also catches NaN
+    if bool(bad.any()):
+        L = torch.where(bad[:, None, None], _eye(G.shape[-1], G.device, torch.float64), L)
+    eye = _eye(G.shape[-1], G.device, torch.float64).expand_as(L)
+    Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+    return Linv.float(), bad
+
+
+def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    B = scratch if scratch is not None else torch.empty_like(A)
+    Linv, bad = _chol_inverse(_gram(A), near_identity=False)
+    torch.bmm(Linv, A, out=B)
+    Linv, bad2 = _chol_inverse(_gram(B), near_identity=True)
+    bad |= bad2
+    fallback = None
+    if bool(bad.any()):  # decided before ``out`` (which may alias A) is written
+        idx = bad.nonzero().flatten()
+        sub = A.index_select(0, idx)
+        fallback = (idx, _householder_(sub, torch.empty_like(sub)))
+    torch.bmm(Linv, B, out=out)
+    if fallback is not None:
+        out.index_copy_(0, *fallback)
+    return out
+
+
+def _cubic_coefficients(lower: torch.Tensor):
+    """(alpha, beta, new_lower) of the minimax odd cubic ``alpha x - beta x^3`` on ``[lower, 1]``,
+    scaled so its maximum on the interval is 1 (float64 tensors)."""
+    l = lower.clamp(0.0, 1.0)
+    s = 1.0 + l + l * l
+    beta = 2.0 / ((2.0 / (3.0 * math.sqrt(3.0))) * s.pow(1.5) + l + l * l)
+    alpha = beta * s
+    low_img = beta * (l + l * l)             # p(l) = p(1) = 1 - E
+    high_img = 2.0 - low_img                 # p(x*) = 1 + E
+    return alpha / high_img, beta / high_img, low_img / high_img
+
+
+def polar_tol(n: int) -> float:
+    """Target of the polar iteration: 1e-6, or the fp32 rounding floor of a length-n Gram entry."""
+    return max(POLAR_TOL, 4.0 * _U32 * math.sqrt(n))
+
+
+def _polar_scale(G: torch.Tensor):
+    """(1/sigma_max, sigma_min/sigma_max lower bound) per block from the Gram G = W W^T."""
+    m = G.shape[-1]
+    if m <= POLAR_EXACT_SCALE_MAX_M:
+        lam = torch.linalg.eigvalsh(G.double())
+        top = lam[:, -1].clamp_min(1e-300)
+        smax = top.sqrt() * (1.0 + 1e-4)   # headroom for the fp32 rounding of the Gram
+        lower = (lam[:, 0].clamp_min(0.0) / top).sqrt() * (1.0 - 1e-3)
+    else:
+        G64 = G.double()
+        bound = torch.minimum(G64.flatten(1).norm(dim=1), G64.abs().sum(-1).amax(-1))
+        smax = bound.clamp_min(1e-300).sqrt()
+        lower = torch.full_like(smax, POLAR_DEFAULT_LOWER)
+    return 1.0 / smax, lower
+
+
+def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Optional[torch.Tensor] = None):
+    """The polar iteration with pluggable GEMMs: ``gram(X) -> X X^T`` and
+    ``step(X, G, alpha, beta, Y)``: ``Y = alpha X + beta G X`` (alpha, beta: fp32 [C])."""
+    C, m, n = A.shape
+    tol = polar_tol(n)
+    eye = _eye(m, A.device, torch.float32)
+    G = gram(A)
+    scale, lower = _polar_scale(G)
+    # X_0 = scale * A is folded into the first step: Y = scale (alpha I + beta scale^2 G) A.
+    G = G * (scale * scale).float()[:, None, None]
+    X, Y = A, scratch if scratch is not None else torch.empty_like(A)
+    first = True
+    done = torch.zeros(C, dtype=torch.bool, device=A.device)
+    n_sched = 0
+    l = lower.clone()
+    while bool((l < 1.0 - 1e-9).any()) and n_sched < 40:
+        _, _, l = _cubic_coefficients(l)
+        n_sched += 1
+    l = lower
+    for it in range(n_sched + POLAR_EXTRA_STEPS + 1):
+        if not first:
+            G = gram(X)
+            err = (G - eye).abs().flatten(1).amax(1)
+            done = done | (err <= tol)
+            if bool(done.all()) or it == n_sched + POLAR_EXTRA_STEPS:
+                break
+        alpha, beta, l = _cubic_coefficients(l)
+        if first:
+            alpha, beta = alpha * scale, beta * scale
+        # converged blocks take the exact identity step alpha=1, beta=0
+        alpha = torch.where(done, 1.0, alpha).float()
+        beta = torch.where(done, 0.0, -beta).float()
+        step(X, G, alpha, beta, Y)
+        X, Y = Y, X
+        first = False
+    if not bool(done.all()):
+        # X_k = p_k(A A^T) A has A's singular vectors, so its polar factor is A's: finish by SVD
+        idx = (~done).nonzero().flatten()
+        sub = X.index_select(0, idx)
+        X.index_copy_(0, idx, _svd_(sub, torch.empty_like(sub)))
+    if X.data_ptr() != out.data_ptr():
+        out.copy_(X)
+    return out
+
+
+def _torch_step(X, G, alpha, beta, Y):
+    M = G * beta[:, None, None]
+    M.diagonal(dim1=-2, dim2=-1).add_(alpha[:, None])
+    torch.bmm(M, X, out=Y)
+
+
+def _polar_(A: torch.Tensor, out: torch.Tensor, scratch=None) -> torch.Tensor:
+    return polar_iterate_(A, out, _gram, _torch_step, scratch)
+
+
+_METHOD_FNS = {"householder": _householder_, "cholqr2": _cholqr2_, "polar": _polar_, "svd": _svd_}
+
+
+# ---------------------------------------------------------------------------------------------------
+# backend registry: op "orthogonalize", args (A, method, out, scratch)
+
+@_backends.register("orthogonalize", "torch")
+def _orthogonalize_torch(A: torch.Tensor, method: str, out: torch.Tensor, scratch=None) -> torch.Tensor:
+    fn = _METHOD_FNS[method]
+    if method in ("cholqr2", "polar"):
+        return fn(A, out, scratch)
+    return fn(A, out)
+
+
+def _triton_supports(method=None, **_):
+    return None if method == "polar" else f"only method='polar' (got {method!r})"
+
+
+@_backends.register("orthogonalize", "triton", supports=_triton_supports)
+def _orthogonalize_triton(A: torch.Tensor, method: str, out: torch.Tensor, scratch=None) -> torch.Tensor:
+    from condinit.kernels import polar as kpolar
+    return polar_iterate_(A, out, kpolar.gram, kpolar.step, scratch)
+
+
+def orthogonalize_wide_(A: torch.Tensor, method: str, out: torch.Tensor, *, scratch=None,
+                        backend: Optional[str] = None) -> torch.Tensor:
+    """Orthonormalize the rows of the contiguous fp32 chunk ``A`` [C, m, n] (m <= n, C >= 2) into
+    ``out``; ``A`` (and ``scratch``, like ``A``) may be clobbered. ``method`` is concrete (not auto)."""
+    return _backends.dispatch("orthogonalize", A.device, (A, method, out, scratch), backend=backend,
+                              call_info={"method": method, "m": A.shape[1], "n": A.shape[2]})
+
+
+def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
+               memory_budget=None, backend=None, direct=None):
+    """Drive the chunked computation of ``num_blocks`` blocks of wide shape ``block_shape``.
+
+    ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A`` (contiguous fp32
+    ``[stop-start, m, n]``); ``sink(start, stop, R)`` receives their orthonormalized fp32 results.
+    ``direct(start, stop)`` may return a contiguous fp32 tensor to write a full chunk's result into
+    (then ``sink`` is not called for it). Every chunk holds exactly ``chunk_blocks(...)`` blocks.
+    """
+    m, n = block_shape
+    device = torch.device(device)
+    C = chunk_blocks(m, n, device.type, memory_budget)
+    # LAPACK-based methods factor block by block on the CPU: no padding needed there.
+    pad = not (device.type == "cpu" and method in ("householder", "svd"))
+    size = C if pad else min(C, num_blocks)
+    A = torch.empty((size, m, n), dtype=torch.float32, device=device)
+    S = torch.empty_like(A) if method in ("cholqr2", "polar") else None
+    for start in range(0, num_blocks, C):
+        stop = min(num_blocks, start + C)
+        k = stop - start
+        fill(start, stop, A[:k])
+        if k < size:  # pad with copies of a real block; their results are discarded
+            A[k:].copy_(A[k - 1:k].expand(size - k, m, n))
+        dest = direct(start, stop) if (direct is not None and k == size) else None
+        out = dest if dest is not None else A
+        orthogonalize_wide_(A, method, out, scratch=S, backend=backend)
+        if dest is None:
+            sink(start, stop, A[:k])
+
+
+# ---------------------------------------------------------------------------------------------------
+# public API
+
+def _check_floating(t, name: str):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_complex() or not t.is_floating_point():
+        raise TypeError(f"{name} must be a real floating-point tensor (float32/float64/bfloat16/"
+                        f"float16), got dtype {t.dtype}")
+
+
+def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[torch.Tensor] = None,
+                  backend: Optional[str] = None, memory_budget: Optional[int] = None) -> torch.Tensor:
+    """Orthonormalize every block of ``stack`` ``[..., m, n]`` (``[m, n]`` is one block).
+
+    Rows become orthonormal when ``m <= n`` (``Q Q^T = I_m``), columns when ``m > n``. Computed in
+    fp32 (float64 for the small ``m x m`` factorizations) and rounded once into the output dtype.
+
+    Args:
+        stack: real floating tensor, ``ndim >= 2``, finite.
+        method: ``"auto"``, ``"householder"``, ``"cholqr2"``, ``"polar"`` or ``"svd"`` (module
+            docstring).
+        out: optional output of ``stack``'s shape and device (any floating dtype, any strides);
+            default a new tensor like ``stack``.
+        backend: force a backend of the ``"orthogonalize"`` op (``"torch"``, ``"triton"``).
+        memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU).
+
+    Returns ``out``.
+    """
+    _check_floating(stack, "stack")
+    check_method(method)
+    if stack.dim() < 2:
+        raise ValueError(f"stack must have at least 2 dims [..., m, n], got shape {tuple(stack.shape)}")
+    if any(s == 0 for s in stack.shape):
+        raise ValueError(f"stack must not have a zero-size dim, got shape {tuple(stack.shape)}")
+    if out is not None:
+        _check_floating(out, "out")
+        if out.shape != stack.shape or out.device != stack.device:
+            raise ValueError(f"out must have stack's shape {tuple(stack.shape)} and device {stack.device}, "
+                             f"got {tuple(out.shape)} on {out.device}")
+    else:
+        out = torch.empty_like(stack)
+    if stack.device.type == "meta":
+        return out
+    if not bool(torch.isfinite(stack).all()):
+        raise ValueError("stack must be finite (it holds NaN or Inf)")
+    m, n = stack.shape[-2:]
+    tall = m > n
+    src = stack.reshape(-1, m, n)
+    dst = out.view(-1, m, n) if out.is_contiguous() else None
+    if tall:
+        src = src.transpose(1, 2)
+    wm, wn = src.shape[1:]
+    concrete = resolve_method(wm, wn, method)
+    num = src.shape[0]
+    results = []
+
+    def fill(start, stop, A):
+        A.copy_(src[start:stop])
+
+    def sink(start, stop, R):
+        R = R.transpose(1, 2) if tall else R
+        if dst is not None:
+            dst[start:stop].copy_(R)
+        else:
+            results.append(R.clone())
+
+    run_chunks(num, (wm, wn), concrete, stack.device, fill, sink, memory_budget=memory_budget,
+               backend=backend)
+    if dst is None:
+        out.copy_(torch.cat(results).view(stack.shape))
+    return out

@@ -1,0 +1,105 @@
+"""Built-in model presets for ``condinit init``, and building Hugging Face models from a config, on meta.
+
+Presets are Hugging Face transformers configs (no download: the config is written out here):
+
+==============  ===========================================================================
+tiny-llama      Llama, 4 layers, D=256, 8 heads / 4 KV heads of 32, vocab 4096 (a few MB: quick start)
+llama-1b        Llama-3.2-1B-shaped: 16 layers, D=2048, 32 heads / 8 KV heads of 64, MLP 8192,
+                vocab 128256, tied embeddings
+gpt2            GPT-2 small: 12 layers, D=768, 12 heads, vocab 50257 (``Conv1D c_attn``)
+vit-b16         ViT-B/16: 12 layers, D=768, 12 heads, patch 16, 224 x 224
+==============  ===========================================================================
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["Preset", "PRESETS", "build_model", "load_config_dict", "DTYPES"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str
+    description: str
+    config: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    "tiny-llama": Preset("llama", "Llama, 4 layers, D=256, 8/4 heads of 32, vocab 4096", dict(
+        model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, vocab_size=4096, max_position_embeddings=2048,
+        tie_word_embeddings=True, architectures=["LlamaForCausalLM"])),
+    "llama-1b": Preset("llama", "Llama-3.2-1B-shaped: 16 layers, D=2048, 32/8 heads of 64, vocab 128256", dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, architectures=["LlamaForCausalLM"])),
+    "gpt2": Preset("gpt2", "GPT-2 small: 12 layers, D=768, 12 heads, vocab 50257", dict(
+        model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024,
+        architectures=["GPT2LMHeadModel"])),
+    "vit-b16": Preset("vit", "ViT-B/16: 12 layers, D=768, 12 heads, patch 16, 224x224", dict(
+        model_type="vit", hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        patch_size=16, image_size=224, qkv_bias=True, architectures=["ViTModel"])),
+}
+
+
+def load_config_dict(path) -> dict:
+    """Read a Hugging Face ``config.json`` into a dict (ValueError on unreadable / non-object JSON)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"config {path} does not exist or is not a file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"config {path} is not readable JSON: {exc}") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise ValueError(f"config {path} must be a JSON object with a 'model_type' (a Hugging Face config.json)")
+    return cfg
+
+
+def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, dtype=torch.float32,
+                device="meta"):
+    """Build a Hugging Face model from a preset name or a config dict, on ``device`` (default meta:
+    nothing allocated). Returns ``(model, family)``.
+
+    The model class: the config's ``architectures[0]`` when transformers has it, else
+    ``AutoModelForCausalLM`` for causal-LM model types, else ``AutoModel``.
+    """
+    if (preset is None) == (config is None):
+        raise ValueError("give exactly one of preset and config")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        config = dict(PRESETS[preset].config)
+        family = PRESETS[preset].family
+    else:
+        config = dict(config)
+        family = config.get("model_type")
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as exc:
+        raise ValueError(f"building a model needs Hugging Face transformers (pip install transformers): {exc}") from None
+    model_type = config.pop("model_type", None)
+    try:
+        cfg = AutoConfig.for_model(model_type, **config)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"config: cannot build a transformers config for model_type {model_type!r}: {exc}") from None
+    archs = getattr(cfg, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None or not hasattr(cls, "_from_config"):
+        cls = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+    with torch.device(device):
+        model = cls.from_config(cfg) if cls in (AutoModel, AutoModelForCausalLM) else cls._from_config(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.eval()
+    return model, family

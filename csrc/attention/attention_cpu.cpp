@@ -1,0 +1,532 @@
+// Fused attention with forward-mode (JVP) and reverse-mode (VJP) derivatives: the torch.library
+// schema of condinit_C::attention_{fwd,bwd,jvp} and their C++ CPU kernels (DESIGN.md section 3).
+//
+// Per head, S = s Q K^T (+ causal mask), P = softmax(S), O = P V, lse = log rowsum exp(S).
+//   fwd: online softmax over key tiles (flash attention), O(N) memory.
+//   jvp: one fused pass; with P~ = exp(S - m) it carries acc = P~ V, l = rowsum P~ and per probe
+//        accT_p = P~ V'_p + (P~ o S'_p) V, r_p = rowsum(P~ o S'_p), S'_p = s (Q'_p K^T + Q K'_p^T),
+//        all rescaled by alpha = exp(m_old - m_new); then O = acc / l, O'_p = accT_p / l - (r_p / l) O.
+//        The probes share the primal tiles (S, exp, m, l are computed once per tile).
+//   bwd: flash backward from the saved lse: D = rowsum(dO o O), P = exp(S - lse), dP = dO V^T,
+//        dS = P o (dP - D), dQ = s dS K, dK = s dS^T Q, dV = P^T dO.
+// Layouts: q [B, H, Nq, d]; k, v [B, Hkv, Nk, d] with Hkv | H (q head h reads kv head h / (H / Hkv));
+// tangents carry a leading probe dimension [P, ...]. Causal masks are bottom-right aligned: query i
+// sees key j iff j <= i + (Nk - Nq). A row that sees no key gets out 0, tangent 0, lse -inf, grads 0.
+//
+// CPU strategy: parallel over (batch, head, query tile) with a shared work counter (causal tiles
+// differ in cost, so threads pull the most expensive tiles first); every tile matrix product is
+// one BLAS call (MKL sgemm through libtorch, 64 x 128 x d is big enough to amortize the call); the
+// exponentials use a polynomial exp that GCC vectorizes (target_clones picks AVX-512/AVX2 at run
+// time, no -march needed). fp16/bf16 inputs are computed in fp32, fp64 in fp64.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// MKL/OpenBLAS Fortran GEMM exported by libtorch_cpu (LP64). Weak: a torch build without them
+// falls back to at::addmm_ on from_blob views (slower per call, same math).
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc) __attribute__((weak));
+}
+
+namespace condinit {
+namespace attention_cpu {
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kBlockM = 64;   // queries per tile
+constexpr int64_t kBlockN = 128;  // keys per tile
+
+// ------------------------------------------------------------------------------------------------
+// Row-major GEMM on raw tiles: C[M x N] = alpha op(A)[M x K] op(B)[K x N] + beta C.
+// (A row-major product is the column-major product of the transposes with the operands swapped.)
+template <typename T>
+void gemm_aten(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
+               const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  Tensor a = ta ? at::from_blob(const_cast<T*>(A), {K, M}, {lda, 1}, opts).t()
+                : at::from_blob(const_cast<T*>(A), {M, K}, {lda, 1}, opts);
+  Tensor b = tb ? at::from_blob(const_cast<T*>(B), {N, K}, {ldb, 1}, opts).t()
+                : at::from_blob(const_cast<T*>(B), {K, N}, {ldb, 1}, opts);
+  Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, opts);
+  c.addmm_(a, b, beta, alpha);  // beta == 0 ignores C (no NaN propagation from stale buffers)
+}
+
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (sgemm_ == nullptr) return gemm_aten<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
+  const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
+  sgemm_(&tA, &tB, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const double* A,
+                 int64_t lda, const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
+  if (dgemm_ == nullptr) return gemm_aten<double>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
+  const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
+  dgemm_(&tA, &tB, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+// ------------------------------------------------------------------------------------------------
+// x[j] <- exp(x[j] - mu) for j < n, returns the sum. mu is finite; x may hold -inf (masked).
+// fp32: Cephes-style exp (range reduction by ln 2, degree-6 polynomial, ~1 ulp), written so that
+// GCC vectorizes it; the clones are chosen at load time from the CPU's features.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float exp_shift_sum(float* __restrict x, int64_t n, float mu) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    float t = x[j] - mu;
+    t = t < -87.0f ? -87.0f : t;  // also maps masked -inf entries into range
+    const float fn = std::floor(t * 1.44269504088896341f + 0.5f);
+    float r = t - fn * 0.693359375f;
+    r = r + fn * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const float two_n = __builtin_bit_cast(float, ((int32_t)fn + 127) << 23);
+    const float e = fn <= -126.f ? 0.f : p * two_n;  // below ~1.7e-38 (and masked): exactly 0
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+double exp_shift_sum(double* __restrict x, int64_t n, double mu) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double e = std::exp(x[j] - mu);
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+// W <- P o W (in place), returns rowsum(W).
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+T mul_rowsum(const T* __restrict p, T* __restrict w, int64_t n) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = p[j] * w[j];
+    w[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+// dS <- P o (dP - D) (in place in dp).
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void ds_row(const T* __restrict p, T* __restrict dp, int64_t n, T D) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - D);
+}
+
+template <typename T>
+inline void scale_row(T* __restrict x, int64_t n, T a) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] *= a;
+}
+
+template <typename T>
+inline T row_max(const T* x, int64_t n) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
+
+// Causal mask of a [m x n] score tile at query i0, key j0: key j0 + c is visible to query i0 + i
+// iff j0 + c <= i0 + i + off.
+template <typename T>
+inline void mask_tile(T* S, int64_t ldS, int64_t i0, int64_t m, int64_t j0, int64_t n, int64_t off) {
+  if (j0 + n - 1 <= i0 + off) return;  // whole tile visible
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t first_hidden = std::max<int64_t>(i0 + i + off - j0 + 1, 0);
+    T* row = S + i * ldS;
+    for (int64_t c = first_hidden; c < n; ++c) row[c] = ninf;
+  }
+}
+
+// Runs body(task, worker) for task in [0, ntask) on at::get_num_threads() workers pulling tasks
+// from a shared counter (tasks are ordered most expensive first by the callers).
+template <typename F>
+void run_tasks(int64_t ntask, const F& body) {
+  if (ntask <= 0) return;
+  const int64_t nworkers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nworkers, 1, [&](int64_t w0, int64_t /*w1*/) {
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= ntask) break;
+      body(t, w0);
+    }
+  });
+}
+
+struct Dims {
+  int64_t B, H, Hkv, Nq, Nk, d, P;
+  bool causal;
+};
+
+// Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
+template <typename T>
+void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, const T* tq,
+                    const T* tk, const T* tv, T* out, T* tout, float* lse) {
+  const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
+  const int64_t G = H / Hkv, off = Nk - Nq;
+  const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
+  const int64_t BH = B * H;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  run_tasks(BH * nqt, [&](int64_t t, int64_t) {
+    // Per-task buffers: O(tile) memory.
+    thread_local std::vector<T> buf;
+    const int64_t need = 2 * kBlockM * kBlockN + kBlockM * d * (1 + P) + kBlockM * (3 + P);
+    if ((int64_t)buf.size() < need) buf.resize(need);
+    T* S = buf.data();                    // [BM, BN] scores, then P~
+    T* SP = S + kBlockM * kBlockN;        // [BM, BN] S'_p, then P~ o S'_p
+    T* acc = SP + kBlockM * kBlockN;      // [BM, d]
+    T* accT = acc + kBlockM * d;          // [P, BM, d]
+    T* mrow = accT + P * kBlockM * d;     // [BM]
+    T* lrow = mrow + kBlockM;             // [BM]
+    T* alpha = lrow + kBlockM;            // [BM]
+    T* rrow = alpha + kBlockM;            // [P, BM]
+
+    const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
+    const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G;
+    const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
+    const T* Q = q + (bh * Nq + i0) * d;
+    const T* K = k + (b * Hkv + hk) * Nk * d;
+    const T* V = v + (b * Hkv + hk) * Nk * d;
+    const int64_t jend = D.causal ? std::min(Nk, i0 + m + off) : Nk;  // keys < jend can be visible
+
+    std::fill(acc, acc + m * d, T(0));
+    std::fill(accT, accT + P * kBlockM * d, T(0));
+    std::fill(mrow, mrow + m, ninf);
+    std::fill(lrow, lrow + m, T(0));
+    std::fill(rrow, rrow + P * kBlockM, T(0));
+
+    for (int64_t j0 = 0; j0 < jend; j0 += kBlockN) {
+      const int64_t n = std::min(kBlockN, jend - j0);
+      gemm(false, true, m, n, d, scale, Q, d, K + j0 * d, d, T(0), S, kBlockN);
+      if (D.causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
+      for (int64_t i = 0; i < m; ++i) {
+        T* row = S + i * kBlockN;
+        const T mnew = std::max(mrow[i], row_max(row, n));
+        const T a = mnew == ninf ? T(1) : std::exp(mrow[i] - mnew);
+        const T mu = mnew == ninf ? T(0) : mnew;  // a row with nothing visible yet: P~ = 0
+        lrow[i] = a * lrow[i] + exp_shift_sum(row, n, mu);
+        mrow[i] = mnew;
+        alpha[i] = a;
+        if (a != T(1)) scale_row(acc + i * d, d, a);
+      }
+      gemm(false, false, m, d, n, T(1), S, kBlockN, V + j0 * d, d, T(1), acc, d);
+
+      for (int64_t p = 0; p < P; ++p) {
+        const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
+        const T* TK = tk + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
+        const T* TV = tv + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
+        T* AT = accT + p * kBlockM * d;
+        T* r = rrow + p * kBlockM;
+        gemm(false, true, m, n, d, scale, TQ, d, K + j0 * d, d, T(0), SP, kBlockN);
+        gemm(false, true, m, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
+        for (int64_t i = 0; i < m; ++i) {
+          r[i] = alpha[i] * r[i] + mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
+          if (alpha[i] != T(1)) scale_row(AT + i * d, d, alpha[i]);
+        }
+        gemm(false, false, m, d, n, T(1), S, kBlockN, TV, d, T(1), AT, d);
+        gemm(false, false, m, d, n, T(1), SP, kBlockN, V + j0 * d, d, T(1), AT, d);
+      }
+    }
+
+    // Finalize: O = acc / l, lse = m + log l, O'_p = accT_p / l - (r_p / l) O.
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t row = bh * Nq + i0 + i;
+      T* o = out + row * d;
+      const T l = lrow[i];
+      if (!(l > T(0))) {  // nothing visible
+        std::fill(o, o + d, T(0));
+        lse[row] = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < P; ++p) {
+          T* to = tout + (p * BH * Nq + row) * d;
+          std::fill(to, to + d, T(0));
+        }
+        continue;
+      }
+      const T inv = T(1) / l;
+      for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+      lse[row] = (float)(mrow[i] + std::log(l));
+      for (int64_t p = 0; p < P; ++p) {
+        T* to = tout + (p * BH * Nq + row) * d;
+        const T* at = accT + p * kBlockM * d + i * d;
+        const T rl = rrow[p * kBlockM + i] * inv;
+        for (int64_t c = 0; c < d; ++c) to[c] = at[c] * inv - rl * o[c];
+      }
+    }
+  });
+}
+
+// Backward. Parallel over (batch, kv head, key tile): each task owns its dK/dV rows (summed over
+// the query heads of the GQA group) and adds its dQ contributions into a per-worker buffer
+// dq_parts[worker] (summed by the caller), so no two workers write the same memory.
+template <typename T>
+void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, const T* v,
+                const float* lse, const T* Dvec, T* dq_parts, T* dk, T* dv) {
+  const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d;
+  const int64_t G = H / Hkv, off = Nk - Nq;
+  const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
+  const int64_t BHk = B * Hkv;
+  run_tasks(BHk * nkt, [&](int64_t t, int64_t worker) {
+    thread_local std::vector<T> buf;
+    const int64_t need = 2 * kBlockM * kBlockN + 2 * kBlockN * d;
+    if ((int64_t)buf.size() < need) buf.resize(need);
+    T* S = buf.data();                // [BM, BN] scores, then P
+    T* dP = S + kBlockM * kBlockN;    // [BM, BN] dP, then dS
+    T* dK = dP + kBlockM * kBlockN;   // [BN, d]
+    T* dV = dK + kBlockN * d;         // [BN, d]
+
+    const int64_t kt = t / BHk;  // first key tiles are seen by the most queries under causal
+    const int64_t bhk = t % BHk, b = bhk / Hkv, hk = bhk % Hkv;
+    const int64_t j0 = kt * kBlockN, n = std::min(kBlockN, Nk - j0);
+    const T* K = k + (bhk * Nk + j0) * d;
+    const T* V = v + (bhk * Nk + j0) * d;
+    std::fill(dK, dK + n * d, T(0));
+    std::fill(dV, dV + n * d, T(0));
+    T* dqw = dq_parts + worker * (B * H * Nq * d);
+
+    const int64_t qstart = D.causal ? std::max<int64_t>(0, j0 - off) : 0;  // first query seeing j0
+    for (int64_t g = 0; g < G && qstart < Nq; ++g) {
+      const int64_t h = hk * G + g, bh = b * H + h;
+      for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < Nq; i0 += kBlockM) {
+        const int64_t m = std::min(kBlockM, Nq - i0);
+        const T* Q = q + (bh * Nq + i0) * d;
+        const T* dO = dout + (bh * Nq + i0) * d;
+        const float* L = lse + bh * Nq + i0;
+        const T* Dv = Dvec + bh * Nq + i0;
+        gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
+        if (D.causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
+        for (int64_t i = 0; i < m; ++i) {
+          T* row = S + i * kBlockN;
+          if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
+          else exp_shift_sum(row, n, (T)L[i]);
+        }
+        gemm(true, false, n, d, m, T(1), S, kBlockN, dO, d, T(1), dV, d);       // dV += P^T dO
+        gemm(false, true, m, n, d, T(1), dO, d, V, d, T(0), dP, kBlockN);       // dP = dO V^T
+        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, dP + i * kBlockN, n, Dv[i]);
+        gemm(true, false, n, d, m, scale, dP, kBlockN, Q, d, T(1), dK, d);      // dK += s dS^T Q
+        gemm(false, false, m, d, n, scale, dP, kBlockN, K, d, T(1),             // dQ += s dS K
+             dqw + (bh * Nq + i0) * d, d);
+      }
+    }
+    std::copy(dK, dK + n * d, dk + (bhk * Nk + j0) * d);
+    std::copy(dV, dV + n * d, dv + (bhk * Nk + j0) * d);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Argument checks (shared with the CUDA registration through the same messages).
+
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
+  TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D [B, H, Nq, d], got ", q.dim(), "-D");
+  TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D [B, Hkv, Nk, d], got ", k.dim(), "-D");
+  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D [B, Hkv, Nk, d], got ", v.dim(), "-D");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble, op,
+              ": q must be float32, float16, bfloat16 or float64, got ", dt);
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, op,
+              ": q, k, v must have the same dtype, got ", dt, ", ", k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
+              ": q, k, v must be on the same device, got ", q.device(), ", ", k.device(), ", ", v.device());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0), op, ": batch size of k (", k.size(0), ") != batch size of q (", q.size(0), ")");
+  TORCH_CHECK(k.size(3) == q.size(3), op, ": head dim of k (", k.size(3), ") != head dim of q (", q.size(3), ")");
+  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, op, ": the number of kv heads (", k.size(1),
+              ") must divide the number of query heads (", q.size(1), ")");
+  TORCH_CHECK(q.size(2) >= 1 && k.size(2) >= 1, op, ": sequence lengths must be >= 1, got Nq=", q.size(2),
+              ", Nk=", k.size(2));
+  TORCH_CHECK(q.size(3) >= 1, op, ": head dim must be >= 1");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), op,
+              ": q, k, v must be contiguous (call .contiguous())");
+}
+
+void check_tangent(const Tensor& t, const Tensor& primal, const char* name, int64_t P, const char* op) {
+  TORCH_CHECK(t.dim() == 5, op, ": ", name, " must be 5-D [P, ", (name[1] == 'q' ? "B, H, Nq" : "B, Hkv, Nk"),
+              ", d], got ", t.dim(), "-D");
+  TORCH_CHECK(t.scalar_type() == primal.scalar_type(), op, ": ", name, " must have dtype ",
+              primal.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == primal.device(), op, ": ", name, " must be on ", primal.device(), ", got ", t.device());
+  TORCH_CHECK(t.size(0) == P && t.sizes().slice(1) == primal.sizes(), op, ": ", name, " must have shape [",
+              P, ", ", primal.sizes(), "], got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
+}
+
+Dims dims_of(const Tensor& q, const Tensor& k, bool causal, int64_t P) {
+  return Dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), P, causal};
+}
+
+at::ScalarType compute_type(at::ScalarType dt) { return dt == at::kDouble ? at::kDouble : at::kFloat; }
+
+std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
+                                               const Tensor* tq_, const Tensor* tk_, const Tensor* tv_,
+                                               int64_t P, bool causal, double scale) {
+  const auto dt = q_.scalar_type(), ct = compute_type(dt);
+  const Dims D = dims_of(q_, k_, causal, P);
+  Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
+  Tensor tq, tk, tv;
+  if (P > 0) {
+    tq = tq_->to(ct).contiguous();
+    tk = tk_->to(ct).contiguous();
+    tv = tv_->to(ct).contiguous();
+  }
+  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor tout = at::empty({P, D.B, D.H, D.Nq, D.d}, q.options());
+  Tensor lse = at::empty({D.B, D.H, D.Nq}, q.options().dtype(at::kFloat));
+  if (D.B * D.H > 0) {
+    AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_fwd_cpu", [&] {
+      const scalar_t* nul = nullptr;
+      fwd_jvp_kernel<scalar_t>(D, (scalar_t)scale, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                               v.data_ptr<scalar_t>(), P ? tq.data_ptr<scalar_t>() : nul,
+                               P ? tk.data_ptr<scalar_t>() : nul, P ? tv.data_ptr<scalar_t>() : nul,
+                               out.data_ptr<scalar_t>(), P ? tout.data_ptr<scalar_t>() : nullptr,
+                               lse.data_ptr<float>());
+    });
+  }
+  return {out.to(dt), tout.to(dt), lse};
+}
+
+}  // namespace
+
+// The checks are exported (also used by attention_cuda.cpp) through these two functions.
+void check_fwd_args(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) { check_qkv(q, k, v, op); }
+
+void check_jvp_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& tq, const Tensor& tk,
+                    const Tensor& tv, const char* op) {
+  check_qkv(q, k, v, op);
+  TORCH_CHECK(tq.dim() == 5, op, ": tq must be 5-D [P, B, H, Nq, d], got ", tq.dim(), "-D");
+  const int64_t P = tq.size(0);
+  check_tangent(tq, q, "tq", P, op);
+  check_tangent(tk, k, "tk", P, op);
+  check_tangent(tv, v, "tv", P, op);
+}
+
+void check_bwd_args(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                    const Tensor& lse, const char* op) {
+  check_qkv(q, k, v, op);
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
+              ": dout and out must have the dtype of q (", q.scalar_type(), "), got ", dout.scalar_type(),
+              " and ", out.scalar_type());
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), op, ": dout and out must have the shape of q ",
+              q.sizes(), ", got ", dout.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), op, ": lse must have shape [B, H, Nq] = ",
+              q.sizes().slice(0, 3), ", got ", lse.sizes());
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), op,
+              ": dout, out, lse must be on ", q.device());
+  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), op,
+              ": dout, out, lse must be contiguous (call .contiguous())");
+}
+
+namespace {
+
+std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                             double scale) {
+  check_fwd_args(q, k, v, "attention_fwd");
+  auto r = fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale);
+  return {std::get<0>(r), std::get<2>(r)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_jvp_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                     const Tensor& tq, const Tensor& tk, const Tensor& tv,
+                                                     bool causal, double scale) {
+  check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
+  return fwd_jvp_cpu(q, k, v, &tq, &tk, &tv, tq.size(0), causal, scale);
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const Tensor& q_, const Tensor& k_,
+                                                     const Tensor& v_, const Tensor& out_, const Tensor& lse_,
+                                                     bool causal, double scale) {
+  check_bwd_args(dout_, q_, k_, v_, out_, lse_, "attention_bwd");
+  const auto dt = q_.scalar_type(), ct = compute_type(dt);
+  const Dims D = dims_of(q_, k_, causal, 0);
+  Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
+  Tensor dout = dout_.to(ct).contiguous();
+  Tensor Dvec = (dout * out_.to(ct)).sum(-1).contiguous();  // D = rowsum(dO o O)
+  Tensor lse = lse_.contiguous();
+  const int64_t nworkers = std::max<int64_t>(1, at::get_num_threads());
+  Tensor dq_parts = at::zeros({nworkers, D.B, D.H, D.Nq, D.d}, q.options());
+  Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
+  if (D.B * D.H > 0) {
+    AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_bwd_cpu", [&] {
+      bwd_kernel<scalar_t>(D, (scalar_t)scale, dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                           k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                           Dvec.data_ptr<scalar_t>(), dq_parts.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                           dv.data_ptr<scalar_t>());
+    });
+  }
+  Tensor dq = nworkers == 1 ? dq_parts[0] : dq_parts.sum(0);
+  return {dq.to(dt), dk.to(dt), dv.to(dt)};
+}
+
+// Shapes only, for torch.compile / FakeTensor tracing.
+std::tuple<Tensor, Tensor> attention_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool, double) {
+  check_fwd_args(q, k, v, "attention_fwd");
+  return {at::empty_like(q), at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_jvp_meta(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                      const Tensor& tq, const Tensor& tk, const Tensor& tv, bool,
+                                                      double) {
+  check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
+  return {at::empty_like(q), at::empty_like(tq),
+          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd_meta(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                      const Tensor& v, const Tensor& out, const Tensor& lse, bool,
+                                                      double) {
+  check_bwd_args(dout, q, k, v, out, lse, "attention_bwd");
+  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+}
+
+}  // namespace
+}  // namespace attention_cpu
+}  // namespace condinit
+
+TORCH_LIBRARY_FRAGMENT(condinit_C, m) {
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+        "float scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("attention_jvp(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, bool causal, "
+        "float scale) -> (Tensor out, Tensor tout, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(condinit_C, CPU, m) {
+  m.impl("attention_fwd", &condinit::attention_cpu::attention_fwd_cpu);
+  m.impl("attention_bwd", &condinit::attention_cpu::attention_bwd_cpu);
+  m.impl("attention_jvp", &condinit::attention_cpu::attention_jvp_cpu);
+}
+
+TORCH_LIBRARY_IMPL(condinit_C, Meta, m) {
+  m.impl("attention_fwd", &condinit::attention_cpu::attention_fwd_meta);
+  m.impl("attention_bwd", &condinit::attention_cpu::attention_bwd_meta);
+  m.impl("attention_jvp", &condinit::attention_cpu::attention_jvp_meta);
+}
