@@ -143,7 +143,9 @@ def _attn_fwd_loop(acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
             tv = _mma(tv, DTYPE, MMA_F32)
             sd = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
             sd = tl.dot(tq0, kt, sd, input_precision=DOT_PRECISION)
-            ps = p * (sd * sm_scale)  # P~ o S' (masked entries: p = 0)
+            # P~ o S' from the rounded P~ (the fp32 P~ is dead by now: fewer live registers);
+            # masked entries have P~ = 0.
+            ps = p_mma.to(tl.float32) * (sd * sm_scale)
             r_0 = r_0 * alpha + tl.sum(ps, 1)
             acc_t0 = tl.dot(p_mma, tv, acc_t0 * alpha[:, None], input_precision=DOT_PRECISION)
             acc_t0 = tl.dot(_mma(ps, DTYPE, MMA_F32), v, acc_t0, input_precision=DOT_PRECISION)
@@ -154,7 +156,7 @@ def _attn_fwd_loop(acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
                 tv = _mma(tv, DTYPE, MMA_F32)
                 sd = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
                 sd = tl.dot(tq1, kt, sd, input_precision=DOT_PRECISION)
-                ps = p * (sd * sm_scale)
+                ps = p_mma.to(tl.float32) * (sd * sm_scale)
                 r_1 = r_1 * alpha + tl.sum(ps, 1)
                 acc_t1 = tl.dot(p_mma, tv, acc_t1 * alpha[:, None], input_precision=DOT_PRECISION)
                 acc_t1 = tl.dot(_mma(ps, DTYPE, MMA_F32), v, acc_t1, input_precision=DOT_PRECISION)
@@ -508,8 +510,8 @@ def _attn_bwd_dq_kernel(
 # --------------------------------------------------------------------------------------------
 
 # Under the interpreter: one small config, so ragged tiles, several tiles and the diagonal all
-# show up at tiny N.
-_INTERPRET_BLOCK = 16
+# show up at tiny N (tests swap in other block shapes).
+_INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 
 
 def _cfg(block_m, block_n, num_warps, num_stages, **extra):
@@ -607,7 +609,7 @@ def _common_meta(q: torch.Tensor) -> dict:
 
 def _launch(kind, grid_fn, args, meta, *, jvp=False, multi_probe=False, probes_per_program=1):
     if _interpret():
-        cfg = dict(BLOCK_M=_INTERPRET_BLOCK, BLOCK_N=_INTERPRET_BLOCK)
+        cfg = dict(_INTERPRET_CONFIG)
         if kind == "fwd":
             cfg["PROBES_PER_PROGRAM"] = probes_per_program
         kernel = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[kind]
@@ -792,7 +794,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     meta = _common_meta(q)
 
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    pre_block = 16 if _interpret() else max(16, min(128, 8192 // meta["BLOCK_D"]))
+    pre_block = _INTERPRET_CONFIG["BLOCK_M"] if _interpret() else max(16, min(128, 8192 // meta["BLOCK_D"]))
     _attn_bwd_preprocess_kernel[(triton.cdiv(Nq, pre_block) * B * H,)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2), H, Nq,

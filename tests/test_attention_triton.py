@@ -135,6 +135,43 @@ def test_attention_matches_float64_reference(rng, nan_poison, B, H, Hkv, Nq, Nk,
         assert (dq[empty_rows] == 0).all()
 
 
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
+def test_unequal_tiles_on_the_causal_diagonal(rng, nan_poison, monkeypatch, block_m, block_n):
+    """BLOCK_M != BLOCK_N (as on the GPU): the causal key range, the unmasked/masked split of the
+    forward and dQ loops, and the query range of the dK/dV loop, both Nq > Nk and Nq < Nk."""
+    monkeypatch.setattr(attn, "_INTERPRET_CONFIG", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    for n_q, n_k in ((40, 17), (17, 71)):
+        q, k, v, tq, tk, tv, do = _inputs(rng, (1, 2, n_q, 16), (1, 1, n_k, 16), 2, torch.float32)
+        q64, k64, v64 = q.double(), k.double(), v.double()
+        out, tout, lse = attn.attention_jvp(q, k, v, tq, tk, tv, True, 0.25)
+        ref_out, _ = _naive(q64, k64, v64, True, 0.25)
+        _assert_close("out", out, ref_out, torch.float32)
+        for p in range(2):
+            _, ref_t = torch.func.jvp(lambda a, b, c: _naive(a, b, c, True, 0.25)[0], (q64, k64, v64),
+                                      (tq[p].double(), tk[p].double(), tv[p].double()))
+            _assert_close(f"tout[{p}]", tout[p], ref_t, torch.float32)
+        grads = attn.attention_bwd(do, q, k, v, out, lse, True, 0.25)
+        _, vjp = torch.func.vjp(lambda a, b, c: _naive(a, b, c, True, 0.25)[0], q64, k64, v64)
+        for name, g, ref in zip(("dq", "dk", "dv"), grads, vjp(do.double())):
+            _assert_close(name, g, ref, torch.float32)
+
+
+def test_gpu_launch_configs_are_valid():
+    """The autotune lists (GPU only, not run here): tl.dot needs tiles >= 16, every list ends in a
+    small config that fits fp32 inputs, and two probes per program only for multi-probe calls."""
+    for block_d in (16, 32, 64, 128, 256):
+        for jvp in (False, True):
+            for multi in (False, True):
+                cfgs = attn._fwd_configs(block_d, jvp, multi)
+                pps = {c.kwargs["PROBES_PER_PROGRAM"] for c in cfgs}
+                assert pps <= ({1, 2} if jvp and multi else {1})
+                assert all(c.kwargs["BLOCK_M"] >= 16 and c.kwargs["BLOCK_N"] >= 16 for c in cfgs)
+                assert cfgs[-1].kwargs["BLOCK_M"] * cfgs[-1].kwargs["BLOCK_N"] <= 32 * 32
+        for kind in ("dkdv", "dq"):
+            cfgs = attn._bwd_configs(block_d, kind)
+            assert all(c.kwargs["BLOCK_M"] >= 16 and c.kwargs["BLOCK_N"] >= 16 for c in cfgs)
+
+
 def test_odd_probe_count_and_single_probe_tangents(rng, nan_poison):
     """P = 3 (the last program's second probe slot is a repeat and must not be stored) equals
     three 4-D single-probe calls bit for bit, and the backward is deterministic."""

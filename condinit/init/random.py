@@ -138,9 +138,11 @@ def _check_block_ids(block_ids, device) -> torch.Tensor:
         if block_ids.dim() != 1:
             raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
         ids = block_ids
+        if ids.numel() and bool((ids < 0).any()):
+            raise ValueError("block_ids must be >= 0, got a negative id")
     elif isinstance(block_ids, range):
-        if len(block_ids) and min(block_ids[0], block_ids[-1]) < 0:
-            raise ValueError(f"block_ids must be >= 0, got {block_ids}")
+        if len(block_ids) and not (0 <= min(block_ids[0], block_ids[-1]) and max(block_ids[0], block_ids[-1]) < (1 << 63)):
+            raise ValueError(f"block_ids must be in [0, 2**63), got {block_ids}")
         ids = torch.arange(block_ids.start, block_ids.stop, block_ids.step, dtype=torch.int64)
     else:
         if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
@@ -157,11 +159,7 @@ def _check_block_ids(block_ids, device) -> torch.Tensor:
         if any(not 0 <= v < (1 << 63) for v in vals):
             raise ValueError(f"block_ids must be in [0, 2**63), got {min(vals)}..{max(vals)}")
         ids = torch.tensor(vals, dtype=torch.int64).reshape(-1)
-    if ids.device != device:
-        ids = ids.to(device)
-    if ids.numel() and bool((ids < 0).any()):
-        raise ValueError("block_ids must be >= 0, got a negative id")
-    return ids.contiguous()
+    return ids.to(device).contiguous()
 
 
 def _check_shape(block_shape) -> tuple[int, int]:

@@ -140,7 +140,7 @@ class BlockStats:
 def _spectrum(stack: torch.Tensor):
     from condinit.init import spectrum
 
-    smax, smin, cond = spectrum(stack.float())
+    smax, smin, cond = spectrum(stack)
     return smax.detach().cpu(), smin.detach().cpu(), cond.detach().cpu()
 
 
@@ -242,7 +242,7 @@ class ApplyReport:
 def _fmt(s: Optional[BlockStats]) -> str:
     if s is None:
         return "-"
-    return f"{s.sigma_max:.3g}/{s.sigma_min:.3g}/{s.cond:.4g}"
+    return f"{s.sigma_max:.4g}/{s.sigma_min:.4g}/{s.cond:.6g}"
 
 
 # ------------------------------------------------------------------------------------------------

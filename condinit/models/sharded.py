@@ -22,6 +22,7 @@ What a rank generates, per placement of a ``[rows, in]`` projection:
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -30,11 +31,10 @@ __all__ = ["is_dtensor", "local_part"]
 
 
 def _dtensor_cls():
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # torch built without distributed, or torch < 2.4
-        return None
-    return DTensor
+    # A DTensor can only exist once its module was imported: look it up instead of importing it
+    # (importing torch.distributed.tensor costs seconds, on every plain apply()).
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None)
 
 
 def is_dtensor(t) -> bool:

@@ -91,7 +91,7 @@ float exp_shift_sum(float* __restrict x, int64_t n, float mu) {
   for (int64_t j = 0; j < n; ++j) {
     float t = x[j] - mu;
     t = t < -87.0f ? -87.0f : t;  // also maps masked -inf entries into range
-    const float fn = std::floor(t * 1.44269504088896341f + 0.5f);
+    const float fn = __builtin_floorf(t * 1.44269504088896341f + 0.5f);
     float r = t - fn * 0.693359375f;
     r = r + fn * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -189,9 +189,10 @@ struct Dims {
 };
 
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
+// lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
 template <typename T>
 void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, const T* tq,
-                    const T* tk, const T* tv, T* out, T* tout, float* lse) {
+                    const T* tk, const T* tv, T* out, T* tout, T* lse) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, off = Nk - Nq;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
@@ -265,7 +266,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
       const T l = lrow[i];
       if (!(l > T(0))) {  // nothing visible
         std::fill(o, o + d, T(0));
-        lse[row] = -std::numeric_limits<float>::infinity();
+        lse[row] = ninf;
         for (int64_t p = 0; p < P; ++p) {
           T* to = tout + (p * BH * Nq + row) * d;
           std::fill(to, to + d, T(0));
@@ -274,7 +275,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
       }
       const T inv = T(1) / l;
       for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
-      lse[row] = (float)(mrow[i] + std::log(l));
+      lse[row] = mrow[i] + std::log(l);
       for (int64_t p = 0; p < P; ++p) {
         T* to = tout + (p * BH * Nq + row) * d;
         const T* at = accT + p * kBlockM * d + i * d;
@@ -290,7 +291,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
 // dq_parts[worker] (summed by the caller), so no two workers write the same memory.
 template <typename T>
 void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, const T* v,
-                const float* lse, const T* Dvec, T* dq_parts, T* dk, T* dv) {
+                const T* lse, const T* Dvec, T* dq_parts, T* dk, T* dv) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d;
   const int64_t G = H / Hkv, off = Nk - Nq;
   const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
@@ -320,14 +321,14 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
         const int64_t m = std::min(kBlockM, Nq - i0);
         const T* Q = q + (bh * Nq + i0) * d;
         const T* dO = dout + (bh * Nq + i0) * d;
-        const float* L = lse + bh * Nq + i0;
+        const T* L = lse + bh * Nq + i0;
         const T* Dv = Dvec + bh * Nq + i0;
         gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
         if (D.causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
         for (int64_t i = 0; i < m; ++i) {
           T* row = S + i * kBlockN;
           if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
-          else exp_shift_sum(row, n, (T)L[i]);
+          else exp_shift_sum(row, n, L[i]);
         }
         gemm(true, false, n, d, m, T(1), S, kBlockN, dO, d, T(1), dV, d);       // dV += P^T dO
         gemm(false, true, m, n, d, T(1), dO, d, V, d, T(0), dP, kBlockN);       // dP = dO V^T
@@ -387,7 +388,8 @@ at::ScalarType compute_type(at::ScalarType dt) { return dt == at::kDouble ? at::
 
 std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                                const Tensor* tq_, const Tensor* tk_, const Tensor* tv_,
-                                               int64_t P, bool causal, double scale) {
+                                               int64_t P, bool causal, double scale,
+                                               bool lse_in_compute_type = false) {
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const Dims D = dims_of(q_, k_, causal, P);
   Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
@@ -399,7 +401,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
   }
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor tout = at::empty({P, D.B, D.H, D.Nq, D.d}, q.options());
-  Tensor lse = at::empty({D.B, D.H, D.Nq}, q.options().dtype(at::kFloat));
+  Tensor lse = at::empty({D.B, D.H, D.Nq}, q.options());
   if (D.B * D.H > 0) {
     AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_fwd_cpu", [&] {
       const scalar_t* nul = nullptr;
@@ -407,10 +409,10 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
                                v.data_ptr<scalar_t>(), P ? tq.data_ptr<scalar_t>() : nul,
                                P ? tk.data_ptr<scalar_t>() : nul, P ? tv.data_ptr<scalar_t>() : nul,
                                out.data_ptr<scalar_t>(), P ? tout.data_ptr<scalar_t>() : nullptr,
-                               lse.data_ptr<float>());
+                               lse.data_ptr<scalar_t>());
     });
   }
-  return {out.to(dt), tout.to(dt), lse};
+  return {out.to(dt), tout.to(dt), lse_in_compute_type ? lse : lse.to(at::kFloat)};
 }
 
 }  // namespace
@@ -470,14 +472,18 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const 
   Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
   Tensor dout = dout_.to(ct).contiguous();
   Tensor Dvec = (dout * out_.to(ct)).sum(-1).contiguous();  // D = rowsum(dO o O)
-  Tensor lse = lse_.contiguous();
+  // fp32 compute reads the saved lse; fp64 recomputes it in fp64 (one more pass, S and exp only),
+  // since an fp32 lse would limit the fp64 gradients to ~1e-7 relative accuracy.
+  Tensor lse = ct == at::kDouble ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale,
+                                                           /*lse_in_compute_type=*/true))
+                                 : lse_.contiguous();
   const int64_t nworkers = std::max<int64_t>(1, at::get_num_threads());
   Tensor dq_parts = at::zeros({nworkers, D.B, D.H, D.Nq, D.d}, q.options());
   Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
   if (D.B * D.H > 0) {
     AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_bwd_cpu", [&] {
       bwd_kernel<scalar_t>(D, (scalar_t)scale, dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                           k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                           k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
                            Dvec.data_ptr<scalar_t>(), dq_parts.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                            dv.data_ptr<scalar_t>());
     });

@@ -23,6 +23,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 // No FMA contraction in anything below (the AVX2 / AVX-512 variants have FMA available): every
@@ -35,7 +37,7 @@
 namespace condinit {
 namespace {
 
-constexpr int kLanes = 16;  // quads per tile: 64 normals
+constexpr int kLanes = 32;  // quads per tile: 128 normals
 
 // A tile: quads q0 .. q0 + kLanes - 1 of one block -> 4 * kLanes normals in element order.
 // Philox needs 32x32 -> 64-bit products, which GCC does not vectorize on x86 (there is no
@@ -85,7 +87,11 @@ inline void tile_default(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g
   float rr[2 * kLanes];
   spread_words(c0, c1, c2, c3, xr, xa);
   minus2log_lanes(xr, rr);
+#if defined(__SSE2__)
+  for (int p = 0; p < 2 * kLanes; p += 4) _mm_storeu_ps(rr + p, _mm_sqrt_ps(_mm_loadu_ps(rr + p)));
+#else
   for (int p = 0; p < 2 * kLanes; ++p) rr[p] = CI_SQRT(rr[p]);
+#endif
   sincos_store_lanes(xa, rr, tile);
 }
 
@@ -94,35 +100,45 @@ inline void tile_default(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g
 #define CONDINIT_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma")))
 #define CONDINIT_AVX2 __attribute__((target("avx2,fma")))
 
-CONDINIT_AVX512 inline void tile_avx512(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g_hi, uint32_t k0,
-                                        uint32_t k1, float* __restrict__ tile) {
-  static_assert(kLanes == 16, "one zmm register of quads");
+CONDINIT_AVX512 __attribute__((always_inline)) inline void tile_avx512(
+    uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g_hi, uint32_t k0, uint32_t k1, float* __restrict__ tile) {
+  constexpr int V = kLanes / 16;  // independent zmm chains per word: hides the multiply latency
+  static_assert(kLanes % 16 == 0, "whole zmm registers of quads");
   const __m512i M0 = _mm512_set1_epi32((int)philox::kM0), M1 = _mm512_set1_epi32((int)philox::kM1);
-  __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32((int)q0),
-                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  __m512i c1 = _mm512_set1_epi32((int)stream), c2 = _mm512_set1_epi32((int)g_lo), c3 = _mm512_set1_epi32((int)g_hi);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i c0[V], c1[V], c2[V], c3[V];
+  for (int v = 0; v < V; ++v) {
+    c0[v] = _mm512_add_epi32(_mm512_set1_epi32((int)(q0 + 16u * v)), iota);
+    c1[v] = _mm512_set1_epi32((int)stream);
+    c2[v] = _mm512_set1_epi32((int)g_lo);
+    c3[v] = _mm512_set1_epi32((int)g_hi);
+  }
   for (int r = 0; r < philox::kRounds; ++r) {
     const __m512i rk0 = _mm512_set1_epi32((int)(k0 + (uint32_t)r * philox::kW0));
     const __m512i rk1 = _mm512_set1_epi32((int)(k1 + (uint32_t)r * philox::kW1));
-    // 64-bit products of the even lanes, and of the odd lanes shifted down
-    const __m512i e0 = _mm512_mul_epu32(c0, M0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), M0);
-    const __m512i e1 = _mm512_mul_epu32(c2, M1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), M1);
-    const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e0, 32), o0);
-    const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, e0, _mm512_slli_epi64(o0, 32));
-    const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e1, 32), o1);
-    const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, e1, _mm512_slli_epi64(o1, 32));
-    const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), rk0);
-    const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), rk1);
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
+    for (int v = 0; v < V; ++v) {
+      // 64-bit products of the even lanes, and of the odd lanes shifted down
+      const __m512i e0 = _mm512_mul_epu32(c0[v], M0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(c0[v], 32), M0);
+      const __m512i e1 = _mm512_mul_epu32(c2[v], M1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(c2[v], 32), M1);
+      const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e0, 32), o0);
+      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, e0, _mm512_slli_epi64(o0, 32));
+      const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e1, 32), o1);
+      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, e1, _mm512_slli_epi64(o1, 32));
+      const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[v]), rk0);
+      const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[v]), rk1);
+      c0[v] = n0;
+      c1[v] = lo1;
+      c2[v] = n2;
+      c3[v] = lo0;
+    }
   }
   alignas(64) uint32_t w0[kLanes], w1[kLanes], w2[kLanes], w3[kLanes];
-  _mm512_store_si512(w0, c0);
-  _mm512_store_si512(w1, c1);
-  _mm512_store_si512(w2, c2);
-  _mm512_store_si512(w3, c3);
+  for (int v = 0; v < V; ++v) {
+    _mm512_store_si512(w0 + 16 * v, c0[v]);
+    _mm512_store_si512(w1 + 16 * v, c1[v]);
+    _mm512_store_si512(w2 + 16 * v, c2[v]);
+    _mm512_store_si512(w3 + 16 * v, c3[v]);
+  }
   alignas(64) uint32_t xr[2 * kLanes], xa[2 * kLanes];
   alignas(64) float rr[2 * kLanes];
   spread_words(w0, w1, w2, w3, xr, xa);
@@ -131,7 +147,7 @@ CONDINIT_AVX512 inline void tile_avx512(uint32_t q0, uint32_t stream, uint32_t g
   sincos_store_lanes(xa, rr, tile);
 }
 
-CONDINIT_AVX2 inline void tile_avx2(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g_hi, uint32_t k0,
+CONDINIT_AVX2 __attribute__((always_inline)) inline void tile_avx2(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g_hi, uint32_t k0,
                                     uint32_t k1, float* __restrict__ tile) {
   static_assert(kLanes % 8 == 0, "whole ymm registers of quads");
   const __m256i M0 = _mm256_set1_epi32((int)philox::kM0), M1 = _mm256_set1_epi32((int)philox::kM1);

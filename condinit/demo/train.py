@@ -1,0 +1,317 @@
+"""Training loop and attention-Jacobian probe for ``condinit demo``.
+
+Each run trains one small Transformer (:mod:`condinit.demo.models`) on one task
+(:mod:`condinit.demo.tasks`) from one init (:mod:`condinit.demo.inits`) and one seed, with AdamW,
+linear warmup then cosine decay, gradient clipping at 1. It records per step the training loss and
+accuracy, every ``eval_every`` steps the test loss and accuracy, and every ``probe_every`` steps
+the condition number of each attention layer's Jacobian with respect to its weights,
+
+    J = [dA/dW_Q, dA/dW_K, dA/dW_V],   A(X) = softmax(X W_Q W_K^T X^T / sqrt(d) + M) X W_V
+
+(per head, concatenated; ``M`` the causal mask for the LM; biases held fixed), evaluated at the
+layer's actual input ``X`` (the LayerNorm'd residual stream) for fixed test examples: exactly the
+function the ``nn.MultiheadAttention`` computes before ``W_O``. ``kappa(J) = sigma_max / sigma_min``
+with ``sigma_min`` the smallest of the ``N * H * d`` singular values (``J`` is wide: ``N * d`` rows
+per head against ``3 * d * D`` columns). Head ``h``'s outputs depend only on head ``h``'s rows of
+``W_Q, W_K, W_V``, so ``J`` is block diagonal over heads and its singular values are the union of
+the per-head blocks' (computed per head, dense, in float64). With several probe examples the
+per-layer kappa is their geometric mean.
+
+Reproducibility: every random draw comes from ``torch.manual_seed(seed)`` (model) or a
+:class:`torch.Generator` seeded from ``seed`` (data order); :func:`run_demo` fixes the thread count
+and turns on ``torch.use_deterministic_algorithms`` for its duration.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .inits import INITS, initialize_
+from .models import TinyCausalLM, TinyViT, attention_modules
+from .tasks import TASKS, Task, make_task
+
+__all__ = ["TaskConfig", "DEFAULT_CONFIGS", "QUICK_CONFIGS", "task_config", "build_model", "attention_jacobian_sigma",
+           "probe_kappa", "train_run", "run_demo"]
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Hyper-parameters of one task's runs (identical for every init)."""
+
+    task: str
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float = 0.05
+    warmup_frac: float = 0.05
+    min_lr_frac: float = 0.1
+    eval_every: int = 25
+    probe_every: int = 50
+    probe_examples: int = 2
+    model: dict = field(default_factory=dict)
+
+
+DEFAULT_CONFIGS = {
+    "vision": TaskConfig("vision", steps=600, batch_size=64, lr=2e-3, eval_every=20, probe_every=50,
+                         model=dict(dim=32, depth=2, num_heads=2, mlp_ratio=2)),
+    "text": TaskConfig("text", steps=800, batch_size=64, lr=2e-3, eval_every=20, probe_every=50,
+                       model=dict(dim=64, depth=2, num_heads=2, mlp_ratio=2)),
+}
+QUICK_CONFIGS = {
+    "vision": replace(DEFAULT_CONFIGS["vision"], steps=40, eval_every=10, probe_every=20, probe_examples=1),
+    "text": replace(DEFAULT_CONFIGS["text"], steps=40, eval_every=10, probe_every=20, probe_examples=1),
+}
+
+
+def task_config(task: str, *, quick: bool = False, steps: Optional[int] = None) -> TaskConfig:
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    cfg = (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)[task]
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        cfg = replace(cfg, steps=steps, eval_every=min(cfg.eval_every, steps),
+                      probe_every=min(cfg.probe_every, steps))
+    return cfg
+
+
+def build_model(task: Task, cfg: TaskConfig) -> nn.Module:
+    if task.name == "vision":
+        return TinyViT(num_classes=task.num_classes, **cfg.model)
+    return TinyCausalLM(vocab_size=task.num_classes, max_len=task.x_train.shape[1], **cfg.model)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention Jacobian probe
+
+def attention_jacobian_sigma(mha: nn.MultiheadAttention, x: torch.Tensor, *, causal: bool = False):
+    """``(sigma_max, sigma_min)`` of ``J = [dA/dW_Q, dA/dW_K, dA/dW_V]`` at input ``x`` (``[N, D]``).
+
+    Dense per-head Jacobians by ``torch.func.jacrev`` in float64 (see module doc).
+    """
+    from torch.func import jacrev
+
+    e, h, d = mha.embed_dim, mha.num_heads, mha.head_dim
+    w = mha.in_proj_weight.detach().double()
+    b = mha.in_proj_bias.detach().double() if mha.in_proj_bias is not None else torch.zeros(3 * e, dtype=torch.float64)
+    x = x.detach().double()
+    n = x.shape[0]
+    mask = torch.ones(n, n, dtype=torch.bool).triu_(1) if causal else None
+    scale = 1.0 / math.sqrt(d)
+    sig = []
+    for head in range(h):
+        r = slice(head * d, (head + 1) * d)
+        bq, bk, bv = b[:e][r], b[e:2 * e][r], b[2 * e:][r]
+
+        def a_head(wq, wk, wv):
+            s = ((x @ wq.T + bq) @ (x @ wk.T + bk).T) * scale
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            return (torch.softmax(s, dim=-1) @ (x @ wv.T + bv)).reshape(-1)
+
+        jq, jk, jv = jacrev(a_head, argnums=(0, 1, 2))(w[:e][r], w[e:2 * e][r], w[2 * e:][r])
+        jac = torch.cat([j.reshape(n * d, -1) for j in (jq, jk, jv)], dim=1)   # [N d, 3 d D]
+        sig.append(torch.linalg.svdvals(jac))
+    s = torch.cat(sig)
+    return float(s.max()), float(s.min())
+
+
+class _CaptureInputs:
+    """Forward pre-hooks that keep the query input of every attention module."""
+
+    def __init__(self, mhas):
+        self.inputs = [None] * len(mhas)
+        self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(mhas)]
+
+    def _hook(self, i):
+        def hook(_module, args):
+            self.inputs[i] = args[0].detach()
+        return hook
+
+    def remove(self):
+        for hd in self.handles:
+            hd.remove()
+
+
+@torch.no_grad()
+def probe_kappa(model: nn.Module, x_probe: torch.Tensor, *, causal: bool) -> list[dict]:
+    """Per attention layer: sigma_max, sigma_min and kappa of its weight Jacobian (geometric mean
+    over the examples in ``x_probe``)."""
+    mhas = attention_modules(model)
+    cap = _CaptureInputs(mhas)
+    try:
+        model(x_probe)
+    finally:
+        cap.remove()
+    out = []
+    for i, m in enumerate(mhas):
+        logs = []
+        for ex in range(x_probe.shape[0]):
+            with torch.enable_grad():
+                smax, smin = attention_jacobian_sigma(m, cap.inputs[i][ex], causal=causal)
+            logs.append((math.log(smax), math.log(smin) if smin > 0 else -math.inf))
+        lmax = sum(a for a, _ in logs) / len(logs)
+        lmin = sum(b for _, b in logs) / len(logs)
+        out.append({"layer": i, "sigma_max": math.exp(lmax), "sigma_min": math.exp(lmin),
+                    "kappa": math.exp(lmax - lmin) if math.isfinite(lmin) else math.inf})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+def _loss_acc(task: Task, logits: torch.Tensor, y: torch.Tensor):
+    if logits.dim() == 3:
+        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        keep = y != -100
+        logits, y = logits[keep], y[keep]
+    loss = F.cross_entropy(logits, y)
+    acc = (logits.argmax(-1) == y).float().mean()
+    return loss, acc
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task: Task, batch: int = 512):
+    model.eval()
+    tot_loss, tot_acc, n = 0.0, 0.0, 0
+    for i in range(0, task.x_test.shape[0], batch):
+        x, y = task.x_test[i:i + batch], task.y_test[i:i + batch]
+        logits = model(x)
+        loss, acc = _loss_acc(task, logits, y)
+        k = int((y != -100).sum()) if y.dim() == 2 else y.shape[0]
+        tot_loss, tot_acc, n = tot_loss + float(loss) * k, tot_acc + float(acc) * k, n + k
+    model.train()
+    return tot_loss / n, tot_acc / n
+
+
+def _param_groups(model: nn.Module, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "pos_embed" not in name and "cls_token" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _lr_factor(step: int, cfg: TaskConfig) -> float:
+    warm = max(1, int(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def train_run(task: Task, cfg: TaskConfig, init: str, seed: int, *,
+              on_step: Optional[Callable[[], None]] = None) -> dict:
+    """Train one model; returns its curves (plain lists, JSON-ready)."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = build_model(task, cfg)
+    initialize_(model, init, seed=seed)
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    data_gen = torch.Generator().manual_seed(1_000_003 * seed + 17)
+    causal = task.name == "text"
+    x_probe = task.x_test[: cfg.probe_examples]
+    rec = {"task": task.name, "init": init, "seed": seed, "train_step": [], "train_loss": [], "train_acc": [],
+           "eval_step": [], "eval_loss": [], "eval_acc": [], "probe_step": [], "kappa": [], "sigma_max": [],
+           "sigma_min": []}
+
+    def record_eval(step):
+        loss, acc = evaluate(model, task)
+        rec["eval_step"].append(step)
+        rec["eval_loss"].append(loss)
+        rec["eval_acc"].append(acc)
+
+    def record_probe(step):
+        layers = probe_kappa(model, x_probe, causal=causal)
+        rec["probe_step"].append(step)
+        for key in ("kappa", "sigma_max", "sigma_min"):
+            rec[key].append([lay[key] for lay in layers])
+
+    model.train()
+    record_eval(0)
+    record_probe(0)
+    for step in range(1, cfg.steps + 1):
+        x, y = task.batch(cfg.batch_size, data_gen)
+        loss, acc = _loss_acc(task, model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        rec["train_step"].append(step)
+        rec["train_loss"].append(float(loss))
+        rec["train_acc"].append(float(acc))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            record_eval(step)
+        if step % cfg.probe_every == 0 or step == cfg.steps:
+            record_probe(step)
+        if on_step is not None:
+            on_step()
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+@contextmanager
+def _deterministic(threads: int):
+    prev_threads = torch.get_num_threads()
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
+        torch.set_num_threads(prev_threads)
+
+
+def run_demo(tasks=TASKS, *, seeds: int = 3, steps: Optional[int] = None, quick: bool = False,
+             inits=INITS, threads: int = 2, progress: bool = True) -> dict:
+    """Train every (task, init, seed); returns ``{"tasks": {task: {"config", "runs"}}, "meta"}``.
+
+    Seeds are ``0 .. seeds - 1``. ``steps`` overrides the per-task step count.
+    """
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {t!r}")
+    for i in inits:
+        if i not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {i!r}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    configs = {t: task_config(t, quick=quick, steps=steps) for t in tasks}
+    loaded = {t: make_task(t) for t in tasks}   # fails early (e.g. scikit-learn missing)
+    total = sum(configs[t].steps for t in tasks) * len(inits) * seeds
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="condinit demo", unit="step", disable=None if progress else True,
+               dynamic_ncols=True)
+    out = {"tasks": {}}
+    t0 = time.perf_counter()
+    try:
+        with _deterministic(threads):
+            for t in tasks:
+                runs = []
+                for seed in range(seeds):
+                    for init in inits:
+                        bar.set_postfix_str(f"{t} {init} seed {seed}")
+                        runs.append(train_run(loaded[t], configs[t], init, seed, on_step=bar.update))
+                out["tasks"][t] = {"config": asdict(configs[t]), "runs": runs}
+    finally:
+        bar.close()
+    out["meta"] = {"seeds": list(range(seeds)), "inits": list(inits), "threads": threads, "quick": quick,
+                   "torch": torch.__version__, "seconds": time.perf_counter() - t0}
+    return out

@@ -1,0 +1,152 @@
+"""The paper's Theorem 3.1 bound on kappa(J) of the weight Jacobian (DESIGN.md section 2).
+
+For one head and one sequence ``X`` (``N x D``), with ``S`` the scores and ``P = softmax(S)``::
+
+    kappa(J) <= kappa(X)^3 kappa(Lambda(P)) kappa(W_V) (kappa(W_Q) + kappa(W_K)) + kappa(X) kappa(P)
+
+Definitions used here (each value is float64):
+
+* ``kappa(X_b)`` over the ``min(N, D)`` singular values of sequence ``b``; ``kappa(W_Q,h)`` etc. over
+  the ``d`` singular values of head ``h``'s ``[d, D]`` row block (key/value head ``g(h)`` under GQA).
+* ``S = s (X W_Q,h^T + b_Q)(X W_K,g^T + b_K)^T`` with the layer's scale ``s`` and the causal mask
+  when ``causal``; ``kappa(P)`` of the ``N x N`` attention matrix.
+* ``Lambda(P)``: the softmax Jacobian ``dP/dS`` is block-diagonal over rows, block ``i`` being
+  ``Lambda(p_i) = Diag(p_i) - p_i p_i^T`` on the keys row ``i`` attends. Each block is singular
+  (``Lambda 1 = 0``), so kappa is taken over nonzero singular values, and aggregated over rows as the
+  kappa of the whole block-diagonal matrix: ``max_i lambda_max(Lambda(p_i)) / min_i lambda_2(Lambda(p_i))``
+  (rows attending a single key have ``Lambda = 0`` and are skipped). The eigenvalues come from the
+  secular equation ``1 = sum_j p_j^2 / (p_j - lambda)`` (rank-one downdate of ``Diag(p)``; they
+  interlace the sorted ``p``), solved by bisection: O(N^2) per head, no ``N x N x N`` tensor.
+
+The theorem bounds one head on one sequence; the layer's value is the maximum over heads and batch
+elements (``per_head`` holds them all). The measured kappa(J) beside it (``measured``) is the whole
+layer's weight Jacobian (all heads, the whole batch, on the complement of its known nulls; see
+:mod:`condinit.probe.estimators`), which is not itself covered by a per-head bound: read the two as
+the paper's prediction and the observed quantity side by side. A rank-deficient ``X`` makes the bound
+vacuous (reported as None).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Theorem31Bound", "theorem31_bound", "softmax_jacobian_kappa"]
+
+
+@dataclass
+class Theorem31Bound:
+    """Theorem 3.1 terms for one layer (max over heads / batch) and the measured kappa(J)."""
+
+    bound: Optional[float]
+    kappa_X: Optional[float]
+    kappa_WQ: float
+    kappa_WK: float
+    kappa_WV: float
+    kappa_Lambda: Optional[float]
+    kappa_softmax: Optional[float]
+    per_head: list            # [B][H] bound per (sequence, head), None where vacuous
+    measured_kappa: Optional[float] = None
+    measured: Optional[object] = None     # SpectrumEstimate
+    definition: str = ("bound = max over (b, h) of kappa(X_b)^3 kappa(Lambda(P_bh)) kappa(W_V,g) (kappa(W_Q,h) + "
+                       "kappa(W_K,g)) + kappa(X_b) kappa(P_bh); kappa(Lambda) over nonzero singular values of the "
+                       "row-block-diagonal softmax Jacobian; see condinit.probe.bound")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["measured"] = self.measured.to_dict() if self.measured is not None else None
+        return d
+
+
+def _kappa(s: Tensor, rtol: float = 1e-13) -> Tensor:
+    """sigma_max / sigma_min per row of singular values ``[..., r]``; inf when rank-deficient."""
+    smax, smin = s[..., 0], s[..., -1]
+    return torch.where(smin > rtol * smax, smax / smin.clamp_min(1e-300), torch.full_like(smax, math.inf))
+
+
+def _secular_root(p: Tensor, lo: Tensor, hi: Tensor, iters: int = 100) -> Tensor:
+    """Root of ``1 - sum_j p_j^2 / (p_j - lam)`` in ``(lo, hi)`` (decreasing there), by bisection."""
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        f = 1.0 - (p * p / (p - mid.unsqueeze(-1))).sum(-1)
+        # f > 0 left of the root
+        lo = torch.where(f > 0, mid, lo)
+        hi = torch.where(f > 0, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+def softmax_jacobian_kappa(P: Tensor) -> Tensor:
+    """kappa over nonzero singular values of ``blockdiag_i(Diag(p_i) - p_i p_i^T)`` for ``P`` ``[..., N, N]``.
+
+    Zero entries (masked keys) are outside the row's support. Returns ``[...]``; inf if every row
+    attends a single key.
+    """
+    P = P.to(torch.float64)
+    ps, _ = torch.sort(P, dim=-1)                      # ascending
+    N = P.shape[-1]
+    nz = (ps > 0).sum(-1)                              # support size per row
+    z = N - nz                                          # index of the smallest nonzero entry
+    ok = nz >= 2
+    zi = z.clamp(max=N - 2).unsqueeze(-1)
+    p_lo = ps.gather(-1, zi).squeeze(-1)               # smallest two nonzero entries
+    p_lo2 = ps.gather(-1, zi + 1).squeeze(-1)
+    lam2 = _secular_root(ps, p_lo, p_lo2)              # in (p_(1), p_(2)) on the support
+    lmax = _secular_root(ps, ps[..., -2], ps[..., -1])  # in (p_(n-1), p_(n))
+    lam2 = torch.where(p_lo == p_lo2, p_lo, lam2)      # a repeated value is itself an eigenvalue
+    lmax = torch.where(ps[..., -2] == ps[..., -1], ps[..., -1], lmax)
+    big = torch.where(ok, lmax, torch.zeros_like(lmax)).amax(-1)
+    small = torch.where(ok, lam2, torch.full_like(lam2, math.inf)).amin(-1)
+    return torch.where(torch.isfinite(small) & (small > 0), big / small.clamp_min(1e-300),
+                       torch.full_like(big, math.inf))
+
+
+def _fin(x) -> Optional[float]:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def theorem31_bound(layer: nn.Module, x: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                    measure: bool = True, steps: int = 20, seed: int = 0, dtype=torch.float64) -> Theorem31Bound:
+    """The Theorem 3.1 bound for ``layer`` on the batch ``x`` ``[B, N, D]``, beside the measured kappa(J).
+
+    ``measure=True`` also runs :func:`condinit.probe.lanczos_svd` (``steps``, ``seed``) on the layer's
+    weight Jacobian (before ``W_O``) and fills ``measured_kappa`` / ``measured``.
+    """
+    from .operator import JacobianOperator
+
+    op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale)
+    B, N, H, Hkv, d, G = op.B, op.N, op.H, op.Hkv, op.d, op.G
+    f64 = torch.float64
+    with torch.no_grad():
+        X = op.X.to(f64)
+        kX = _kappa(torch.linalg.svdvals(X))                                  # [B]
+        blocks = lambda w, h: w.to(f64).reshape(h, d, -1)                     # noqa: E731
+        kQ = _kappa(torch.linalg.svdvals(blocks(op.Wq, H)))                  # [H]
+        kK = _kappa(torch.linalg.svdvals(blocks(op.Wk, Hkv))).repeat_interleave(G)
+        kV = _kappa(torch.linalg.svdvals(blocks(op.Wv, Hkv))).repeat_interleave(G)
+        q, k, _, _, _ = op._primal()
+        k = k.to(f64).repeat_interleave(G, dim=1)
+        S = op.scale * (q.to(f64) @ k.transpose(-1, -2))                      # [B, H, N, N]
+        if causal:
+            S = S.masked_fill(torch.ones(N, N, dtype=torch.bool, device=S.device).triu(1), -math.inf)
+        P = torch.softmax(S, dim=-1)
+        kP = _kappa(torch.linalg.svdvals(P))                                  # [B, H]
+        kL = softmax_jacobian_kappa(P)                                        # [B, H]
+        kx = kX[:, None]
+        bound = kx ** 3 * kL * kV * (kQ + kK) + kx * kP                       # [B, H]
+    per_head = [[_fin(v) for v in row] for row in bound.tolist()]
+    finite = [v for row in per_head for v in row if v is not None]
+    vacuous = any(v is None for row in per_head for v in row)
+    res = Theorem31Bound(
+        bound=None if vacuous or not finite else max(finite), kappa_X=_fin(kX.max()), kappa_WQ=float(kQ.max()),
+        kappa_WK=float(kK.max()), kappa_WV=float(kV.max()), kappa_Lambda=_fin(kL.max()),
+        kappa_softmax=_fin(kP.max()), per_head=per_head)
+    if measure:
+        from .estimators import lanczos_svd
+
+        est = lanczos_svd(op, steps=steps, seed=seed)
+        res.measured, res.measured_kappa = est, est.kappa
+    return res

@@ -1,0 +1,370 @@
+"""Spectrum estimators for attention Jacobians (DESIGN.md section 4), matrix-free and seeded.
+
+* :func:`lanczos_svd` -- Golub-Kahan-Lanczos bidiagonalization (one JVP and one VJP per step, full
+  reorthogonalization): ``sigma_max`` and ``sigma_min`` together from the singular values of the
+  bidiagonal, with residual bounds, without squaring kappa.
+* :func:`condition_number` -- kappa from :func:`lanczos_svd` (or exactly from ``op.dense()``).
+* :func:`power_sigma_max` -- power iteration on ``J^T J``, ``sigma_max`` only.
+* :func:`frobenius_hutchinson` -- ``||J||_F`` from Rademacher probes through the multi-probe JVP,
+  with a confidence interval.
+
+Which ``sigma_min``. ``J`` (``m x n``) has exact null directions (:class:`~condinit.probe.JacobianOperator`
+lists them: key shifts on the input side, unreachable outputs on the output side), so its smallest
+singular value in the usual sense is 0. Every estimator here works on the *effective operator*
+``A = P_out J P_in``, with ``P_in`` / ``P_out`` the orthogonal projectors onto the complements of the
+known null directions (of dimensions ``n' = n - k_in`` and ``m' = m - k_out``), and reports
+``sigma_min = sigma_r(A)``, ``r = min(m', n')``: the smallest singular value of ``J`` restricted to
+that complement. When ``m' < n'`` (``J`` wide, the usual case for ``wrt="qkv"``) the
+bidiagonalization runs on ``A^T`` so that ``sigma_r`` is its smallest singular value over its whole
+(smaller) input space; when ``n' <= m'`` it runs on ``A``. The result's ``subspace`` field says this
+in words. A ``sigma_min`` below ``rank_rtol * sigma_max`` is reported as ``rank_deficient`` (kappa
+None) rather than as a noisy number or inf: the layer has a null direction beyond the known ones.
+
+Randomness comes from a private ``torch.Generator`` seeded with ``seed``: the user's RNG streams
+are never touched, and results are deterministic given the seed. Each function takes one operator
+or a sequence of them (layers are estimated one after another; the probes of one layer share launches).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .operator import JacobianOperator
+
+__all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
+           "frobenius_hutchinson", "default_rank_rtol"]
+
+
+def default_rank_rtol(dtype: torch.dtype) -> float:
+    """sigma_min / sigma_max below this counts as rank-deficient (what the dtype can resolve)."""
+    return 1e-10 if dtype == torch.float64 else 1e-5
+
+
+@dataclass
+class SpectrumEstimate:
+    """Extreme singular values of one attention Jacobian and how they were obtained.
+
+    ``sigma_min`` / ``kappa`` refer to ``J`` on the complement of its known null directions
+    (``subspace``); ``kappa`` is None when ``rank_deficient`` and for ``power`` (no sigma_min).
+    Residuals are relative: ``||A^T u - sigma v|| / sigma`` for the Ritz pair of each value.
+    """
+
+    method: str
+    sigma_max: float
+    sigma_min: Optional[float]
+    kappa: Optional[float]
+    iterations: int
+    residual_max: float
+    residual_min: Optional[float]
+    converged: bool
+    rank_deficient: bool
+    subspace: str
+    null_dims: tuple
+    shape: tuple
+    seed: int
+    wrt: str = ""
+    notes: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self):
+        if self.sigma_min is None:
+            tail = ""
+        elif self.rank_deficient:
+            tail = f", sigma_min {self.sigma_min:.3e} (rank-deficient beyond the known nulls)"
+        else:
+            tail = f", sigma_min {self.sigma_min:.4e}, kappa {self.kappa:.4e}"
+        return (f"{self.method}: sigma_max {self.sigma_max:.4e}{tail} ({self.iterations} it, residuals "
+                f"{self.residual_max:.1e}" + (f"/{self.residual_min:.1e}" if self.residual_min is not None else "")
+                + f", {'converged' if self.converged else 'not converged'})")
+
+
+@dataclass
+class FrobeniusEstimate:
+    """Hutchinson estimate of ``||J||_F`` with a confidence interval (t interval on ``||J z||^2``)."""
+
+    method: str
+    frobenius: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    samples: int
+    std_err: float            # of the mean of ||J z||^2
+    probes_per_launch: int
+    shape: tuple
+    seed: int
+    wrt: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self):
+        return (f"{self.method}: ||J||_F {self.frobenius:.4e} in [{self.ci_low:.4e}, {self.ci_high:.4e}] "
+                f"({self.confidence:.0%}, {self.samples} probes)")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+def _many(op, fn, **kw):
+    if isinstance(op, JacobianOperator):
+        return fn(op, **kw)
+    if isinstance(op, Sequence) and not isinstance(op, (str, bytes)):
+        ops = list(op)
+        if not ops or not all(isinstance(o, JacobianOperator) for o in ops):
+            raise TypeError("op must be a JacobianOperator or a non-empty sequence of them")
+        return [fn(o, **kw) for o in ops]
+    raise TypeError(f"op must be a JacobianOperator or a sequence of them, got {type(op).__name__}")
+
+
+def _check_int(name, val, lo):
+    if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+
+
+def _check_seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+
+
+def _generator(op: JacobianOperator, seed: int) -> torch.Generator:
+    # CPU generator for portability (same stream on any device); tensors are moved afterwards
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _randn(op, size, gen, lead=()):
+    return torch.randn(*lead, size, generator=gen, dtype=torch.float64).to(op.device, op.dtype)
+
+
+class _Effective:
+    """``A = P_out J P_in`` oriented so that its input side is the smaller complement (see module doc)."""
+
+    def __init__(self, op: JacobianOperator):
+        kin, kout = op.null_dims
+        self.op = op
+        self.n_c, self.m_c = op.n - kin, op.m - kout
+        self.transposed = self.m_c < self.n_c
+        if self.transposed:   # A^T: input R^m (projected), output R^n
+            self.mv = lambda u: op.project_input(op.rmv(u))
+            self.rmv = lambda v: op.project_output(op.mv(v))
+            self.proj_in, self.size_in, self.size_out = op.project_output, op.m, op.n
+        else:
+            self.mv = lambda v: op.project_output(op.mv(v))
+            self.rmv = lambda u: op.project_input(op.rmv(u))
+            self.proj_in, self.size_in, self.size_out = op.project_input, op.n, op.m
+        self.r = min(self.n_c, self.m_c)
+
+    def subspace(self) -> str:
+        op = self.op
+        side = ("J is wide on the complement (m' < n'): sigma_min = smallest singular value of J^T on the "
+                "output-side complement" if self.transposed else
+                "J is tall on the complement (n' <= m'): sigma_min = min ||J t|| over unit t in the input-side "
+                "complement")
+        return (f"sigma_min = sigma_r(P_out J P_in), r = min(m', n') = {self.r}, with n' = {self.n_c} (of "
+                f"n = {op.n}) and m' = {self.m_c} (of m = {op.m}) the dimensions of the orthogonal complements "
+                f"of the known null directions; {side}. Known nulls: {op.null_description}")
+
+
+def _reorth(w: Tensor, basis: list) -> Tensor:
+    if basis:
+        Q = torch.stack(basis)
+        for _ in range(2):       # twice is enough (Kahan / Parlett)
+            w = w - Q.t() @ (Q @ w)
+    return w
+
+
+# ------------------------------------------------------------------------------------------------
+# Golub-Kahan-Lanczos
+
+def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Optional[float], tol: float):
+    eff = _Effective(op)
+    gen = _generator(op, seed)
+    eps = torch.finfo(op.dtype).eps
+    v = eff.proj_in(_randn(op, eff.size_in, gen))
+    v = v / torch.linalg.vector_norm(v)
+    V, U, alphas, betas = [v], [], [], []
+    beta, u_prev = 0.0, None
+    k_max = min(steps, eff.r)
+    scale_est = 0.0
+    for it in range(1, k_max + 1):
+        # upper bidiagonal: A V_k = U_k B_k,  A^T U_k = V_k B_k^T + beta_k v_{k+1} e_k^T
+        u = eff.mv(V[-1])
+        if u_prev is not None:
+            u = u - beta * u_prev
+        u = _reorth(u, U)
+        alpha = float(torch.linalg.vector_norm(u))
+        scale_est = max(scale_est, alpha, beta)
+        if alpha <= 100 * eps * max(scale_est, 1e-300):
+            alphas.append(0.0)       # A v = 0 on the complement: B_k ends with a zero column
+            betas.append(0.0)
+            break
+        u = u / alpha
+        U.append(u)
+        alphas.append(alpha)
+        w = eff.rmv(u) - alpha * V[-1]
+        w = _reorth(w, V)
+        beta = float(torch.linalg.vector_norm(w))
+        betas.append(beta)
+        scale_est = max(scale_est, beta)
+        if beta <= 100 * eps * scale_est or it == k_max:
+            break                    # invariant subspace found (exact Ritz values), or out of steps
+        V.append(w / beta)
+        u_prev = u
+    k = len(alphas)
+    Bk = torch.zeros(k, k, dtype=torch.float64)
+    Bk[range(k), range(k)] = torch.tensor(alphas, dtype=torch.float64)
+    if k > 1:
+        Bk[range(k - 1), range(1, k)] = torch.tensor(betas[:-1], dtype=torch.float64)
+    P, s, _ = torch.linalg.svd(Bk)
+    res = (abs(betas[-1]) * P[-1, :].abs()).tolist()     # ||A^T u_i - s_i v_i|| for each Ritz pair
+    smax, smin = float(s[0]), float(s[-1])
+    rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
+    res_max = res[0] / smax if smax > 0 else 0.0
+    # sigma_min is only a Ritz value of the complement when the Krylov space is not yet all of it
+    complete = k >= eff.r or betas[-1] <= 100 * eps * scale_est
+    rank_def = smax == 0.0 or smin <= rtol * smax
+    res_min = (res[-1] / smin) if smin > 0 else math.inf
+    converged = res_max <= tol and (complete or rank_def or res_min <= tol)
+    notes = []
+    if not complete and res_min > tol:
+        notes.append("sigma_min not converged: Ritz values approach sigma_min from above; raise steps")
+    if rank_def and smax > 0:
+        notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has null directions "
+                     f"beyond the known ones (e.g. N <= head_dim, causal early rows under GQA); kappa not reported")
+    return SpectrumEstimate(
+        method="golub-kahan-lanczos", sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin,
+        iterations=k, residual_max=res_max, residual_min=None if math.isinf(res_min) else res_min,
+        converged=bool(converged), rank_deficient=bool(rank_def), subspace=eff.subspace(),
+        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt, notes="; ".join(notes))
+
+
+def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
+                rank_rtol: Optional[float] = None, tol: float = 1e-2):
+    """sigma_max and sigma_min (on the complement of the known nulls) by Golub-Kahan-Lanczos.
+
+    ``steps`` bidiagonalization steps (each one JVP and one VJP; at most ``r``, where the Krylov
+    space is the whole complement and the values are exact), full reorthogonalization in the
+    operator's dtype, singular values of the ``k x k`` bidiagonal in float64. ``converged`` when the
+    relative residuals are below ``tol`` (sigma_min converges more slowly than sigma_max).
+    Returns a :class:`SpectrumEstimate` (a list for a sequence of operators).
+    """
+    _check_int("steps", steps, 1)
+    _check_seed(seed)
+    if rank_rtol is not None and not (0 <= rank_rtol < 1):
+        raise ValueError(f"rank_rtol must be in [0, 1), got {rank_rtol!r}")
+    return _many(op, _lanczos_one, steps=steps, seed=seed, rank_rtol=rank_rtol, tol=tol)
+
+
+def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
+                     method: str = "lanczos", rank_rtol: Optional[float] = None):
+    """kappa(J) = sigma_max / sigma_min on the complement of the known nulls (see the module doc).
+
+    ``method="lanczos"``: :func:`lanczos_svd`; ``"dense"``: exact, from ``op.dense()`` projected on
+    the complements and ``torch.linalg.svdvals`` (tiny layers only). Returns a :class:`SpectrumEstimate`.
+    """
+    if method == "lanczos":
+        return lanczos_svd(op, steps=steps, seed=seed, rank_rtol=rank_rtol)
+    if method == "dense":
+        return _many(op, _dense_one, rank_rtol=rank_rtol)
+    raise ValueError(f"method must be 'lanczos' or 'dense', got {method!r}")
+
+
+def _dense_one(op: JacobianOperator, *, rank_rtol):
+    eff = _Effective(op)
+    J = op.dense()
+    Jc = op.project_output(op.project_input(J).t()).t()
+    s = torch.linalg.svdvals(Jc.to(torch.float64))
+    smax, smin = float(s[0]), float(s[eff.r - 1]) if eff.r > 0 else 0.0
+    rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
+    rank_def = smax == 0.0 or smin <= rtol * smax
+    return SpectrumEstimate(
+        method="dense-svd", sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin, iterations=0,
+        residual_max=0.0, residual_min=0.0, converged=True, rank_deficient=bool(rank_def), subspace=eff.subspace(),
+        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=0, wrt=op.wrt)
+
+
+# ------------------------------------------------------------------------------------------------
+# power iteration
+
+def _power_one(op: JacobianOperator, *, iters: int, seed: int, tol: float):
+    gen = _generator(op, seed)
+    v = _randn(op, op.n, gen)
+    v = v / torch.linalg.vector_norm(v)
+    sigma, res, it = 0.0, math.inf, 0
+    for it in range(1, iters + 1):
+        u = op.mv(v)
+        sigma = float(torch.linalg.vector_norm(u))
+        if sigma == 0.0:
+            res = 0.0
+            break
+        w = op.rmv(u)                                  # J^T J v
+        # relative residual of the eigenpair (sigma^2, v) of J^T J
+        res = float(torch.linalg.vector_norm(w - sigma ** 2 * v)) / sigma ** 2
+        v = w / torch.linalg.vector_norm(w)
+        if res <= tol:
+            break
+    return SpectrumEstimate(
+        method="power", sigma_max=sigma, sigma_min=None, kappa=None, iterations=it, residual_max=res,
+        residual_min=None, converged=res <= tol, rank_deficient=False, subspace="n/a (sigma_max only)",
+        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt,
+        notes="power iteration on J^T J; sigma_max from below, error ~ residual^2")
+
+
+def power_sigma_max(op: Union[JacobianOperator, Sequence[JacobianOperator]], iters: int = 50, seed: int = 0, *,
+                    tol: float = 1e-6):
+    """sigma_max by power iteration on ``J^T J`` (one JVP + one VJP per iteration), stopping when the
+    relative eigen-residual ``||J^T J v - s^2 v|| / s^2`` is below ``tol``. Returns a :class:`SpectrumEstimate`."""
+    _check_int("iters", iters, 1)
+    _check_seed(seed)
+    return _many(op, _power_one, iters=iters, seed=seed, tol=tol)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hutchinson
+
+def _t_quantile(p: float, dof: int) -> float:
+    try:
+        from scipy.stats import t
+        return float(t.ppf(p, dof))
+    except ImportError:          # normal approximation
+        from statistics import NormalDist
+        return NormalDist().inv_cdf(p)
+
+
+def _hutch_one(op: JacobianOperator, *, samples: int, seed: int, probes_per_launch: int, confidence: float):
+    gen = _generator(op, seed)
+    vals = []
+    done = 0
+    while done < samples:
+        p = min(probes_per_launch, samples - done)
+        z = torch.randint(0, 2, (p, op.n), generator=gen, dtype=torch.int8).to(op.device, op.dtype) * 2 - 1
+        Jz = op._matmat_rows(z)                       # one multi-probe JVP launch
+        vals.append(Jz.to(torch.float64).pow(2).sum(dim=1).cpu())
+        done += p
+    x = torch.cat(vals)
+    mean = float(x.mean())
+    se = float(x.std(unbiased=True)) / math.sqrt(samples) if samples > 1 else math.inf
+    q = _t_quantile(0.5 + confidence / 2, samples - 1) if samples > 1 else math.inf
+    lo, hi = max(mean - q * se, 0.0), mean + q * se
+    return FrobeniusEstimate(method="hutchinson-rademacher", frobenius=math.sqrt(mean), ci_low=math.sqrt(lo),
+                             ci_high=math.sqrt(hi), confidence=confidence, samples=samples, std_err=se,
+                             probes_per_launch=probes_per_launch, shape=tuple(op.shape), seed=seed, wrt=op.wrt)
+
+
+def frobenius_hutchinson(op: Union[JacobianOperator, Sequence[JacobianOperator]], samples: int = 32, seed: int = 0,
+                         *, probes_per_launch: int = 8, confidence: float = 0.95):
+    """``||J||_F^2 = E ||J z||^2`` over Rademacher ``z``, ``samples`` probes sent ``probes_per_launch``
+    at a time through one multi-probe JVP; the interval is a Student t interval on the mean of
+    ``||J z||^2`` at ``confidence``, square-rooted. Returns a :class:`FrobeniusEstimate`."""
+    _check_int("samples", samples, 2)
+    _check_int("probes_per_launch", probes_per_launch, 1)
+    _check_seed(seed)
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    return _many(op, _hutch_one, samples=samples, seed=seed, probes_per_launch=probes_per_launch,
+                 confidence=confidence)

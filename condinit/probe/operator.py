@@ -1,0 +1,540 @@
+"""The Jacobian of one attention layer as a matrix-free linear operator (DESIGN.md sections 3 and 4).
+
+For an attention layer with input ``X`` ``[B, N, D]`` and, per head ``h`` (key/value head ``g(h)``
+under grouped-query attention)::
+
+    Q_h = X W_Q,h^T + b_Q,h      K_g = X W_K,g^T + b_K,g      V_g = X W_V,g^T + b_V,g
+    O_h = softmax(s Q_h K_g^T [+ causal mask]) V_g                       (the paper's A(X) per head)
+
+(weights in ``nn.Linear``'s ``[out, in]`` layout, ``s`` the layer's own scale), the operator is the
+Jacobian of ``O = [O_1, ..., O_H]`` (``[B, H, N, d]``, flattened in that order) -- *before* the
+output projection ``W_O`` -- or, with ``include_output_proj=True``, of ``concat_h(O_h) W_O^T``
+(``[B, N, D_out]``). Position-dependent transforms a module may apply inside (RoPE, QK-norm,
+attention masks other than causal, dropout) are not part of this operator: it is the paper's
+``A(X)`` evaluated with the layer's weights, biases and scale.
+
+``wrt`` picks the variables:
+
+* ``"weights"``: ``t = (dW_Q, dW_K, dW_V)`` flattened (``[H d, D]``, ``[Hkv d, D]``,
+  ``[Hkv d, D]``), ``Q' = X dW_Q^T`` etc.; the paper's ``J = [dA/dW_Q, dA/dW_K, dA/dW_V]``.
+* ``"input"``: ``t = dX`` ``[B, N, D]``.
+* ``"qkv"``: ``t = (dQ, dK, dV)`` flattened (``[B, H, N, d]``, ``[B, Hkv, N, d]`` x 2); also the
+  only choice for a bare ``(q, k, v)`` triple.
+
+``mv`` is one fused JVP (:func:`condinit.attention_jvp`), ``matmat`` one multi-probe launch of it
+(``P`` tangents share the primal tiles), ``rmv`` / ``rmatmat`` the flash VJP (the backward of
+:func:`condinit.attention`, called on the saved log-sum-exp; probes are folded into the batch) and
+then ``X^T dQ`` (weights) or ``dQ W_Q`` (input).
+
+Known null directions (DESIGN.md section 4), exposed as orthogonal projectors so the estimators can
+work on their orthogonal complement:
+
+* input side (``t`` with ``J t = 0`` exactly):
+  ``"qkv"``: the key shifts ``K'_{b,g} = 1 c^T`` (``B Hkv d`` directions; a row-constant shift of
+  the scores leaves the softmax unchanged, also with the causal mask);
+  ``"input"``: rows of ``dX`` in the null space of the stacked ``[W_Q; W_K; W_V]``, and the shifts
+  ``dX_b = 1 u^T`` with ``u`` in ``null([W_Q; W_V])`` (they move every key of sequence ``b`` alike);
+  ``"weights"``: rows of ``dW`` in ``null(X)`` (``X`` stacked over the batch, ``[B N, D]``), and the
+  key shifts ``dW_K = c w^T`` when ``X w = 1`` is solvable (``1`` in ``range(X)``, e.g. a constant
+  feature, LayerNorm with affine parameters) -- both detected numerically from ``X``'s SVD.
+* output side (``u`` with ``J^T u = 0``): with ``causal`` and ``H > Hkv``, the first query attends
+  only the first key, so its output is ``v_0`` for every query head of a group; the differences
+  between those heads (``B Hkv (G - 1) d`` directions) are never reached. (Not tracked with
+  ``include_output_proj``; the estimators then report the rank deficiency instead.)
+
+The operator never modifies the layer (weights and ``x`` are copied, detached, at construction,
+so later optimizer steps do not change it), keeps no autograd graph, and draws no random numbers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["JacobianOperator", "WRT", "DENSE_MAX_ENTRIES"]
+
+WRT = ("weights", "input", "qkv")
+DENSE_MAX_ENTRIES = 4_000_000   # .dense(): 32 MB of float64
+
+
+def _null_rtol(dtype: torch.dtype) -> float:
+    """Relative size below which a singular value of X / W counts as zero (source precision)."""
+    return 1e-12 if dtype == torch.float64 else (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# reading a layer
+
+def _layer_scale(module: nn.Module, head_dim: int) -> float:
+    """The score scale the module itself uses (HF ``scaling``, timm ``scale``, GPT-2's flags)."""
+    for attr in ("scaling", "scale"):
+        val = getattr(module, attr, None)
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return float(val)
+    if hasattr(module, "scale_attn_weights"):   # HF GPT-2
+        s = 1.0 / math.sqrt(head_dim) if module.scale_attn_weights else 1.0
+        if getattr(module, "scale_attn_by_inverse_layer_idx", False):
+            s /= float(getattr(module, "layer_idx", 0) or 0) + 1.0
+        return s
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _output_proj(module: nn.Module) -> Optional[Tensor]:
+    """W_O in ``[out, in]`` layout, or None when the module holds no output projection."""
+    for attr in ("out_proj", "o_proj", "c_proj", "proj"):
+        sub = getattr(module, attr, None)
+        w = getattr(sub, "weight", None)
+        if isinstance(w, Tensor) and w.dim() == 2:
+            # GPT-2's Conv1D stores [in, out] and computes x @ W
+            return w.detach().t() if type(sub).__name__ == "Conv1D" else w.detach()
+    return None
+
+
+def _proj_bias(p) -> Optional[Tensor]:
+    if p.bias is None:
+        return None
+    return p.bias.detach()[p.bias_offset:p.bias_offset + p.rows]
+
+
+def _spec_of(module: nn.Module):
+    from condinit.models.adapters import get_adapter, registered_adapters
+
+    adapter = get_adapter(module)
+    if adapter is None:
+        keys = sorted(k.__name__ if isinstance(k, type) else k.rsplit(".", 1)[1] for k in registered_adapters())
+        raise ValueError(
+            f"layer: no attention adapter is registered for {type(module).__module__}.{type(module).__qualname__} "
+            f"(known: {', '.join(keys)}); register one with condinit.models.register_adapter(YourAttention, "
+            f"lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=...)), or pass a (q, k, v) triple "
+            f"with wrt='qkv'")
+    return adapter.spec(module)
+
+
+def _orth(a: Tensor) -> Tensor:
+    """Orthonormal basis of the column span of ``a`` (float64, columns with tiny R dropped)."""
+    if a.shape[1] == 0:
+        return a
+    u, s, _ = torch.linalg.svd(a, full_matrices=False)
+    keep = s > s.max() * 1e-10 if s.numel() else s.bool()
+    return u[:, keep]
+
+
+class JacobianOperator:
+    """Matrix-free Jacobian of one attention layer (see the module docstring for the math).
+
+    Args:
+        layer_or_qkv: an attention module known to :mod:`condinit.models.adapters` (any registered
+            class: ``nn.MultiheadAttention``, HF Llama/Mistral/Qwen2/GPT-2/BERT/ViT, timm, custom),
+            or a ``(q, k, v)`` triple ``[B, H, N, d]`` / ``[B, Hkv, N, d]`` x 2 (then ``wrt="qkv"``
+            and ``x`` is None).
+        x: the layer's input ``[B, N, D]`` (batch first, whatever the module's own layout), or
+            ``[N, D]`` for one sequence. Copied.
+        wrt: ``"weights"``, ``"input"`` or ``"qkv"``.
+        causal: causal mask (query ``i`` attends keys ``j <= i``).
+        include_output_proj: apply the module's ``W_O`` (``out_proj`` / ``o_proj`` / ``c_proj`` /
+            ``proj``) to the output; ValueError if it has none.
+        dtype: compute dtype (default: the layer's dtype, float32 for half types). Use float64 for
+            exact small-scale checks.
+        scale: score scale (default: the module's own, else ``1/sqrt(d)``).
+        backend: forwarded to :func:`condinit.attention_jvp` / the attention op.
+
+    ``shape = (m, n)``: ``m`` outputs (``B H N d``, or ``B N D_out``), ``n`` inputs.
+    Vectors are 1-D tensors (``[n]`` / ``[m]``); ``matmat`` takes ``[n, P]`` and returns ``[m, P]``.
+    """
+
+    def __init__(self, layer_or_qkv, x: Optional[Tensor] = None, wrt: str = "weights", *,
+                 causal: bool = False, include_output_proj: bool = False,
+                 dtype: Optional[torch.dtype] = None, scale: Optional[float] = None,
+                 backend: Optional[str] = None):
+        if wrt not in WRT:
+            raise ValueError(f"wrt must be one of {WRT}, got {wrt!r}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        self.wrt, self.causal, self.backend = wrt, causal, backend
+        self.include_output_proj = bool(include_output_proj)
+        self._wo = None
+        if isinstance(layer_or_qkv, nn.Module):
+            self._init_module(layer_or_qkv, x, dtype, scale)
+        elif isinstance(layer_or_qkv, (tuple, list)) and len(layer_or_qkv) == 3:
+            self._init_qkv(layer_or_qkv, x, dtype, scale)
+        else:
+            raise TypeError(f"layer_or_qkv must be an attention nn.Module or a (q, k, v) tuple of tensors, "
+                            f"got {type(layer_or_qkv).__name__}")
+        G = self.H // self.Hkv
+        self.G = G
+        B, N, d = self.B, self.N, self.d
+        self._m_heads = B * self.H * N * d
+        self.m = B * N * self._wo.shape[0] if self._wo is not None else self._m_heads
+        if wrt == "weights":
+            self._in_shapes = ((self.H * d, self.D), (self.Hkv * d, self.D), (self.Hkv * d, self.D))
+        elif wrt == "input":
+            self._in_shapes = ((B, N, self.D),)
+        else:
+            self._in_shapes = ((B, self.H, N, d), (B, self.Hkv, N, d), (B, self.Hkv, N, d))
+        self._in_sizes = tuple(math.prod(s) for s in self._in_shapes)
+        self.n = sum(self._in_sizes)
+        self._primals = None
+        self._nulls = None
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _init_module(self, module, x, dtype, scale):
+        spec = _spec_of(module)
+        wq = spec.q.view()
+        src_dtype = wq.dtype
+        cdt = dtype or (torch.float32 if src_dtype in (torch.float16, torch.bfloat16) else src_dtype)
+        self.dtype, self.device = cdt, wq.device
+        self.H, self.Hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if self.H % self.Hkv:
+            raise ValueError(f"layer: num_heads={self.H} is not a multiple of num_kv_heads={self.Hkv}")
+        self.D = spec.q.in_features
+        for name, p in (("k", spec.k), ("v", spec.v)):
+            if p.in_features != self.D:
+                raise ValueError(f"layer: {name} projection reads {p.in_features} features but q reads {self.D} "
+                                 f"(cross-attention with kdim/vdim != embed_dim is not a self-attention A(X))")
+        # own copies: the operator must not follow later in-place updates of the layer
+        self.Wq, self.Wk, self.Wv = (p.view().to(self.device, cdt).clone() for p in (spec.q, spec.k, spec.v))
+        self.bq, self.bk, self.bv = (None if _proj_bias(p) is None else _proj_bias(p).to(self.device, cdt).clone()
+                                     for p in (spec.q, spec.k, spec.v))
+        self.scale = float(scale) if scale is not None else _layer_scale(module, self.d)
+        if self.include_output_proj:
+            wo = _output_proj(module)
+            if wo is None:
+                raise ValueError(f"include_output_proj=True: {type(module).__name__} holds no output projection "
+                                 f"(looked for out_proj, o_proj, c_proj, proj)")
+            if wo.shape[1] != self.H * self.d:
+                raise ValueError(f"include_output_proj=True: output projection is {tuple(wo.shape)}, expected "
+                                 f"[*, {self.H * self.d}] (num_heads * head_dim)")
+            self._wo = wo.to(self.device, cdt).clone()
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor [B, N, D], got {type(x).__name__}")
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        if x.dim() != 3 or x.shape[-1] != self.D or x.shape[0] < 1 or x.shape[1] < 1:
+            raise ValueError(f"x must be [B, N, D] (or [N, D]) with D = {self.D}, the layer's input width; got "
+                             f"shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        self._x_src_dtype = x.dtype
+        self.X = x.detach().to(self.device, cdt).clone()
+        self.B, self.N = x.shape[0], x.shape[1]
+        self._qkv_given = None
+
+    def _init_qkv(self, qkv, x, dtype, scale):
+        if self.wrt != "qkv":
+            raise ValueError(f"a (q, k, v) triple has no weights or input: use wrt='qkv', got wrt={self.wrt!r}")
+        if x is not None:
+            raise ValueError("x must be None when layer_or_qkv is a (q, k, v) triple")
+        if self.include_output_proj:
+            raise ValueError("include_output_proj=True needs a module (a (q, k, v) triple has no W_O)")
+        q, k, v = qkv
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 4:
+                raise ValueError(f"{name} must be a floating 4-D tensor [B, H, N, d], got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+        if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"expected q [B, H, N, d], k and v [B, Hkv, N, d] with Hkv | H, got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        cdt = dtype or (torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+        self.dtype, self.device = cdt, q.device
+        self.B, self.H, self.N, self.d = q.shape
+        self.Hkv, self.D = k.shape[1], None
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
+        self._x_src_dtype = q.dtype
+        self._qkv_given = tuple(t.detach().to(self.device, cdt).clone() for t in (q, k, v))
+        self.X = None
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.m, self.n)
+
+    def __repr__(self):
+        what = f"B={self.B}, N={self.N}, H={self.H}, Hkv={self.Hkv}, d={self.d}" + (f", D={self.D}" if self.D else "")
+        return (f"JacobianOperator(wrt={self.wrt!r}, shape={self.shape}, {what}, causal={self.causal}, "
+                f"output_proj={self._wo is not None}, dtype={self.dtype})")
+
+    def _primal(self):
+        """(q, k, v, out, lse) at the linearization point; computed once, no graph."""
+        if self._primals is None:
+            with torch.no_grad():
+                if self._qkv_given is not None:
+                    q, k, v = self._qkv_given
+                else:
+                    q, k, v = (self._heads(self._lin(self.X, w, b), h)
+                               for w, b, h in ((self.Wq, self.bq, self.H), (self.Wk, self.bk, self.Hkv),
+                                               (self.Wv, self.bv, self.Hkv)))
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+                out, lse = torch.ops.condinit.attention_fwd(q, k, v, self.causal, self.scale, self.backend)
+            self._primals = (q, k, v, out, lse)
+        return self._primals
+
+    @staticmethod
+    def _lin(x, w, b):
+        y = x @ w.t()
+        return y if b is None else y + b
+
+    def _heads(self, y: Tensor, h: int) -> Tensor:
+        """[..., B, N, h d] -> [..., B, h, N, d]."""
+        *lead, B, N, _ = y.shape
+        return y.reshape(*lead, B, N, h, self.d).transpose(-2, -3)
+
+    def _unheads(self, y: Tensor) -> Tensor:
+        """[..., B, h, N, d] -> [..., B, N, h d]."""
+        *lead, B, h, N, d = y.shape
+        return y.transpose(-2, -3).reshape(*lead, B, N, h * d)
+
+    # -- vector plumbing ------------------------------------------------------------------------
+
+    def _as_tensor(self, t, size: int, name: str) -> Tensor:
+        if isinstance(t, (tuple, list)):
+            t = torch.cat([torch.as_tensor(p).reshape(-1) for p in t])
+        t = torch.as_tensor(t)
+        if t.dim() != 1 or t.shape[0] != size:
+            raise ValueError(f"{name} must be a vector of length {size}, got shape {tuple(t.shape)}")
+        return t.to(self.device, self.dtype)
+
+    def _as_block(self, T, size: int, name: str) -> Tensor:
+        T = torch.as_tensor(T)
+        if T.dim() != 2 or T.shape[0] != size:
+            raise ValueError(f"{name} must be [{size}, P], got shape {tuple(T.shape)}")
+        return T.to(self.device, self.dtype)
+
+    def split_input(self, t: Tensor) -> tuple:
+        """Flat ``[..., n]`` -> the structured pieces (``(dW_Q, dW_K, dW_V)``, ``(dX,)`` or ``(dQ, dK, dV)``)."""
+        lead = t.shape[:-1]
+        return tuple(p.reshape(*lead, *s) for p, s in zip(t.split(self._in_sizes, dim=-1), self._in_shapes))
+
+    # -- forward mode ---------------------------------------------------------------------------
+
+    def _tangents(self, T: Tensor):
+        """[P, n] -> (tq, tk, tv), each [P, B, H or Hkv, N, d]."""
+        parts = self.split_input(T)
+        if self.wrt == "qkv":
+            return parts
+        if self.wrt == "input":
+            (dX,) = parts
+            return tuple(self._heads(dX @ w.t(), h) for w, h in ((self.Wq, self.H), (self.Wk, self.Hkv),
+                                                                  (self.Wv, self.Hkv)))
+        return tuple(self._heads(torch.matmul(self.X, dw.transpose(-1, -2).unsqueeze(-3)), h)
+                     for dw, h in zip(parts, (self.H, self.Hkv, self.Hkv)))
+
+    def _outputs(self, tout: Tensor) -> Tensor:
+        """[P, B, H, N, d] -> [P, m]."""
+        P = tout.shape[0]
+        if self._wo is not None:
+            return (self._unheads(tout) @ self._wo.t()).reshape(P, -1)
+        return tout.reshape(P, -1)
+
+    def _matmat_rows(self, T: Tensor) -> Tensor:
+        """[P, n] -> [P, m]: one fused multi-probe JVP launch."""
+        from condinit.attention import attention_jvp
+
+        q, k, v, _, _ = self._primal()
+        with torch.no_grad():
+            tq, tk, tv = (t.contiguous() for t in self._tangents(T))
+            _, tout = attention_jvp(q, k, v, tq, tk, tv, causal=self.causal, scale=self.scale, backend=self.backend)
+            return self._outputs(tout)
+
+    def mv(self, t) -> Tensor:
+        """``J t`` (one fused JVP). ``t``: ``[n]`` or the tuple of pieces (flattened in order)."""
+        t = self._as_tensor(t, self.n, "t")
+        return self._matmat_rows(t.unsqueeze(0))[0]
+
+    def matmat(self, T) -> Tensor:
+        """``J T`` for ``T`` ``[n, P]``: the ``P`` columns go through one multi-probe JVP launch."""
+        T = self._as_block(T, self.n, "T")
+        return self._matmat_rows(T.t()).t()
+
+    # -- reverse mode ---------------------------------------------------------------------------
+
+    def _rmatmat_rows(self, U: Tensor) -> Tensor:
+        """[P, m] -> [P, n]: the flash VJP with the probes folded into the batch."""
+        q, k, v, out, lse = self._primal()
+        P = U.shape[0]
+        with torch.no_grad():
+            if self._wo is not None:
+                dO = self._heads(U.reshape(P, self.B, self.N, -1) @ self._wo, self.H)
+            else:
+                dO = U.reshape(P, self.B, self.H, self.N, self.d)
+            rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
+            dq, dk, dv = torch.ops.condinit.attention_bwd(
+                dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
+                rep(lse), self.causal, self.scale, self.backend)
+            dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
+            if self.wrt == "qkv":
+                parts = (dq, dk, dv)
+            elif self.wrt == "input":
+                parts = (sum(self._unheads(g) @ w for g, w in ((dq, self.Wq), (dk, self.Wk), (dv, self.Wv))),)
+            else:   # dW = sum_b dQ_b^T X_b
+                parts = tuple(torch.einsum("pbnk,bnD->pkD", self._unheads(g), self.X) for g in (dq, dk, dv))
+            return torch.cat([p.reshape(P, -1) for p in parts], dim=1)
+
+    def rmv(self, u) -> Tensor:
+        """``J^T u`` (one flash VJP)."""
+        u = self._as_tensor(u, self.m, "u")
+        return self._rmatmat_rows(u.unsqueeze(0))[0]
+
+    def rmatmat(self, U) -> Tensor:
+        """``J^T U`` for ``U`` ``[m, P]`` (one VJP launch with the probes folded into the batch)."""
+        U = self._as_block(U, self.m, "U")
+        return self._rmatmat_rows(U.t()).t()
+
+    # -- exports --------------------------------------------------------------------------------
+
+    def to_scipy(self):
+        """A ``scipy.sparse.linalg.LinearOperator`` (float64 numpy in and out)."""
+        import numpy as np
+        from scipy.sparse.linalg import LinearOperator
+
+        def call(fn, a, size):
+            a = np.asarray(a, dtype=np.float64)
+            t = torch.from_numpy(np.ascontiguousarray(a.reshape(size, -1)))
+            r = fn(t).detach().to("cpu", torch.float64).numpy()
+            return r.reshape(-1) if a.ndim == 1 else r
+
+        return LinearOperator(self.shape, dtype=np.float64,
+                              matvec=lambda a: call(self.matmat, a, self.n),
+                              rmatvec=lambda a: call(self.rmatmat, a, self.m),
+                              matmat=lambda a: call(self.matmat, a, self.n),
+                              rmatmat=lambda a: call(self.rmatmat, a, self.m))
+
+    def dense(self, max_entries: int = DENSE_MAX_ENTRIES, chunk: int = 64) -> Tensor:
+        """The full ``[m, n]`` Jacobian (tiny cases only), built by multi-probe JVPs of the identity."""
+        if self.m * self.n > max_entries:
+            raise ValueError(f"dense(): J is {self.m} x {self.n} = {self.m * self.n} entries, above the limit "
+                             f"max_entries={max_entries}; use the matrix-free mv/rmv/matmat or the estimators "
+                             f"(lanczos_svd, power_sigma_max, frobenius_hutchinson)")
+        cols = []
+        eye = torch.eye(self.n, device=self.device, dtype=self.dtype)
+        for i in range(0, self.n, chunk):
+            cols.append(self._matmat_rows(eye[i:i + chunk]))
+        return torch.cat(cols, dim=0).t().contiguous()
+
+    # -- known null directions ------------------------------------------------------------------
+
+    def _null_info(self):
+        if self._nulls is None:
+            self._nulls = self._compute_nulls()
+        return self._nulls
+
+    def _compute_nulls(self) -> dict:
+        info = {"right_dims": 0, "left_dims": 0, "right": [], "left": []}
+        rtol = _null_rtol(self._x_src_dtype)
+        f64 = torch.float64
+        if self.wrt == "qkv":
+            info["right_dims"] = self.B * self.Hkv * self.d
+            info["right"].append(f"key shifts K'_(b,g) = 1 c^T per (batch, kv-head): B*Hkv*d = "
+                                 f"{info['right_dims']} dims")
+        elif self.wrt == "input":
+            wall = torch.cat([self.Wq, self.Wk, self.Wv]).to(f64)
+            z0 = self._null_basis(wall, rtol)                 # [D, z0]
+            wqv = torch.cat([self.Wq, self.Wv]).to(f64)
+            z1 = self._null_basis(wqv, rtol)
+            if z0.shape[1] and z1.shape[1]:
+                z1 = _orth(z1 - z0 @ (z0.t() @ z1))
+            self._z_row, self._z_shift = z0.to(self.dtype), z1.to(self.dtype)
+            if z0.shape[1]:
+                k = self.B * self.N * z0.shape[1]
+                info["right_dims"] += k
+                info["right"].append(f"rows of dX in null([W_Q; W_K; W_V]) ({z0.shape[1]} per token): {k} dims")
+            if z1.shape[1]:
+                k = self.B * z1.shape[1]
+                info["right_dims"] += k
+                info["right"].append(f"shifts dX_b = 1 u^T, u in null([W_Q; W_V]) (moves all keys alike): {k} dims")
+        else:
+            xa = self.X.reshape(-1, self.D).to(f64)
+            _, s, vh = torch.linalg.svd(xa, full_matrices=True)
+            smax = float(s.max()) if s.numel() else 0.0
+            rank = int((s > rtol * smax).sum()) if smax > 0 else 0
+            z = vh[rank:].t()                                  # [D, D - rank]
+            self._z_row = z.to(self.dtype)
+            self._w_shift = None
+            if z.shape[1]:
+                k = (self.H + 2 * self.Hkv) * self.d * z.shape[1]
+                info["right_dims"] += k
+                info["right"].append(f"rows of dW in null(X) (X is [B*N, D] = [{xa.shape[0]}, {self.D}] of rank "
+                                     f"{rank}): {k} dims")
+            if rank:
+                u, sr, vr = torch.linalg.svd(xa, full_matrices=False)
+                u, sr, vr = u[:, :rank], sr[:rank], vr[:rank]
+                ones = torch.ones(xa.shape[0], dtype=f64, device=xa.device)
+                w = vr.t() @ ((u.t() @ ones) / sr)             # min-norm solution of X w = 1
+                res = float(torch.linalg.vector_norm(xa @ w - ones)) / math.sqrt(xa.shape[0])
+                if res < max(rtol, 1e-14) * 100:
+                    self._w_shift = (w / torch.linalg.vector_norm(w)).to(self.dtype)
+                    k = self.Hkv * self.d
+                    info["right_dims"] += k
+                    info["right"].append(f"key shifts dW_K = c w^T with X w = 1 (1 in range(X), residual "
+                                         f"{res:.1e}): Hkv*d = {k} dims")
+            info["x_rank"] = rank
+        if self.causal and self.G > 1 and self._wo is None:
+            k = self.B * self.Hkv * (self.G - 1) * self.d
+            info["left_dims"] = k
+            info["left"].append(f"causal GQA: the first query's output is v_0 for all {self.G} heads of a group; "
+                                f"head differences there are unreachable: B*Hkv*(G-1)*d = {k} dims")
+        elif self.causal and self.G > 1:
+            info["left"].append("causal GQA with W_O: the first query's unreachable directions are not tracked "
+                                "(expect a rank-deficient report)")
+        return info
+
+    @staticmethod
+    def _null_basis(w: Tensor, rtol: float) -> Tensor:
+        """Orthonormal basis of null(w) for w [r, D] (float64)."""
+        _, s, vh = torch.linalg.svd(w, full_matrices=True)
+        smax = float(s.max()) if s.numel() else 0.0
+        rank = int((s > rtol * smax).sum()) if smax > 0 else 0
+        return vh[rank:].t()
+
+    @property
+    def null_dims(self) -> tuple[int, int]:
+        """(input-side, output-side) dimensions of the known null spaces."""
+        info = self._null_info()
+        return info["right_dims"], info["left_dims"]
+
+    @property
+    def null_description(self) -> str:
+        info = self._null_info()
+        r = "; ".join(info["right"]) or "none"
+        l = "; ".join(info["left"]) or "none"
+        return f"input side: {r}. output side: {l}."
+
+    def project_input(self, T: Tensor) -> Tensor:
+        """Orthogonal projection of ``[..., n]`` onto the complement of the known input-side nulls."""
+        self._null_info()
+        T = T.to(self.device, self.dtype)
+        parts = list(self.split_input(T))
+        if self.wrt == "qkv":
+            parts[1] = parts[1] - parts[1].mean(dim=-2, keepdim=True)
+        elif self.wrt == "input":
+            dX = parts[0]
+            if self._z_row.shape[1]:
+                dX = dX - (dX @ self._z_row) @ self._z_row.t()
+            if self._z_shift.shape[1]:
+                m = dX.mean(dim=-2, keepdim=True)
+                dX = dX - (m @ self._z_shift) @ self._z_shift.t()
+            parts[0] = dX
+        else:
+            if self._z_row.shape[1]:
+                parts = [p - (p @ self._z_row) @ self._z_row.t() for p in parts]
+            if self._w_shift is not None:
+                w = self._w_shift
+                parts[1] = parts[1] - (parts[1] @ w).unsqueeze(-1) * w
+        lead = T.shape[:-1]
+        return torch.cat([p.reshape(*lead, -1) for p in parts], dim=-1)
+
+    def project_output(self, U: Tensor) -> Tensor:
+        """Orthogonal projection of ``[..., m]`` onto the complement of the known output-side nulls."""
+        U = U.to(self.device, self.dtype)
+        if not self._null_info()["left_dims"]:
+            return U
+        lead = U.shape[:-1]
+        y = U.reshape(*lead, self.B, self.Hkv, self.G, self.N, self.d)
+        row0 = y[..., :1, :].mean(dim=-3, keepdim=True).expand_as(y[..., :1, :])
+        y = torch.cat([row0, y[..., 1:, :]], dim=-2)
+        return y.reshape(*lead, -1)

@@ -1,0 +1,240 @@
+"""orthogonalize(): orthogonality of every method, agreement between methods, storage dtypes, the
+Triton polar kernels (interpreter), the backend registry, and Haar-distribution tests with a proof
+of their power (QR without the sign fix must fail them)."""
+import importlib
+import math
+
+import pytest
+import torch
+
+from condinit import _backends
+from condinit.init import conditioned_blocks, orthogonalize
+
+scipy_stats = pytest.importorskip("scipy.stats")
+scipy_special = pytest.importorskip("scipy.special")
+
+orth_mod = importlib.import_module("condinit.init.orthogonalize")  # the module, not the function
+
+METHODS = ["householder", "cholqr2", "polar", "svd", "auto"]
+
+
+def orth_error(Q: torch.Tensor) -> float:
+    """max |Q Q^T - I| (rows, m <= n) or |Q^T Q - I| (columns), in float64."""
+    Q = Q.double()
+    m, n = Q.shape[-2:]
+    G = Q @ Q.transpose(-1, -2) if m <= n else Q.transpose(-1, -2) @ Q
+    return (G - torch.eye(min(m, n), dtype=torch.float64)).abs().max().item()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (5, 1), (3, 1, 7), (17, 123), (123, 17), (2, 33, 33),
+                                   (3, 64, 256), (2, 2, 40, 17)])
+def test_orthonormal(method, shape, rng):
+    W = torch.randn(*shape, generator=rng)
+    Q = orthogonalize(W, method)
+    assert Q.shape == W.shape and Q.dtype == W.dtype
+    assert orth_error(Q) <= 1e-5
+    # the factor relating W and Q: lower triangular with diag > 0 (QR, CholeskyQR) or symmetric
+    # positive definite (polar, SVD)
+    W64, Q64 = W.double().reshape(-1, *shape[-2:]), Q.double().reshape(-1, *shape[-2:])
+    if shape[-2] > shape[-1]:
+        W64, Q64 = W64.transpose(1, 2), Q64.transpose(1, 2)
+    F = W64 @ Q64.transpose(1, 2)          # W = F Q
+    concrete = orth_mod.resolve_method(*W64.shape[1:], method)
+    scale = F.abs().amax()
+    if concrete in ("householder", "cholqr2"):
+        assert (F.triu(1).abs().amax() <= 1e-5 * scale)
+        assert bool((F.diagonal(dim1=1, dim2=2) > 0).all())
+    else:
+        assert (F - F.transpose(1, 2)).abs().amax() <= 1e-5 * scale
+        assert bool((torch.linalg.eigvalsh((F + F.transpose(1, 2)) / 2) > 0).all())
+
+
+@pytest.mark.parametrize("method", ["cholqr2", "householder", "polar"])
+def test_big_wide_block(method, rng):
+    W = torch.randn(2, 256, 16384, generator=rng)
+    assert orth_error(orthogonalize(W, method)) <= 1e-5
+
+
+@pytest.mark.parametrize("method,n", [("householder", 2048), ("svd", 1024), ("polar", 256), ("cholqr2", 256)])
+def test_square(method, n, rng):
+    W = torch.randn(n, n, generator=rng)
+    assert orth_error(orthogonalize(W, method)) <= 1e-5
+
+
+def test_qr_and_cholqr_give_the_same_q(rng):
+    W = torch.randn(6, 16, 300, generator=rng)
+    a, b = orthogonalize(W, "householder"), orthogonalize(W, "cholqr2")
+    torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
+    c, d = orthogonalize(W, "polar"), orthogonalize(W, "svd")
+    torch.testing.assert_close(c, d, atol=2e-6, rtol=0)
+    assert (a - d).abs().max() > 0.05  # Q factor and polar factor are different matrices
+
+
+def test_cholqr2_falls_back_on_ill_conditioned_blocks(rng):
+    W = torch.randn(4, 8, 64, generator=rng, dtype=torch.float64)
+    W[1, 3] = W[1, 2] + 1e-7 * W[1, 3]             # kappa ~ 1e8: CholeskyQR cannot
+    W[2] = torch.diag(torch.logspace(0, -6, 8, dtype=torch.float64)) @ W[2]
+    W = W.float()
+    Q = orthogonalize(W, "cholqr2")
+    assert orth_error(Q) <= 1e-5
+    torch.testing.assert_close(Q[0], orthogonalize(W[0], "householder"), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_storage_dtype_rounded_once(dtype, rng):
+    W = torch.randn(3, 24, 100, generator=rng)
+    Q32 = orthogonalize(W, "cholqr2")
+    Q = orthogonalize(W.to(dtype), "cholqr2") if dtype == torch.float64 else orthogonalize(W, "cholqr2", out=torch.empty(W.shape, dtype=dtype))
+    assert Q.dtype == dtype
+    if dtype != torch.float64:
+        assert torch.equal(Q, Q32.to(dtype))      # fp32 compute, one rounding on write
+    eps = torch.finfo(dtype).eps if dtype != torch.float64 else 2.0 ** -23
+    assert orth_error(Q) <= max(1e-5, 4 * eps)
+
+
+def test_out_non_contiguous_and_input_untouched(rng):
+    W = torch.randn(5, 12, 40, generator=rng)
+    W0 = W.clone()
+    out = torch.empty(40, 12, 5).permute(2, 1, 0)
+    res = orthogonalize(W, "householder", out=out)
+    assert res is out and out.stride() == (1, 5, 60)
+    assert torch.equal(W, W0)
+    assert torch.equal(out, orthogonalize(W, "householder"))
+
+
+def test_chunking_does_not_change_bits(rng):
+    W = torch.randn(37, 16, 200, generator=rng)
+    for method in ("cholqr2", "polar", "householder"):
+        ref = orthogonalize(W, method)
+        for budget in (2 * 4 * 16 * 200, 5 * 4 * 16 * 200):
+            assert torch.equal(orthogonalize(W, method, memory_budget=budget), ref), method
+        assert torch.equal(orthogonalize(W[5:9], method), ref[5:9])
+        assert torch.equal(orthogonalize(W[7], method), ref[7])
+
+
+def test_meta_and_bad_input():
+    m = torch.empty(3, 4, 8, device="meta")
+    assert orthogonalize(m).device.type == "meta"
+    with pytest.raises(TypeError, match="stack"):
+        orthogonalize(torch.ones(3, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="stack"):
+        orthogonalize(torch.ones(3, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="stack"):
+        orthogonalize(torch.ones(4))
+    with pytest.raises(ValueError, match="zero-size"):
+        orthogonalize(torch.ones(0, 4, 4))
+    with pytest.raises(ValueError, match="method"):
+        orthogonalize(torch.ones(4, 4), "gram-schmidt")
+    bad = torch.randn(4, 4)
+    bad[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        orthogonalize(bad)
+    with pytest.raises(ValueError, match="out"):
+        orthogonalize(torch.randn(4, 4), out=torch.empty(4, 5))
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels (interpreter on CPU) and the registry
+
+def test_registered_in_backend_registry():
+    assert "orthogonalize" in _backends.ops()
+    rows = [r for r in _backends.report(("cpu",)) if r["op"] == "orthogonalize"]
+    assert {r["backend"] for r in rows if r["reason"] != "not implemented for this op"} >= {"torch", "triton"}
+
+
+@pytest.fixture
+def triton_interp():
+    pytest.importorskip("triton")
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+
+
+def test_triton_polar_kernels(triton_interp, rng):
+    from condinit.kernels import polar as kp
+    X = torch.randn(3, 17, 45, generator=rng)
+    G = kp.gram(X)
+    torch.testing.assert_close(G.double(), X.double() @ X.double().transpose(1, 2), atol=1e-5, rtol=1e-5)
+    a, b = torch.tensor([1.0, 0.5, 2.0]), torch.tensor([0.0, -0.3, 0.1])
+    Y = kp.step(X, G, a, b, torch.empty_like(X))
+    ref = a.double()[:, None, None] * X.double() + b.double()[:, None, None] * (G.double() @ X.double())
+    torch.testing.assert_close(Y.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(Y[0], X[0])   # alpha = 1, beta = 0 is the exact identity step
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 23), (3, 17, 45), (2, 19, 19), (2, 40, 21)])
+def test_triton_polar_matches_svd(triton_interp, shape, rng):
+    W = torch.randn(*shape, generator=rng)
+    m, n = shape[-2:]
+    Q = orthogonalize(W, "polar", backend="triton", memory_budget=8 * m * n)   # chunks of 2 blocks
+    assert orth_error(Q) <= 1e-5
+    torch.testing.assert_close(Q, orthogonalize(W, "svd"), atol=5e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Haar distribution
+
+def _first_coordinate_cdf(x, n):
+    """CDF of one coordinate of a uniform unit vector in R^n: x^2 ~ Beta(1/2, (n-1)/2), symmetric."""
+    import numpy as np
+    x = np.asarray(x, dtype=np.float64)
+    return 0.5 + 0.5 * np.sign(x) * scipy_special.betainc(0.5, (n - 1) / 2.0, np.clip(x * x, 0.0, 1.0))
+
+
+def _haar_checks(Q: torch.Tensor):
+    """Raise AssertionError unless the semi-orthogonal [N, d, n] samples Q look Haar distributed.
+
+    * KS test of entries (0,0) and (d-1, n-1) against the exact marginal of a Haar row entry;
+    * moments of all entries: E w^2 = 1/n, E w^4 = 3/(n(n+2));
+    * square blocks (Haar O(n)): E tr = 0, E tr^2 = 1, P(det = -1) = 1/2.
+    """
+    N, d, n = Q.shape
+    Q = Q.double()
+    for i, j in ((0, 0), (d - 1, n - 1), (d // 2, 0)):
+        p = scipy_stats.kstest(Q[:, i, j].numpy(), lambda x: _first_coordinate_cdf(x, n)).pvalue
+        assert p > 1e-3, f"entry ({i},{j}) is not distributed like a Haar row entry (KS p={p:.2e})"
+    w = Q.flatten()
+    for k, want in ((2, 1.0 / n), (4, 3.0 / (n * (n + 2)))):
+        samples = Q.pow(k).mean(dim=(1, 2))            # one (exchangeable) mean per draw
+        se = samples.std().item() / math.sqrt(N)
+        assert abs(samples.mean().item() - want) <= 5 * se + 1e-12, f"E w^{k} = {w.pow(k).mean()} != {want}"
+    if d == n:
+        tr = Q.diagonal(dim1=1, dim2=2).sum(-1)
+        assert abs(tr.mean().item()) <= 5 / math.sqrt(N), "E tr(W) != 0"
+        assert abs(tr.pow(2).mean().item() - 1.0) <= 5 * tr.pow(2).std().item() / math.sqrt(N), "E tr^2 != 1"
+        neg = (torch.linalg.det(Q) < 0).double().mean().item()
+        assert abs(neg - 0.5) <= 5 * 0.5 / math.sqrt(N), f"P(det < 0) = {neg} != 1/2"
+        # two-sample KS of the trace against sign-fixed QR of independent torch Gaussians
+        g = torch.Generator().manual_seed(99)
+        Qr, R = torch.linalg.qr(torch.randn(N, n, n, generator=g, dtype=torch.float64))
+        Qr = Qr * torch.sign(R.diagonal(dim1=1, dim2=2)).unsqueeze(1)
+        p = scipy_stats.ks_2samp(tr.numpy(), Qr.diagonal(dim1=1, dim2=2).sum(-1).numpy()).pvalue
+        assert p > 1e-3, f"trace distribution differs from Haar QR's (KS p={p:.2e})"
+
+
+N_DRAWS = 3000
+
+
+@pytest.mark.parametrize("method", ["householder", "cholqr2", "polar", "svd"])
+@pytest.mark.parametrize("shape", [(3, 7), (4, 4), (9, 2)])
+def test_haar_distribution(method, shape):
+    Q = conditioned_blocks(20260101, "haar-test", range(N_DRAWS), shape, method)
+    if shape[0] > shape[1]:
+        Q = Q.transpose(1, 2)          # orthonormal columns: test the transposed (row) form
+    _haar_checks(Q)
+
+
+def _qr_without_sign_fix(W):
+    Q, _ = torch.linalg.qr(W.transpose(1, 2))
+    return Q.transpose(1, 2)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (4, 4)])
+def test_haar_test_has_power(shape):
+    """The same checks reject QR without the sign fix (Mezzadri 2007) on the same Gaussians."""
+    from condinit.init.random import block_randn, stream_id
+    W = block_randn(20260101, stream_id("haar-test"), range(N_DRAWS), shape)
+    with pytest.raises(AssertionError):
+        _haar_checks(_qr_without_sign_fix(W))
+    _haar_checks(orthogonalize(W, "householder"))  # ... and accept it with the fix
