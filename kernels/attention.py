@@ -40,13 +40,15 @@ the input dtype before the product with V, as flash attention does); fp32 inputs
 products (no TF32). Under ``TRITON_INTERPRET=1`` the operands are rounded to the input dtype and
 then upcast to fp32 (the interpreter has no bf16 arithmetic), so results match the GPU rounding.
 
-GPU launch choices (H100/H200 class; the lead checks them on a GPU): see ``_fwd_configs`` and
-``_bwd_configs``: small per-head-dim autotune lists (BLOCK_M 64/128, BLOCK_N 32-128, 4/8 warps,
-2-3 stages), keyed on (Nq, Nk, causal); causal programs stop the key loop at the diagonal and
-only the tiles straddling it (or the ragged last tile) are masked; the query tiles are issued
-heaviest first under causal masking. Under the interpreter one fixed 16 x 16 config runs.
+GPU launch choices (H100/H200 class; to be confirmed on a GPU): ``_fwd_configs`` and
+``_bwd_configs`` hold small per-head-dim autotune lists (BLOCK_M 64/128, BLOCK_N 32-128, 4/8
+warps, 2-3 stages), keyed on power-of-two buckets of (Nq, Nk), the causal flag and the dtypes.
+They were screened by compiling for sm_90 offline (registers, spills, shared memory): the
+JVP at d = 128 fits 128 x 32 tiles with 8 warps in 250-255 registers without spills, wider key
+tiles spill (two fp32 ``BLOCK_M x d`` accumulators plus S, S', P~ tiles). Causal programs stop
+the key loop at the diagonal and mask only the tiles straddling it (or a ragged last tile); the
+query tiles are issued heaviest first. Under the interpreter one fixed 16 x 16 config runs.
 """
-from __future__ import annotations
 
 import functools
 import math
@@ -543,11 +545,15 @@ def _fwd_configs(block_d: int, jvp: bool, multi_probe: bool) -> list:
         cfgs = [_cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3)]
         two = [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
     elif block_d <= 128:
-        cfgs = [_cfg(128, 64, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)]
-        two = [_cfg(64, 64, 8, 2), _cfg(128, 32, 8, 2)]
+        # sm_90 offline compile (bf16): 128x32/8 warps fits in 250-255 registers without spills;
+        # 128x64 and 64x64 spill, two probes spill a little (see the module notes).
+        cfgs = [_cfg(128, 32, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 2)]
+        two = [_cfg(128, 32, 8, 2), _cfg(64, 32, 8, 2)]
     else:
-        cfgs = [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(128, 32, 8, 2)]
-        two = [_cfg(64, 32, 8, 2)]
+        # d = 256: only 64 x 32 tiles over 8 warps keep the two accumulators in registers and
+        # Q, tQ plus two stages of K, V, tK, tV (192 KB) in shared memory; two probes never fit.
+        cfgs = [_cfg(64, 32, 8, 2), _cfg(64, 32, 8, 1)]
+        two = []
     cfgs.append(_cfg(32, 32, 4, 1))
     for c in cfgs:
         c.kwargs["PROBES_PER_PROGRAM"] = 1

@@ -50,13 +50,13 @@ def test_orthonormal(method, shape, rng):
         assert bool((torch.linalg.eigvalsh((F + F.transpose(1, 2)) / 2) > 0).all())
 
 
-@pytest.mark.parametrize("method", ["cholqr2", "householder", "polar"])
-def test_big_wide_block(method, rng):
-    W = torch.randn(2, 256, 16384, generator=rng)
+@pytest.mark.parametrize("method,n", [("cholqr2", 16384), ("householder", 16384), ("polar", 4096)])
+def test_big_wide_block(method, n, rng):
+    W = torch.randn(2, 256, n, generator=rng)
     assert orth_error(orthogonalize(W, method)) <= 1e-5
 
 
-@pytest.mark.parametrize("method,n", [("householder", 2048), ("svd", 1024), ("polar", 256), ("cholqr2", 256)])
+@pytest.mark.parametrize("method,n", [("householder", 2048), ("svd", 512), ("polar", 256), ("cholqr2", 256)])
 def test_square(method, n, rng):
     W = torch.randn(n, n, generator=rng)
     assert orth_error(orthogonalize(W, method)) <= 1e-5
@@ -68,7 +68,7 @@ def test_qr_and_cholqr_give_the_same_q(rng):
     torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
     c, d = orthogonalize(W, "polar"), orthogonalize(W, "svd")
     torch.testing.assert_close(c, d, atol=2e-6, rtol=0)
-    assert (a - d).abs().max() > 0.05  # Q factor and polar factor are different matrices
+    assert (a - d).norm() > 0.1 * a.norm()  # Q factor and polar factor are different matrices
 
 
 def test_cholqr2_falls_back_on_ill_conditioned_blocks(rng):
@@ -194,11 +194,13 @@ def _haar_checks(Q: torch.Tensor):
     for i, j in ((0, 0), (d - 1, n - 1), (d // 2, 0)):
         p = scipy_stats.kstest(Q[:, i, j].numpy(), lambda x: _first_coordinate_cdf(x, n)).pvalue
         assert p > 1e-3, f"entry ({i},{j}) is not distributed like a Haar row entry (KS p={p:.2e})"
-    w = Q.flatten()
+    # (a row's squares sum to 1 exactly: use single entries, not per-draw averages of all entries)
     for k, want in ((2, 1.0 / n), (4, 3.0 / (n * (n + 2)))):
-        samples = Q.pow(k).mean(dim=(1, 2))            # one (exchangeable) mean per draw
-        se = samples.std().item() / math.sqrt(N)
-        assert abs(samples.mean().item() - want) <= 5 * se + 1e-12, f"E w^{k} = {w.pow(k).mean()} != {want}"
+        for i, j in ((0, 0), (d - 1, n - 1)):
+            samples = Q[:, i, j].pow(k)
+            se = samples.std().item() / math.sqrt(N)
+            assert abs(samples.mean().item() - want) <= 5 * se + 1e-9, \
+                f"E w[{i},{j}]^{k} = {samples.mean().item()} != {want}"
     if d == n:
         tr = Q.diagonal(dim1=1, dim2=2).sum(-1)
         assert abs(tr.mean().item()) <= 5 / math.sqrt(N), "E tr(W) != 0"

@@ -30,6 +30,30 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor):
                                  f"{(a.cpu() - b.cpu()).abs().max().item()}"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Run on one thread: the reference's many small elementwise ops crawl when the test machine's
+    2 cores are shared and OpenMP threads wait on each other. Tests of the C++ kernel's thread split
+    ask for threads themselves (with_threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield n
+    torch.set_num_threads(n)
+
+
+def with_threads(k, fn, *args, **kwargs):
+    n = torch.get_num_threads()
+    torch.set_num_threads(k)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(n)
+
+
+def torch_ref(*args, **kwargs):
+    return R.block_randn(*args, backend="torch", **kwargs)
+
+
 def nan_out(k, m, n, device="cpu"):
     return torch.full((k, m, n), float("nan"), dtype=torch.float32, device=device)
 
@@ -67,7 +91,7 @@ def test_element_contract():
 def test_box_muller_accuracy_vs_float64():
     """The float32 log / sin / cos polynomials: within 2 ulp of the radius of a float64 Box-Muller."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randint(0, 2**32, (4, 200_000), dtype=torch.int64, generator=g)
+    x = torch.randint(0, 2**32, (4, 50_000), dtype=torch.int64, generator=g)
     x[0, :500] = torch.arange(500)                      # u at its smallest (the tail)
     x[0, 500:1000] = 2**32 - 1 - torch.arange(500)      # u -> 1, r -> 0
     x[1, :1024] = torch.arange(1024) * 2**22 + 2**21 - 256 * (torch.arange(1024) % 3)  # octant edges
@@ -107,12 +131,12 @@ def test_block_independence(backend, shape):
 
 def test_torch_backend_chunking(monkeypatch):
     """The reference's internal chunk size (several blocks per chunk, blocks across chunks) changes nothing."""
-    ref = R.block_randn(SEED, 11, range(6), (17, 19), backend="torch")
-    ref4 = R.block_randn(SEED, 11, range(6), (8, 10), backend="torch")
-    for chunk in (1, 7, 64):
+    ref = R.block_randn(SEED, 11, range(4), (7, 9), backend="torch")
+    ref4 = R.block_randn(SEED, 11, range(4), (8, 10), backend="torch")
+    for chunk in (5, 64):
         monkeypatch.setattr(R, "_TORCH_CHUNK_QUADS", chunk)
-        assert_bitwise(R.block_randn(SEED, 11, range(6), (17, 19), backend="torch"), ref)
-        assert_bitwise(R.block_randn(SEED, 11, range(6), (8, 10), backend="torch"), ref4)
+        assert_bitwise(R.block_randn(SEED, 11, range(4), (7, 9), backend="torch"), ref)
+        assert_bitwise(R.block_randn(SEED, 11, range(4), (8, 10), backend="torch"), ref4)
 
 
 @needs_cpp
@@ -120,13 +144,13 @@ def test_torch_backend_chunking(monkeypatch):
     (SEED, 99, [0, 1, 2**40 + 5, 2**63 - 1], (17, 33)),
     (0, 0, range(3), (1, 1)),
     (2**64 - 1, 2**32 - 1, [5, 2**32, 2**32 - 1], (5, 3)),
-    (1234, 7, range(3), (200, 401)),   # 20,050 quads per block: split over threads inside a block
-    (98765, 2, range(40), (64, 128)),  # many blocks per thread range
+    (1234, 7, range(2), (100, 701)),   # 17,525 quads per block: split over threads inside a block
+    (98765, 2, range(17), (64, 129)),  # several blocks per thread, partial tiles at each block's end
 ])
 def test_cpp_matches_torch_bitwise(seed, stream, ids, shape):
-    ref = R.block_randn(seed, stream, ids, shape, backend="torch")
+    ref = torch_ref(seed, stream, ids, shape)
     out = nan_out(len(ids), *shape)
-    got = R.block_randn(seed, stream, ids, shape, out=out, backend="cpp-cpu")
+    got = with_threads(2, R.block_randn, seed, stream, ids, shape, out=out, backend="cpp-cpu")
     assert got is out
     assert_bitwise(got, ref)
 
@@ -148,7 +172,7 @@ def test_cpp_isa_variants_bitwise(isa, monkeypatch):
     """The baseline, AVX2+FMA and AVX-512 builds of the hot loop agree bit for bit (no FMA contraction)."""
     if not _isa_available(isa):
         pytest.skip(f"CPU lacks {isa}")
-    ref = R.block_randn(SEED, 5, range(7), (33, 65), backend="torch")
+    ref = torch_ref(SEED, 5, range(7), (33, 65))
     monkeypatch.setenv("CONDINIT_RANDN_ISA", isa)
     assert_bitwise(R.block_randn(SEED, 5, range(7), (33, 65), backend="cpp-cpu"), ref)
 
@@ -197,10 +221,10 @@ def _sample(backend, n_blocks=16, shape=(125, 500), seed=SEED, stream=0):
     return R.block_randn(seed, stream, range(n_blocks), shape, backend=backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_moments_and_ks(backend):
+def test_moments_and_ks():
+    # the automatic backend (the backends agree bit for bit, tested above)
     scipy_stats = pytest.importorskip("scipy.stats")
-    z = _sample(backend).double().reshape(-1)          # 10^6 samples
+    z = _sample(None).double().reshape(-1)             # 10^6 samples
     N = z.numel()
     mean, var = z.mean().item(), z.var().item()
     c = z - mean
@@ -231,13 +255,13 @@ def test_no_correlation_between_blocks_streams_seeds_lanes():
     shape = (250, 400)   # 10^5 per block
     N = shape[0] * shape[1]
     lim = 5 / math.sqrt(N)
-    blocks = R.block_randn(SEED, 0, range(3), shape, backend="torch")
+    blocks = R.block_randn(SEED, 0, range(3), shape, backend=None)
     assert abs(_corr(blocks[0], blocks[1])) < lim and abs(_corr(blocks[1], blocks[2])) < lim
-    s1 = R.block_randn(SEED, 1, [0], shape, backend="torch")
+    s1 = R.block_randn(SEED, 1, [0], shape, backend=None)
     assert abs(_corr(blocks[0], s1)) < lim
-    seed1 = R.block_randn(SEED + 1, 0, [0], shape, backend="torch")
+    seed1 = R.block_randn(SEED + 1, 0, [0], shape, backend=None)
     assert abs(_corr(blocks[0], seed1)) < lim
-    seed_hi = R.block_randn(SEED + 2**32, 0, [0], shape, backend="torch")
+    seed_hi = R.block_randn(SEED + 2**32, 0, [0], shape, backend=None)
     assert abs(_corr(blocks[0], seed_hi)) < lim
     q = blocks[0].reshape(-1, 4)
     lim4 = 5 / math.sqrt(N / 4)

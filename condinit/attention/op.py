@@ -15,7 +15,6 @@ with several probes, differentiable in all six inputs).
 
 Math and conventions: DESIGN.md section 3 and :mod:`condinit.attention.reference`.
 """
-from __future__ import annotations
 
 import math
 import numbers

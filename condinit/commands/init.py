@@ -7,7 +7,8 @@ The model (a preset of :mod:`condinit.models.presets`, or any Hugging Face ``con
 on the meta device, materialized on ``--device`` with its own init for everything but Q/K/V, and
 conditioned by :func:`condinit.apply` (no second full-size copy). The output is written atomically
 (nothing is left behind on error) with a ``condinit`` header entry (family, head counts, where each
-layer's Q/K/V live) that ``condinit inspect`` reads.
+layer's Q/K/V live) that ``condinit inspect`` reads. ``--seed`` seeds both condinit's counter-based
+generator and torch's (the model's own init of the other weights), so the whole file is reproducible.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def run(args) -> int:
     preset = None if config is not None else (args.preset or "tiny-llama")
 
     t0 = time.perf_counter()
+    # --seed also seeds torch's generator, which the model's own init of the other weights draws
+    # from: the whole file is reproducible, not only the attention weights.
+    torch.manual_seed(args.seed % 2 ** 63)
     model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta")
     report = apply(model, seed=args.seed, method=args.method, v_mode=args.v_mode, device=args.device,
                    progress=not args.quiet and sys.stderr.isatty())
@@ -67,9 +71,9 @@ def run(args) -> int:
     if args.quiet:
         print(out)
         return 0
-    from rich.console import Console
+    from condinit.models.apply import wide_console
 
-    con = Console()
+    con = wide_console()
     report.print(con, max_rows=args.max_rows)
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     con.print(f"wrote {out}: {preset or os.path.basename(args.config)} ({family}), {n / 1e6:.1f}M parameters, "

@@ -121,7 +121,7 @@ def run(args) -> int:
 
         print(json.dumps({"file": args.file, "metadata": meta, "layers": rows}, indent=1))
         return 0
-    from rich.console import Console
+    from condinit.models.apply import wide_console
     from rich.table import Table
 
     t = Table(title=f"{args.file}: κ = σmax/σmin per head, min / median / max over heads"
@@ -131,7 +131,7 @@ def run(args) -> int:
     for r in rows:
         t.add_row(str(r["layer"]), r["name"], f"{r['num_heads']}/{r['num_kv_heads']}x{r['head_dim']}",
                   *("/".join(f"{v:.4g}" for v in _stats(r[p]["cond_per_head"])) for p in ("q", "k", "v")))
-    con = Console()
+    con = wide_console()
     con.print(t)
     if args.plot is not None:
         con.print(f"wrote {os.path.abspath(args.plot)}")

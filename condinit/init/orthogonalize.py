@@ -293,14 +293,18 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     m, n = block_shape
     device = torch.device(device)
     C = chunk_blocks(m, n, device.type, memory_budget)
-    # LAPACK-based methods factor block by block on the CPU: no padding needed there.
-    pad = not (device.type == "cpu" and method in ("householder", "svd"))
-    size = C if pad else min(C, num_blocks)
-    A = torch.empty((size, m, n), dtype=torch.float32, device=device)
-    S = torch.empty_like(A) if method in ("cholqr2", "polar") else None
+    # Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
+    # goes through a multithreaded GEMM). Measured on CPU (MKL): every batch size >= 2 gives the same
+    # per-block bits, so CPU chunks are padded to 2 blocks only; elsewhere every chunk is padded to C.
+    cpu = device.type == "cpu"
+    A_full = torch.empty((min(C, max(2, num_blocks)) if cpu else C, m, n), dtype=torch.float32, device=device)
+    S_full = torch.empty_like(A_full) if method in ("cholqr2", "polar") else None
     for start in range(0, num_blocks, C):
         stop = min(num_blocks, start + C)
         k = stop - start
+        size = max(2, k) if cpu else C
+        A = A_full[:size]
+        S = S_full[:size] if S_full is not None else None
         fill(start, stop, A[:k])
         if k < size:  # pad with copies of a real block; their results are discarded
             A[k:].copy_(A[k - 1:k].expand(size - k, m, n))

@@ -129,6 +129,7 @@ class AttentionSpec:
     def from_weights(cls, q_weight, k_weight, v_weight, *, num_heads: int, num_kv_heads: Optional[int] = None,
                      head_dim: Optional[int] = None, q_bias=None, k_bias=None, v_bias=None) -> "AttentionSpec":
         """Spec for three separate ``[out, in]`` weight tensors (and optional biases)."""
+        _check_heads(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         head_dim = _head_dim(q_weight.shape[0], num_heads, head_dim)
         if num_kv_heads is None:
             if k_weight.shape[0] % head_dim:
@@ -147,6 +148,7 @@ class AttentionSpec:
 
         ``weight`` is ``[(H + 2 H_kv) d, in]`` (``[in, ...]`` when ``transposed``).
         """
+        _check_heads(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         total = weight.shape[1] if transposed else weight.shape[0]
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
@@ -164,6 +166,12 @@ class AttentionSpec:
             projs[name] = Projection(weight, at, at + sizes[name], transposed, bias)
             at += sizes[name]
         return cls(projs["q"], projs["k"], projs["v"], num_heads, num_kv_heads, head_dim)
+
+
+def _check_heads(**vals):
+    for name, val in vals.items():
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"AttentionSpec: {name} must be a positive int, got {val!r}")
 
 
 def _head_dim(rows: int, num_heads: int, head_dim: Optional[int]) -> int:

@@ -226,17 +226,25 @@ class ApplyReport:
         return t
 
     def print(self, console=None, max_rows: Optional[int] = None):
-        from rich.console import Console
-
-        (console or Console()).print(self.table(max_rows))
+        (console or wide_console()).print(self.table(max_rows))
 
     def __str__(self):
-        from rich.console import Console
-
-        con = Console(width=160, force_terminal=False)
+        con = wide_console(force_width=True)
         with con.capture() as cap:
             con.print(self.table())
         return cap.get()
+
+
+def wide_console(force_width: bool = False):
+    """A rich Console; when output is not a terminal (a pipe, a file, a test) it is 200 columns wide
+    instead of rich's 80, so that tables keep full module names."""
+    import sys
+
+    from rich.console import Console
+
+    if force_width or not sys.stdout.isatty():
+        return Console(width=200)
+    return Console()
 
 
 def _fmt(s: Optional[BlockStats]) -> str:

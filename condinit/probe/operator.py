@@ -36,7 +36,14 @@ work on their orthogonal complement:
   ``dX_b = 1 u^T`` with ``u`` in ``null([W_Q; W_V])`` (they move every key of sequence ``b`` alike);
   ``"weights"``: rows of ``dW`` in ``null(X)`` (``X`` stacked over the batch, ``[B N, D]``), and the
   key shifts ``dW_K = c w^T`` when ``X w = 1`` is solvable (``1`` in ``range(X)``, e.g. a constant
-  feature, LayerNorm with affine parameters) -- both detected numerically from ``X``'s SVD.
+  feature, LayerNorm with affine parameters) -- both detected numerically from ``X``'s SVD -- and
+  the Q/K gauge ``dW_Q,h = E W_Q,h`` (every query head ``h`` of group ``g``), ``dW_K,g = -E^T W_K,g``
+  for ``d x d`` matrices ``E`` with ``E b_Q,h = 0`` (any ``E``, with ``dW_Q,h = E (W_Q,h + b_Q,h w^T)``,
+  when ``X w = 1``) (``Q K^T`` is invariant under ``Q -> Q A^T``,
+  ``K -> K A^{-1}``; up to ``Hkv d^2`` directions). The gauge is projected out exactly by solving a
+  ``d x d`` Sylvester equation per key/value head (eigendecompositions, no ``n x n`` matrix).
+  (For ``"qkv"`` the same gauge ``dQ = Q E^T, dK = -K E`` exists; it is not projected, which
+  changes nothing there since that Jacobian is wide: see :mod:`condinit.probe.estimators`.)
 * output side (``u`` with ``J^T u = 0``): with ``causal`` and ``H > Hkv``, the first query attends
   only the first key, so its output is ``v_0`` for every query head of a group; the differences
   between those heads (``B Hkv (G - 1) d`` directions) are never reached. (Not tracked with
@@ -262,6 +269,7 @@ class JacobianOperator:
     def _primal(self):
         """(q, k, v, out, lse) at the linearization point; computed once, no graph."""
         if self._primals is None:
+            import condinit.attention.op  # noqa: F401  (registers torch.ops.condinit.attention_*)
             with torch.no_grad():
                 if self._qkv_given is not None:
                     q, k, v = self._qkv_given
@@ -454,7 +462,7 @@ class JacobianOperator:
             rank = int((s > rtol * smax).sum()) if smax > 0 else 0
             z = vh[rank:].t()                                  # [D, D - rank]
             self._z_row = z.to(self.dtype)
-            self._w_shift = None
+            self._w_shift = self._w_raw = None
             if z.shape[1]:
                 k = (self.H + 2 * self.Hkv) * self.d * z.shape[1]
                 info["right_dims"] += k
@@ -468,11 +476,16 @@ class JacobianOperator:
                 res = float(torch.linalg.vector_norm(xa @ w - ones)) / math.sqrt(xa.shape[0])
                 if res < max(rtol, 1e-14) * 100:
                     self._w_shift = (w / torch.linalg.vector_norm(w)).to(self.dtype)
+                    self._w_raw = w
                     k = self.Hkv * self.d
                     info["right_dims"] += k
                     info["right"].append(f"key shifts dW_K = c w^T with X w = 1 (1 in range(X), residual "
                                          f"{res:.1e}): Hkv*d = {k} dims")
             info["x_rank"] = rank
+            k = self._setup_gauge()
+            if k:
+                info["right_dims"] += k
+                info["right"].append(f"Q/K gauge dW_Q,h = E W_Q,h, dW_K,g = -E^T W_K,g (E b_Q,h = 0 unless X w = 1): {k} dims")
         if self.causal and self.G > 1 and self._wo is None:
             k = self.B * self.Hkv * (self.G - 1) * self.d
             info["left_dims"] = k
@@ -482,6 +495,59 @@ class JacobianOperator:
             info["left"].append("causal GQA with W_O: the first query's unreachable directions are not tracked "
                                 "(expect a rank-deficient report)")
         return info
+
+    def _setup_gauge(self) -> int:
+        """Eigendecompositions for the gauge projection, on the weights as seen through the other
+        (already projected) input-side nulls; returns the gauge's dimension."""
+        f64 = torch.float64
+        Hkv, G, d, D = self.Hkv, self.G, self.d, self.D
+        eye = torch.eye(D, dtype=f64, device=self.device)
+        z = self._z_row.to(f64)
+        pi_q = eye - z @ z.t()
+        pi_k = pi_q.clone()
+        if self._w_shift is not None:
+            w = self._w_shift.to(f64)
+            pi_k = pi_k - torch.outer(w, w)
+        wq = self.Wq.to(f64)
+        if self._w_raw is not None and self.bq is not None:
+            # X w = 1: the bias is a weight column, dW_Q = E (W_Q + b_Q w^T) gives Q' = Q E^T exactly
+            wq = wq + torch.outer(self.bq.to(f64), self._w_raw)
+        wq = (wq @ pi_q).reshape(Hkv, G, d, D)                        # W~_Q per group
+        wk = (self.Wk.to(f64) @ pi_k).reshape(Hkv, d, D)
+        A = torch.einsum("gjdD,gjeD->gde", wq, wq)                   # sum_h W~_Q,h W~_Q,h^T
+        C = wk @ wk.transpose(-1, -2)
+        # E restricted to E b_Q,h = 0: Pi = I - projector onto span{b_Q,h : h in g}
+        pi = torch.eye(d, dtype=f64, device=self.device).expand(Hkv, d, d).clone()
+        if self.bq is not None and self._w_raw is None:
+            bq = self.bq.to(f64).reshape(Hkv, G, d).transpose(-1, -2)  # [Hkv, d, G]
+            for g in range(Hkv):
+                basis = _orth(bq[g]) if float(bq[g].abs().max()) > 0 else bq[g][:, :0]
+                pi[g] -= basis @ basis.t()
+        shift = 1.0 + float(A.abs().max()) + float(C.abs().max())
+        # bias directions get eigenvalue -shift, separating them from A's own null directions
+        la, ua = torch.linalg.eigh(pi @ A @ pi - shift * (torch.eye(d, dtype=f64, device=self.device) - pi))
+        lc, uc = torch.linalg.eigh(C)
+        den = lc.unsqueeze(-1) + la.unsqueeze(-2)                     # [Hkv, d, d]
+        keep = (la > -shift / 2).unsqueeze(-2) & (den > 1e-12 * max(float(la.max()), float(lc.max()), 1e-300))
+        inv = torch.where(keep, 1.0 / torch.where(keep, den, torch.ones_like(den)), torch.zeros_like(den))
+        cd = self.dtype
+        self._gauge = (wq.to(cd), wk.to(cd), pi.to(cd), ua.to(cd), uc.to(cd), inv.to(cd))
+        return int(keep.sum())
+
+    def _project_gauge(self, tq: Tensor, tk: Tensor) -> tuple[Tensor, Tensor]:
+        """Remove the gauge component: t -= N (N^T N)^+ N^T t, N E = (E W~_Q,h, -E^T W~_K,g)."""
+        wq, wk, pi, ua, uc, inv = self._gauge
+        Hkv, G, d, D = self.Hkv, self.G, self.d, self.D
+        lead = tq.shape[:-2]
+        TQ = tq.reshape(*lead, Hkv, G, d, D)
+        TK = tk.reshape(*lead, Hkv, d, D)
+        R = torch.einsum("...gjdD,gjeD->...gde", TQ, wq) - torch.einsum("gdD,...geD->...gde", wk, TK)
+        R = R @ pi
+        F = uc @ ((uc.transpose(-1, -2) @ R @ ua) * inv) @ ua.transpose(-1, -2)
+        E = F @ pi                                                      # solves E Pi A Pi + C E = R Pi
+        TQ = TQ - torch.einsum("...gde,gjeD->...gjdD", E, wq)
+        TK = TK + torch.einsum("...ged,geD->...gdD", E, wk)
+        return TQ.reshape(tq.shape), TK.reshape(tk.shape)
 
     @staticmethod
     def _null_basis(w: Tensor, rtol: float) -> Tensor:
@@ -525,6 +591,7 @@ class JacobianOperator:
             if self._w_shift is not None:
                 w = self._w_shift
                 parts[1] = parts[1] - (parts[1] @ w).unsqueeze(-1) * w
+            parts[0], parts[1] = self._project_gauge(parts[0], parts[1])
         lead = T.shape[:-1]
         return torch.cat([p.reshape(*lead, -1) for p in parts], dim=-1)
 

@@ -21,6 +21,10 @@
 #include <cstring>
 #include <string>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #elif defined(__SSE2__)
@@ -235,6 +239,23 @@ Kernels pick_kernels() {
   return {run_default, tile_default};
 }
 
+// A freshly allocated output is mostly first-touch page faults: with transparent huge pages in
+// "madvise" mode (a common default) ask for 2 MiB pages over the buffer's aligned interior, which
+// makes the faults 512x fewer. Only a hint: errors (e.g. memory that is not anonymous) are ignored,
+// and pages already touched stay as they are.
+void advise_huge_pages(void* ptr, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (bytes < 4 * kHuge) return;
+  const uintptr_t begin = ((uintptr_t)ptr + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = ((uintptr_t)ptr + bytes) & ~(kHuge - 1);
+  if (end > begin) (void)madvise((void*)begin, end - begin, MADV_HUGEPAGE);
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
+}
+
 void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at::Tensor& block_ids,
                       int64_t m, int64_t n, at::Tensor& out) {
   constexpr int64_t kU32 = int64_t(1) << 32;
@@ -257,6 +278,7 @@ void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at
   const int64_t* gid = ids.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(gid[b] >= 0, "philox_randn: block_ids must be >= 0");
   float* dst = out.data_ptr<float>();
+  advise_huge_pages(dst, out.numel() * sizeof(float));
   const Kernels kern = pick_kernels();
   const uint32_t k0 = (uint32_t)seed_lo, k1 = (uint32_t)seed_hi, s = (uint32_t)stream;
 

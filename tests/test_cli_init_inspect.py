@@ -1,0 +1,202 @@
+"""``condinit init`` and ``condinit inspect`` end to end (through ``condinit.cli.main``), and bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from condinit.cli import main
+
+pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _listing(d):
+    return sorted(os.listdir(d))
+
+
+GPT2_CONFIG = {"model_type": "gpt2", "n_embd": 48, "n_layer": 2, "n_head": 4, "vocab_size": 101, "n_positions": 32,
+               "architectures": ["GPT2LMHeadModel"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("init")
+    out = d / "tiny.safetensors"
+    assert main(["init", "--preset", "tiny-llama", "--seed", "3", "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_init_tiny_llama_writes_conditioned_checkpoint(tiny_llama, tmp_path, capsys):
+    assert _listing(tiny_llama.parent) == ["tiny.safetensors"]  # no temporary file left
+    with safe_open(str(tiny_llama), "pt") as fh:
+        meta = json.loads(fh.metadata()["condinit"])
+    assert meta["family"] == "llama" and meta["num_heads"] == 8 and meta["num_kv_heads"] == 4
+    assert meta["head_dim"] == 32 and meta["seed"] == 3 and len(meta["layers"]) == 4
+    sd = load_file(str(tiny_llama))
+    # tied embeddings written once
+    assert ("lm_head.weight" in sd) != ("model.embed_tokens.weight" in sd)
+    for L in range(4):
+        q = sd[f"model.layers.{L}.self_attn.q_proj.weight"].reshape(8, 32, 256)
+        k = sd[f"model.layers.{L}.self_attn.k_proj.weight"].reshape(4, 32, 256)
+        for w in (q, k):
+            assert (w @ w.transpose(1, 2) - torch.eye(32)).abs().max() <= 1e-5
+        v = sd[f"model.layers.{L}.self_attn.v_proj.weight"]
+        assert torch.equal(v, torch.eye(128, 256))
+    # the file loads back into the model class and runs
+    from condinit.models.presets import build_model
+    from safetensors.torch import load_model
+
+    model, _ = build_model("tiny-llama", device="cpu")
+    load_model(model, str(tiny_llama), strict=True)
+    ids = torch.randint(0, 4096, (1, 8))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    # same seed, same tensors (torch's generator is seeded too; safetensors' header order is not
+    # reproducible, its content is); the table is printed without --quiet
+    again = tmp_path / "again.safetensors"
+    rc, out, _ = _run(capsys, "init", "--preset", "tiny-llama", "--seed", "3", "--out", str(again))
+    assert rc == 0 and "model.layers.3.self_attn" in out and "wrote" in out
+    sd2 = load_file(str(again))
+    assert sd2.keys() == sd.keys() and all(torch.equal(sd2[k], sd[k]) for k in sd)
+    with safe_open(str(again), "pt") as fh:
+        assert json.loads(fh.metadata()["condinit"]) == meta
+
+
+def test_inspect_reads_metadata_and_plots(tiny_llama, tmp_path, capsys):
+    plot = tmp_path / "cond.png"
+    rc, out, err = _run(capsys, "inspect", str(tiny_llama), "--plot", str(plot))
+    assert rc == 0, err
+    assert "model.layers.0.self_attn" in out and "8/4x32" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and _listing(tmp_path) == ["cond.png"]
+    rc, out, _ = _run(capsys, "inspect", str(tiny_llama), "--json")
+    data = json.loads(out)
+    assert len(data["layers"]) == 4
+    for layer in data["layers"]:
+        for p in "qk":
+            assert max(abs(c - 1) for c in layer[p]["cond_per_head"]) < 1e-4
+        assert layer["v"]["cond_per_head"] == [1.0] * 4
+
+
+def test_config_gpt2_bf16_and_inspect_without_metadata(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(GPT2_CONFIG))
+    out = tmp_path / "gpt2.safetensors"
+    rc, _, err = _run(capsys, "init", "--config", str(cfg), "--dtype", "bf16", "--out", str(out), "--quiet")
+    assert rc == 0, err
+    sd = load_file(str(out))
+    w = sd["transformer.h.1.attn.c_attn.weight"]  # Conv1D: [in, 3E]
+    assert w.dtype == torch.bfloat16 and w.shape == (48, 144)
+    assert torch.equal(w[:, 96:].t().float(), torch.eye(48))
+    assert torch.count_nonzero(sd["transformer.h.1.attn.c_attn.bias"]) == 0
+    rc, text, _ = _run(capsys, "inspect", str(out), "--json")
+    conds = json.loads(text)["layers"][0]["q"]["cond_per_head"]
+    assert len(conds) == 4 and max(conds) < 1.05  # bf16 rounding moves kappa off 1 a little
+    # without the condinit header: names are enough, head counts come from the options
+    bare = tmp_path / "bare.safetensors"
+    save_file(sd, str(bare))
+    rc, _, err = _run(capsys, "inspect", str(bare))
+    assert rc == 2 and "--num-heads" in err
+    rc, text, err = _run(capsys, "inspect", str(bare), "--num-heads", "4", "--json")
+    assert rc == 0, err
+    layers = json.loads(text)["layers"]
+    assert [l["name"] for l in layers] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert layers[1]["head_dim"] == 12 and max(layers[1]["k"]["cond_per_head"]) < 1.05
+
+
+def test_inspect_finds_separate_projections_by_name(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    sd = {f"enc.{i}.attn.{p}.weight": torch.randn(rows, 20, generator=g)
+          for i in range(2) for p, rows in (("query", 20), ("key", 10), ("value", 10))}
+    f = tmp_path / "plain.safetensors"
+    save_file(sd, str(f))
+    rc, text, err = _run(capsys, "inspect", str(f), "--num-heads", "4", "--head-dim", "5", "--json")
+    assert rc == 0, err
+    layers = json.loads(text)["layers"]
+    assert len(layers) == 2 and layers[0]["num_kv_heads"] == 2
+    blocks = sd["enc.0.attn.query.weight"].double().reshape(4, 5, 20)
+    s = torch.linalg.svdvals(blocks)
+    assert layers[0]["q"]["cond_per_head"] == pytest.approx((s[:, 0] / s[:, -1]).tolist(), rel=1e-9)
+
+
+def test_init_bad_inputs_leave_nothing_behind(tmp_path, capsys):
+    before = _listing(tmp_path)
+    rc, _, err = _run(capsys, "init", "--preset", "llama-7t", "--out", str(tmp_path / "x.safetensors"))
+    assert rc == 2 and "unknown preset 'llama-7t'" in err and "tiny-llama" in err
+    rc, _, err = _run(capsys, "init", "--out", str(tmp_path / "missing" / "x.safetensors"))
+    assert rc == 2 and "does not exist" in err
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    rc, _, err = _run(capsys, "init", "--out", str(afile / "x.safetensors"))
+    assert rc == 2 and "not a directory" in err
+    rc, _, err = _run(capsys, "init", "--out", str(tmp_path))
+    assert rc == 2 and "is a directory" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    rc, _, err = _run(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
+    assert rc == 2 and "not readable JSON" in err
+    bad.write_text(json.dumps({"model_type": "no-such-model"}))
+    rc, _, err = _run(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
+    assert rc == 2 and "no-such-model" in err
+    assert _listing(tmp_path) == sorted(before + ["afile", "bad.json"])
+
+
+def test_init_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import safetensors.torch as st
+
+    def broken(model, filename, metadata=None, force_contiguous=False):
+        with open(filename, "wb") as fh:
+            fh.write(b"partial")
+        raise ValueError("disk full (simulated)")
+
+    monkeypatch.setattr(st, "save_model", broken)
+    rc, _, err = _run(capsys, "init", "--out", str(tmp_path / "x.safetensors"))
+    assert rc == 2 and "disk full" in err
+    assert _listing(tmp_path) == []
+
+
+def test_inspect_bad_inputs(tmp_path, tiny_llama, capsys):
+    pt = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    rc, _, err = _run(capsys, "inspect", str(pt))
+    assert rc == 2 and "never unpickles" in err
+    pkl = tmp_path / "model.safetensors"  # a pickle with a safetensors name: caught by content
+    import pickle
+    pkl.write_bytes(pickle.dumps({"w": 1}))
+    rc, _, err = _run(capsys, "inspect", str(pkl))
+    assert rc == 2 and "pickle" in err
+    zipped = tmp_path / "zip.safetensors"
+    zipped.write_bytes(pt.read_bytes())
+    rc, _, err = _run(capsys, "inspect", str(zipped))
+    assert rc == 2 and "zip" in err
+    data = tiny_llama.read_bytes()
+    trunc = tmp_path / "trunc.safetensors"
+    trunc.write_bytes(data[: len(data) // 2])
+    rc, _, err = _run(capsys, "inspect", str(trunc))
+    assert rc == 2 and "truncated" in err
+    trunc.write_bytes(data[:5])
+    rc, _, err = _run(capsys, "inspect", str(trunc))
+    assert rc == 2 and "too short" in err
+    rc, _, err = _run(capsys, "inspect", str(tmp_path / "nope.safetensors"))
+    assert rc == 2 and "does not exist" in err
+    empty = tmp_path / "empty.safetensors"
+    save_file({"mlp.weight": torch.ones(3, 3)}, str(empty))
+    rc, _, err = _run(capsys, "inspect", str(empty), "--num-heads", "1")
+    assert rc == 2 and "no attention weights" in err
+    listing = _listing(tmp_path)
+    rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--plot", str(tmp_path / "no" / "p.png"))
+    assert rc == 2 and "does not exist" in err
+    rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--num-heads", "0")
+    assert rc == 2 and "--num-heads" in err
+    rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--num-heads", "3")
+    assert rc == 2 and "3 heads" in err
+    assert _listing(tmp_path) == listing

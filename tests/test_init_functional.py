@@ -1,0 +1,230 @@
+"""semi_orthogonal_, rect_identity_, conditioned_init_, conditioned_init_layers_, conditioned_blocks:
+per-head orthonormality, V identity, GQA, determinism under re-chunking / per-layer calls / sharding,
+generator semantics, storage dtypes and strides, meta no-op, bad input leaving tensors untouched."""
+import pytest
+import torch
+
+import condinit
+from condinit.init import (conditioned_blocks, conditioned_init_, conditioned_init_layers_, rect_identity_,
+                           semi_orthogonal_)
+from condinit.init.random import stream_id
+
+
+def rows_err(W: torch.Tensor) -> float:
+    W = W.double()
+    return (W @ W.transpose(-1, -2) - torch.eye(W.shape[-2], dtype=torch.float64)).abs().max().item()
+
+
+def cols_err(W: torch.Tensor) -> float:
+    return rows_err(W.transpose(-1, -2))
+
+
+def test_public_names():
+    for name in ("orthogonalize", "semi_orthogonal_", "rect_identity_", "conditioned_init_",
+                 "conditioned_init_layers_", "spectrum", "recondition_"):
+        assert callable(getattr(condinit, name))
+
+
+@pytest.mark.parametrize("method", ["auto", "householder", "cholqr2", "polar", "svd"])
+def test_semi_orthogonal_per_head(method):
+    w = torch.empty(3 * 16, 77)
+    assert semi_orthogonal_(w, head_dim=16, seed=3, method=method) is w
+    assert rows_err(w.view(3, 16, 77)) <= 1e-5
+    # whole matrix, and head_dim > cols: orthonormal columns per head
+    w2 = torch.empty(40, 17)
+    semi_orthogonal_(w2, head_dim=20, seed=3, method=method)
+    assert cols_err(w2.view(2, 20, 17)) <= 1e-5
+    w3 = torch.empty(17, 40)
+    semi_orthogonal_(w3, seed=3, method=method)
+    assert rows_err(w3) <= 1e-5
+
+
+def test_semi_orthogonal_gain_streams_and_determinism():
+    a, b, c = torch.empty(32, 50), torch.empty(32, 50), torch.empty(32, 50)
+    semi_orthogonal_(a, head_dim=8, seed=11)
+    semi_orthogonal_(b, head_dim=8, seed=11, gain=2.5)
+    semi_orthogonal_(c, head_dim=8, seed=11, stream="other")
+    torch.testing.assert_close(b, 2.5 * a, atol=1e-6, rtol=0)
+    assert not torch.allclose(a, c)
+    # block index = head index: head h equals block h of the same stream
+    ref = conditioned_blocks(11, "semi_orthogonal", range(4), (8, 50))
+    assert torch.equal(a.view(4, 8, 50), ref)
+
+
+def test_generator_semantics():
+    w1, w2, w3 = torch.empty(16, 40), torch.empty(16, 40), torch.empty(16, 40)
+    torch.manual_seed(123)
+    semi_orthogonal_(w1, head_dim=4)
+    torch.manual_seed(123)
+    semi_orthogonal_(w2, head_dim=4)
+    semi_orthogonal_(w3, head_dim=4)            # the default generator advanced: new draw
+    assert torch.equal(w1, w2) and not torch.equal(w2, w3)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a, b = torch.empty(16, 40), torch.empty(16, 40)
+    semi_orthogonal_(a, generator=g1)
+    semi_orthogonal_(b, generator=g2)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_storage_dtype_and_strides(dtype):
+    ref = semi_orthogonal_(torch.empty(24, 60), head_dim=8, seed=1)
+    w = semi_orthogonal_(torch.empty(24, 60, dtype=dtype), head_dim=8, seed=1)
+    assert w.dtype == dtype
+    assert torch.equal(w, ref.to(dtype))              # rounded once from the fp32 result
+    t = torch.empty(60, 24, dtype=dtype).t()          # non-contiguous nn.Linear-shaped weight
+    semi_orthogonal_(t, head_dim=8, seed=1)
+    assert t.stride() == (1, 24) and torch.equal(t, ref.to(dtype))
+    conv = torch.empty(8, 3, 5, 4)                    # trailing dims flattened like nn.init.orthogonal_
+    semi_orthogonal_(conv, seed=2)
+    assert rows_err(conv.view(8, -1)) <= 1e-5
+    nv = torch.empty(3, 5, 4, 8).permute(3, 0, 1, 2)  # not viewable as [8, 60]: written back by copy
+    semi_orthogonal_(nv, seed=2)
+    assert torch.equal(nv, conv)
+
+
+def test_rect_identity():
+    w = torch.randn(48, 20)
+    rect_identity_(w)
+    assert torch.equal(w, torch.eye(48, 20))
+    rect_identity_(w, head_dim=16, per_head=True)
+    assert torch.equal(w, torch.eye(16, 20).repeat(3, 1))
+    t = torch.randn(20, 48).t()
+    rect_identity_(t)
+    assert torch.equal(t, torch.eye(48, 20)) and t.stride() == (1, 48)
+    b = torch.randn(6, 10, dtype=torch.bfloat16)
+    assert torch.equal(rect_identity_(b), torch.eye(6, 10, dtype=torch.bfloat16))
+
+
+def _layer(H, Hkv, d, D, dtype=torch.float32, bias=True):
+    g = torch.Generator().manual_seed(H * 1000 + D)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731 (never zeros: must be overwritten)
+    out = {"q": mk(H * d, D), "k": mk(Hkv * d, D), "v": mk(Hkv * d, D)}
+    if bias:
+        out.update(q_bias=mk(H * d), k_bias=mk(Hkv * d), v_bias=mk(Hkv * d))
+    return out
+
+
+@pytest.mark.parametrize("H,Hkv,d,D", [(4, 4, 8, 40), (6, 2, 5, 33), (8, 1, 4, 32), (2, 1, 24, 16)])
+def test_conditioned_init_layer(H, Hkv, d, D):
+    L = _layer(H, Hkv, d, D)
+    conditioned_init_(L["q"], L["k"], L["v"], num_heads=H, num_kv_heads=Hkv, q_bias=L["q_bias"],
+                      k_bias=L["k_bias"], v_bias=L["v_bias"], seed=9, layer_index=3)
+    check = rows_err if d <= D else cols_err
+    assert check(L["q"].view(H, d, D)) <= 1e-5
+    assert check(L["k"].view(Hkv, d, D)) <= 1e-5
+    assert torch.equal(L["v"], torch.eye(Hkv * d, D))
+    for key in ("q_bias", "k_bias", "v_bias"):
+        assert torch.equal(L[key], torch.zeros_like(L[key]))
+    # the documented block ids: Q head h of layer 3 is block 3*H + h of stream "q"
+    ref = conditioned_blocks(9, "q", range(3 * H, 4 * H), (d, D))
+    assert torch.equal(L["q"].view(H, d, D), ref)
+    refk = conditioned_blocks(9, stream_id("k"), range(3 * Hkv, 4 * Hkv), (d, D))
+    assert torch.equal(L["k"].view(Hkv, d, D), refk)
+    L2 = _layer(H, Hkv, d, D, bias=False)
+    conditioned_init_(L2["q"], L2["k"], L2["v"], num_heads=H, num_kv_heads=Hkv, seed=9, v_mode="identity_per_head")
+    assert torch.equal(L2["v"], torch.eye(d, D).repeat(Hkv, 1))
+
+
+@pytest.mark.parametrize("method", ["auto", "polar"])
+def test_layers_one_by_one_all_at_once_chunked_sharded_identical(method):
+    H, Hkv, d, D, n = 4, 2, 8, 64, 7
+    all_at_once = [_layer(H, Hkv, d, D) for _ in range(n)]
+    conditioned_init_layers_(all_at_once, num_heads=H, num_kv_heads=Hkv, seed=77, method=method)
+    for i in range(n):  # one by one
+        L = _layer(H, Hkv, d, D)
+        conditioned_init_(L["q"], L["k"], L["v"], num_heads=H, num_kv_heads=Hkv, seed=77, layer_index=i,
+                          method=method)
+        assert torch.equal(L["q"], all_at_once[i]["q"]) and torch.equal(L["k"], all_at_once[i]["k"])
+    for chunk in ([0, 1, 2], [3, 4], [5, 6]):  # chunks of layers, other order, tuples, small budgets
+        layers = [_layer(H, Hkv, d, D) for _ in chunk]
+        conditioned_init_layers_([(x["q"], x["k"], x["v"]) for x in reversed(layers)], num_heads=H,
+                                 num_kv_heads=Hkv, seed=77, layer_indices=list(reversed(chunk)),
+                                 memory_budget=3 * 4 * d * D, method=method)
+        for i, x in zip(chunk, layers):
+            assert torch.equal(x["q"], all_at_once[i]["q"]) and torch.equal(x["k"], all_at_once[i]["k"])
+    # a shard owning rows 2..5 of Q heads 1..2 of layer 5
+    blocks = conditioned_blocks(77, "q", [5 * H + 1, 5 * H + 2], (d, D), method, rows=slice(2, 6))
+    assert torch.equal(blocks, all_at_once[5]["q"].view(H, d, D)[1:3, 2:6])
+
+
+def test_same_bits_across_runs():
+    """A fresh interpreter produces the same bits for the same (seed, stream, blocks)."""
+    import hashlib
+    import subprocess
+    import sys
+    code = ("import hashlib, torch\n"
+            "from condinit.init import conditioned_blocks\n"
+            "for meth in ('householder', 'cholqr2', 'polar'):\n"
+            "    x = conditioned_blocks(2026, 'q', [0, 5, 1], (8, 32), meth)\n"
+            "    print(hashlib.sha256(x.numpy().tobytes()).hexdigest())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    here = [hashlib.sha256(conditioned_blocks(2026, "q", [0, 5, 1], (8, 32), m).numpy().tobytes()).hexdigest()
+            for m in ("householder", "cholqr2", "polar")]
+    assert out.stdout.split() == here
+    a = conditioned_blocks(2026, "q", [0, 1], (8, 32), "householder")
+    b = conditioned_blocks(2026, "q", [1, 0], (8, 32), "cholqr2")
+    torch.testing.assert_close(a, b.flip(0), atol=2e-6, rtol=0)   # same Q from QR and CholeskyQR
+
+
+def test_bf16_layers_rounded_once():
+    L32 = _layer(4, 2, 8, 48)
+    L16 = {k: v.to(torch.bfloat16) for k, v in _layer(4, 2, 8, 48).items()}
+    conditioned_init_layers_([L32], num_heads=4, num_kv_heads=2, seed=1)
+    conditioned_init_layers_([L16], num_heads=4, num_kv_heads=2, seed=1)
+    for key in ("q", "k", "v"):
+        assert L16[key].dtype == torch.bfloat16 and torch.equal(L16[key], L32[key].to(torch.bfloat16))
+
+
+def test_meta_is_noop():
+    w = torch.empty(16, 32, device="meta")
+    assert semi_orthogonal_(w, head_dim=4) is w
+    assert rect_identity_(w) is w
+    conditioned_init_(w, torch.empty(8, 32, device="meta"), torch.empty(8, 32, device="meta"),
+                      num_heads=4, num_kv_heads=2, seed=0)
+    with pytest.raises(ValueError, match="head_dim"):   # still validated
+        semi_orthogonal_(w, head_dim=5)
+
+
+def _untouched(fn, *tensors, exc=(ValueError, TypeError), match=None):
+    before = [t.clone() for t in tensors]
+    with pytest.raises(exc, match=match):
+        fn()
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+
+
+def test_bad_input_leaves_tensors_untouched():
+    w = torch.randn(12, 20)
+    _untouched(lambda: semi_orthogonal_(torch.ones(4, 4, dtype=torch.int32)), w, exc=TypeError, match="weight")
+    _untouched(lambda: semi_orthogonal_(torch.ones(4, 4, dtype=torch.complex64)), w, exc=TypeError, match="weight")
+    _untouched(lambda: semi_orthogonal_(torch.ones(4)), w, match="weight")
+    _untouched(lambda: semi_orthogonal_(torch.ones(0, 4)), w, match="zero-size")
+    _untouched(lambda: semi_orthogonal_(w, head_dim=5), w, match="head_dim")
+    _untouched(lambda: semi_orthogonal_(w, head_dim=0), w, match="head_dim")
+    _untouched(lambda: semi_orthogonal_(w, gain=0.0), w, match="gain")
+    _untouched(lambda: semi_orthogonal_(w, gain=-1.0), w, match="gain")
+    _untouched(lambda: semi_orthogonal_(w, method="qr"), w, match="method")
+    _untouched(lambda: rect_identity_(w, head_dim=7), w, match="head_dim")
+    _untouched(lambda: rect_identity_(w, per_head=True), w, match="head_dim")
+    good, bad = _layer(4, 2, 8, 32), _layer(4, 2, 8, 32)
+    tensors = list(good.values()) + list(bad.values())
+    bad_q = dict(bad, q=torch.randn(30, 32))
+    _untouched(lambda: conditioned_init_layers_([good, bad_q], num_heads=4, num_kv_heads=2, seed=0),
+               *tensors, match="num_heads")
+    _untouched(lambda: conditioned_init_layers_([good, dict(bad, k_bias=torch.randn(3))], num_heads=4,
+                                                num_kv_heads=2, seed=0), *tensors, match="k_bias")
+    _untouched(lambda: conditioned_init_layers_([good, dict(bad, v=torch.ones(16, 32, dtype=torch.int64))],
+                                                num_heads=4, num_kv_heads=2, seed=0), *tensors, exc=TypeError,
+               match="v")
+    _untouched(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=3, seed=0), *tensors,
+               match="num_kv_heads")
+    _untouched(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=2, v_mode="eye", seed=0),
+               *tensors, match="v_mode")
+    _untouched(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=2, method="lu", seed=0),
+               *tensors, match="method")
+    _untouched(lambda: conditioned_init_layers_([good, bad], num_heads=4, num_kv_heads=2, layer_indices=[0],
+                                                seed=0), *tensors, match="layer_indices")
+    _untouched(lambda: conditioned_init_(good["q"], good["k"], good["v"], num_heads=4, num_kv_heads=2,
+                                         layer_index=-1, seed=0), *tensors, match="layer_index")
