@@ -141,7 +141,7 @@ def test_fp32_against_float64_naive(B, H, Hkv, Nq, Nk, d, P, causal, rng):
     check_against_naive(*x, causal, 1.0 / math.sqrt(d), torch.float32, rng)
 
 
-@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,d,P,causal", [GRID[2], GRID[3], (1, 4, 1, 40, 23, 16, 2, True)])
+@pytest.mark.parametrize("B,H,Hkv,Nq,Nk,d,P,causal", [GRID[2], (1, 4, 1, 40, 23, 16, 2, True)])
 def test_float64_reference_is_exact(B, H, Hkv, Nq, Nk, d, P, causal, rng):
     x = make_inputs(B, H, Hkv, Nq, Nk, d, P, F64, rng)
     check_against_naive(*x, causal, 0.3, F64, rng, backend="torch")
@@ -287,6 +287,18 @@ def test_func_vjp_jacfwd_jacrev(small, causal):
         J = transform(_ours(causal), argnums=(0, 1, 2))(q, k, v)
         for a, b in zip(J, J_ref):
             assert rel_err(a, b) < 1e-12, transform.__name__
+
+
+def test_double_backward_of_attention(small):
+    """Second order through the flash VJP (Hessian-vector products): the bwd op is differentiable."""
+    q, k, v, *_ = small
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def hvp(fn):
+        gq, gk, gv = torch.autograd.grad(fn(*leaves).sin().sum(), leaves, create_graph=True)
+        return torch.autograd.grad((gq * gq).sum() + (gk * gv).sum(), leaves)
+    for a, b in zip(hvp(_ours(True)), hvp(_naive(True))):
+        assert rel_err(a, b) < 1e-12
 
 
 def test_vmap_over_attention_and_attention_jvp(rng):

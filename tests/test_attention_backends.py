@@ -9,6 +9,7 @@ Python-side allocations poisoned with NaN so an element a kernel forgets to writ
 """
 import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -20,6 +21,11 @@ from conftest import TOLERANCES
 
 F64 = torch.float64
 OPS = ("attention_fwd", "attention_bwd", "attention_jvp")
+
+# Kernel developers can run this grid against a separately built library holding the
+# condinit_C attention ops (same variable as tests/test_attention_cpp.py).
+if os.environ.get("CONDINIT_TEST_NATIVE_LIB"):
+    torch.ops.load_library(os.environ["CONDINIT_TEST_NATIVE_LIB"])
 fwd_op = torch.ops.condinit.attention_fwd
 bwd_op = torch.ops.condinit.attention_bwd
 jvp_op = torch.ops.condinit.attention_jvp

@@ -186,7 +186,7 @@ def test_mimetic_products_match_targets():
     z2 = torch.randn(e, e, dtype=torch.float64, generator=g) / math.sqrt(e)
     vo = w[2 * e:].T @ mha.out_proj.weight.detach().double().T  # W_V W_O, row convention
     torch.testing.assert_close(vo, 0.4 * z2 - 0.4 * eye, atol=1e-5, rtol=1e-5)
-    assert float(mha.in_proj_bias.abs().max()) == 0.0
+    assert float(mha.in_proj_bias.detach().abs().max()) == 0.0
 
 
 def test_spectral_shift_is_fixed_and_w_trains():

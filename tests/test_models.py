@@ -525,6 +525,9 @@ def test_bad_inputs():
         m = build()
     with pytest.raises(ValueError, match="real device"):
         apply(m, device="meta")
+    with pytest.raises(ValueError, match="method"):
+        apply(m, method="gram-schmidt")
+    assert all(p.is_meta for p in m.parameters())  # refused before materializing anything
     # nothing was written when apply refused
     m = build()
     w = m["attn"].in_proj_weight.detach().clone()

@@ -157,6 +157,31 @@ def _(dout, q, k, v, out, lse, causal, scale, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _bwd_setup_context(ctx, inputs, output):
+    dout, q, k, v, out, lse, causal, scale, backend = inputs
+    ctx.save_for_backward(dout, q, k, v)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _bwd_backward(ctx, gdq, gdk, gdv):
+    """Double backward: the VJP as a function of (dout, q, k, v), differentiated through the
+    tiled reference. ``out`` and ``lse`` are functions of q, k, v already accounted for by the
+    recomputation, so they get no gradient of their own."""
+    dout, q, k, v = ctx.saved_tensors
+    causal, scale = ctx.causal, ctx.scale
+
+    def vjp_of_attention(do, q_, k_, v_):
+        f = lambda a, b, c: reference.attention_fwd(a, b, c, causal, scale)[0]  # noqa: E731
+        return torch.func.vjp(f, q_, k_, v_)[1](do)
+
+    _, vjp_fn = torch.func.vjp(vjp_of_attention, dout, q, k, v)
+    gdout, gq, gk, gv = vjp_fn((gdq, gdk, gdv))
+    return gdout, gq, gk, gv, None, None, None, None, None
+
+
+torch.library.register_autograd("condinit::attention_bwd", _bwd_backward, setup_context=_bwd_setup_context)
+
+
 @torch.library.custom_op("condinit::attention_jvp", mutates_args=())
 def _attention_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
                       tv: Optional[Tensor], causal: bool, scale: float, backend: Optional[str]

@@ -6,8 +6,9 @@ first evaluation step at which an init's seed-mean test accuracy reaches the tar
 never does); **ratio** = steps to target / the step budget, so the default's budget is 1.0 and the
 paper's "300 -> 211 epochs" reads as 0.70. **kappa(J)**: per layer, the geometric mean over seeds
 of each probe's condition number (see :mod:`condinit.demo.train`); the table shows the geometric
-mean over layers at step 0 and at the last step, and how often (over probes after step 0 and over
-layers) an init's kappa is below the default's.
+mean over layers at step 0, the median over layers and probes after step 0, and how often (over
+those probes and layers) an init's kappa is below the default's. A rank-deficient probe (``sigma_min
+<= 1e-10 sigma_max``) counts as ``kappa = inf``; the plots draw it at ``KAPPA_CAP``.
 
 Files are rendered in memory first and each is then written to a temporary file in the output
 directory and renamed over its final name, so a reader never sees a half-written file and a failure
@@ -26,6 +27,7 @@ from typing import Optional
 
 __all__ = ["summarize", "format_table", "render_files", "write_outputs", "check_output_dir", "INIT_COLORS"]
 
+KAPPA_CAP = 1e10   # where the plots draw a rank-deficient (kappa = inf) probe
 INIT_COLORS = {"default": "#7f7f7f", "mimetic": "#1f77b4", "conditioned": "#d62728", "spectral": "#2ca02c"}
 
 
@@ -89,6 +91,11 @@ def summarize(results: dict) -> dict:
                 "kappa_per_layer": kc,
                 "kappa_initial": _geomean(kc[lay][0] for lay in range(len(kc))),
                 "kappa_final": _geomean(kc[lay][-1] for lay in range(len(kc))),
+                "kappa_median_training": statistics.median(kc[lay][p] for lay in range(len(kc))
+                                                           for p in range(1, len(probe_steps)))
+                if len(probe_steps) > 1 else None,
+                "kappa_rank_deficient_probes": sum(not math.isfinite(r["kappa"][p][lay]) for r in rs
+                                                   for p in range(len(probe_steps)) for lay in range(len(kc))),
                 "kappa_below_default_fraction": below,
                 "seconds": _stats(r["seconds"] for r in rs),
             }
@@ -97,13 +104,13 @@ def summarize(results: dict) -> dict:
 
 
 def _fmt_kappa(k):
-    return "inf" if not math.isfinite(k) else f"{k:.3g}"
+    return "inf (rank-deficient)" if not math.isfinite(k) else f"{k:.3g}"
 
 
 def table_rows(summary: dict):
     """Header and rows of the paper-style table (strings)."""
     header = ["task", "init", "final acc (mean ± std)", "final loss", "steps to default's final acc",
-              "ratio", "κ(J) init", "κ(J) final", "κ < default"]
+              "ratio", "κ(J) at init", "κ(J) median in training", "κ(J) < default's"]
     rows = []
     for task, t in summary["tasks"].items():
         for init, s in t["inits"].items():
@@ -113,7 +120,7 @@ def table_rows(summary: dict):
             below = "-" if s["kappa_below_default_fraction"] is None else f"{100 * s['kappa_below_default_fraction']:.0f} %"
             rows.append([task, init, f"{100 * fa['mean']:.1f} ± {100 * fa['std']:.1f} %", f"{fl['mean']:.3f}",
                          f"{reach} / {t['budget_steps']}", ratio, _fmt_kappa(s["kappa_initial"]),
-                         _fmt_kappa(s["kappa_final"]), below])
+                         "-" if s["kappa_median_training"] is None else _fmt_kappa(s["kappa_median_training"]), below])
     return header, rows
 
 
@@ -213,10 +220,12 @@ def render_plots(results: dict, summary: dict) -> dict:
                 rs = [r for r in runs if r["init"] == init]
                 c = INIT_COLORS.get(init)
                 steps = rs[0]["probe_step"]
-                vals = [[r["kappa"][p][lay] for r in rs] for p in range(len(steps))]
+                vals = [[min(r["kappa"][p][lay], KAPPA_CAP) for r in rs] for p in range(len(steps))]
                 ax.plot(steps, [_geomean(v) for v in vals], color=c, marker=".", label=init)
                 ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=c, alpha=0.2,
                                 linewidth=0)
+            if any(not math.isfinite(r["kappa"][p][lay]) for r in runs for p in range(len(r["probe_step"]))):
+                ax.axhline(KAPPA_CAP, color="black", linestyle="--", linewidth=0.8, label="rank-deficient (κ = ∞)")
             ax.set(xlabel="step", ylabel="κ(J) = σ_max / σ_min", yscale="log",
                    title=f"{task}: attention layer {lay}")
             ax.legend(fontsize=8)

@@ -142,10 +142,15 @@ class _CaptureInputs:
             hd.remove()
 
 
+RANK_RTOL = 1e-10   # sigma_min / sigma_max below this (float64): rank-deficient, as condinit.probe says
+
+
 @torch.no_grad()
 def probe_kappa(model: nn.Module, x_probe: torch.Tensor, *, causal: bool) -> list[dict]:
-    """Per attention layer: sigma_max, sigma_min and kappa of its weight Jacobian (geometric mean
-    over the examples in ``x_probe``)."""
+    """Per attention layer: sigma_max, sigma_min and kappa of its weight Jacobian, geometric means
+    over the examples in ``x_probe``. ``kappa`` is ``inf`` (and ``rank_deficient`` True) when
+    ``sigma_min <= 1e-10 sigma_max`` for some example: ``J`` then has a null direction (e.g. two
+    identical input rows), where ``condinit.probe`` reports ``kappa=None``."""
     mhas = attention_modules(model)
     cap = _CaptureInputs(mhas)
     try:
@@ -154,15 +159,15 @@ def probe_kappa(model: nn.Module, x_probe: torch.Tensor, *, causal: bool) -> lis
         cap.remove()
     out = []
     for i, m in enumerate(mhas):
-        logs = []
+        lmax, lmin, deficient = 0.0, 0.0, False
         for ex in range(x_probe.shape[0]):
             with torch.enable_grad():
                 smax, smin = attention_jacobian_sigma(m, cap.inputs[i][ex], causal=causal)
-            logs.append((math.log(smax), math.log(smin) if smin > 0 else -math.inf))
-        lmax = sum(a for a, _ in logs) / len(logs)
-        lmin = sum(b for _, b in logs) / len(logs)
+            deficient |= not smin > RANK_RTOL * smax
+            lmax += math.log(smax) / x_probe.shape[0]
+            lmin += (math.log(smin) if smin > 0 else -745.0) / x_probe.shape[0]
         out.append({"layer": i, "sigma_max": math.exp(lmax), "sigma_min": math.exp(lmin),
-                    "kappa": math.exp(lmax - lmin) if math.isfinite(lmin) else math.inf})
+                    "kappa": math.inf if deficient else math.exp(lmax - lmin), "rank_deficient": deficient})
     return out
 
 

@@ -169,7 +169,7 @@ def _execute(seed: int, runs: Sequence[_Run], wide_shape, method: str, device, *
         return None
 
     run_chunks(total, (m, n), method, device, fill, sink, memory_budget=memory_budget,
-                     backend=backend, direct=direct)
+               backend=backend, direct=direct, breaks=offsets if collect is None else ())
 
 
 def _ids(block_ids, device) -> torch.Tensor:

@@ -144,11 +144,31 @@ def _chol_inverse(G: torch.Tensor, *, near_identity: bool):
     return Linv.float(), bad
 
 
+def _near_identity_chol_inverse(G: torch.Tensor):
+    """``L^{-1}`` for ``G = I + E = L L^T`` with small ``E`` (the second CholeskyQR pass).
+
+    ``L = I + F + O(m |E|^2)`` with ``F = tril(E, -1) + diag(E) / 2``, so ``L^{-1} = I - F`` to
+    ``O(m |E|^2)``: below fp32 rounding when ``|E| <= sqrt(u64-ish / m)``, which a pass-1 result of a
+    well-conditioned block satisfies (|E| ~ 1e-6). Other blocks take the float64 Cholesky."""
+    m = G.shape[-1]
+    eye = _eye(m, G.device, torch.float32)
+    E = G - eye
+    dev = E.abs().flatten(1).amax(1)
+    first_order_ok = dev <= min(1e-5, math.sqrt(1e-9 / m))
+    F = E.tril(-1)
+    F.diagonal(dim1=-2, dim2=-1).copy_(E.diagonal(dim1=-2, dim2=-1) * 0.5)
+    Linv = eye - F
+    if bool(first_order_ok.all()):
+        return Linv, torch.zeros_like(first_order_ok)
+    exact, bad = _chol_inverse(G, near_identity=True)
+    return torch.where(first_order_ok[:, None, None], Linv, exact), bad & ~first_order_ok
+
+
 def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     B = scratch if scratch is not None else torch.empty_like(A)
     Linv, bad = _chol_inverse(_gram(A), near_identity=False)
     torch.bmm(Linv, A, out=B)
-    Linv, bad2 = _chol_inverse(_gram(B), near_identity=True)
+    Linv, bad2 = _near_identity_chol_inverse(_gram(B))
     bad |= bad2
     fallback = None
     if bool(bad.any()):  # decided before ``out`` (which may alias A) is written
@@ -205,30 +225,36 @@ def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Opti
     # X_0 = scale * A is folded into the first step: Y = scale (alpha I + beta scale^2 G) A.
     G = G * (scale * scale).float()[:, None, None]
     X, Y = A, scratch if scratch is not None else torch.empty_like(A)
-    first = True
-    done = torch.zeros(C, dtype=torch.bool, device=A.device)
-    n_sched = 0
+    # Per-block step budget: the block's own schedule (until its interval [l, 1] has closed) plus a
+    # few Newton-Schulz polish steps; nothing depends on the other blocks of the chunk.
+    limit = torch.zeros(C, dtype=torch.int64, device=A.device)
     l = lower.clone()
-    while bool((l < 1.0 - 1e-9).any()) and n_sched < 40:
-        _, _, l = _cubic_coefficients(l)
-        n_sched += 1
+    for _ in range(60):
+        open_ = l < 1.0 - 1e-9
+        if not bool(open_.any()):
+            break
+        limit += open_
+        l = torch.where(open_, _cubic_coefficients(l)[2], l)
+    limit += POLAR_EXTRA_STEPS
     l = lower
-    for it in range(n_sched + POLAR_EXTRA_STEPS + 1):
-        if not first:
+    done = torch.zeros(C, dtype=torch.bool, device=A.device)
+    steps = 0
+    while True:
+        if steps:
             G = gram(X)
-            err = (G - eye).abs().flatten(1).amax(1)
-            done = done | (err <= tol)
-            if bool(done.all()) or it == n_sched + POLAR_EXTRA_STEPS:
-                break
+            done |= (G - eye).abs().flatten(1).amax(1) <= tol
+        active = ~done & (limit > steps)
+        if not bool(active.any()):
+            break
         alpha, beta, l = _cubic_coefficients(l)
-        if first:
+        if steps == 0:
             alpha, beta = alpha * scale, beta * scale
-        # converged blocks take the exact identity step alpha=1, beta=0
-        alpha = torch.where(done, 1.0, alpha).float()
-        beta = torch.where(done, 0.0, -beta).float()
+        # finished blocks take the exact identity step alpha = 1, beta = 0
+        alpha = torch.where(active, alpha, 1.0).float()
+        beta = torch.where(active, -beta, 0.0).float()
         step(X, G, alpha, beta, Y)
         X, Y = Y, X
-        first = False
+        steps += 1
     if not bool(done.all()):
         # X_k = p_k(A A^T) A has A's singular vectors, so its polar factor is A's: finish by SVD
         idx = (~done).nonzero().flatten()
@@ -277,32 +303,52 @@ def orthogonalize_wide_(A: torch.Tensor, method: str, out: torch.Tensor, *, scra
                         backend: Optional[str] = None) -> torch.Tensor:
     """Orthonormalize the rows of the contiguous fp32 chunk ``A`` [C, m, n] (m <= n, C >= 2) into
     ``out``; ``A`` (and ``scratch``, like ``A``) may be clobbered. ``method`` is concrete (not auto)."""
-    return _backends.dispatch("orthogonalize", A.device, (A, method, out, scratch), backend=backend,
-                              call_info={"method": method, "m": A.shape[1], "n": A.shape[2]})
+    # TF32 / bf16 GEMMs (torch.set_float32_matmul_precision("high")) would leave |Q Q^T - I| ~ 1e-3
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        torch.set_float32_matmul_precision("highest")
+    try:
+        return _backends.dispatch("orthogonalize", A.device, (A, method, out, scratch), backend=backend,
+                                  call_info={"method": method, "m": A.shape[1], "n": A.shape[2]})
+    finally:
+        if precision != "highest":
+            torch.set_float32_matmul_precision(precision)
 
 
 def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
-               memory_budget=None, backend=None, direct=None):
+               memory_budget=None, backend=None, direct=None, breaks=()):
     """Drive the chunked computation of ``num_blocks`` blocks of wide shape ``block_shape``.
 
     ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A`` (contiguous fp32
     ``[stop-start, m, n]``); ``sink(start, stop, R)`` receives their orthonormalized fp32 results.
-    ``direct(start, stop)`` may return a contiguous fp32 tensor to write a full chunk's result into
-    (then ``sink`` is not called for it). Every chunk holds exactly ``chunk_blocks(...)`` blocks.
+    ``direct(start, stop)`` may return a contiguous fp32 tensor to write a whole chunk's result into
+    (then ``sink`` is not called for it). ``breaks``: block offsets where, on the CPU, a chunk should
+    end (destination boundaries, so that chunks can be written directly).
+
+    Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
+    goes through a multithreaded GEMM): on GPUs every chunk is padded to exactly
+    ``chunk_blocks(...)`` blocks with copies of a real block. On the CPU (MKL) every batch size >= 2
+    was measured to give the same per-block bits (tests/test_orthogonalize.py checks it), so chunks
+    there are at most that long, split at ``breaks``, and padded to 2 blocks only (not at all for
+    Householder and SVD, which LAPACK runs matrix by matrix).
     """
     m, n = block_shape
     device = torch.device(device)
     C = chunk_blocks(m, n, device.type, memory_budget)
-    # Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
-    # goes through a multithreaded GEMM). Measured on CPU (MKL): every batch size >= 2 gives the same
-    # per-block bits, so CPU chunks are padded to 2 blocks only; elsewhere every chunk is padded to C.
     cpu = device.type == "cpu"
-    A_full = torch.empty((min(C, max(2, num_blocks)) if cpu else C, m, n), dtype=torch.float32, device=device)
+    A_full = torch.empty((min(C, max(2, num_blocks)) if cpu else C, m, n), dtype=torch.float32,
+                         device=device)
     S_full = torch.empty_like(A_full) if method in ("cholqr2", "polar") else None
-    for start in range(0, num_blocks, C):
-        stop = min(num_blocks, start + C)
+    # Householder and SVD run LAPACK matrix by matrix on the CPU: no padding at all there.
+    lapack = method in ("householder", "svd")
+    cuts = sorted(set(b for b in breaks if 0 < b < num_blocks)) if cpu else []
+    start, ci = 0, 0
+    while start < num_blocks:
+        while ci < len(cuts) and cuts[ci] <= start:
+            ci += 1
+        stop = min(num_blocks, start + C, cuts[ci] if ci < len(cuts) else num_blocks)
         k = stop - start
-        size = max(2, k) if cpu else C
+        size = (k if lapack else max(2, k)) if cpu else C
         A = A_full[:size]
         S = S_full[:size] if S_full is not None else None
         fill(start, stop, A[:k])
@@ -313,6 +359,7 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
         orthogonalize_wide_(A, method, out, scratch=S, backend=backend)
         if dest is None:
             sink(start, stop, A[:k])
+        start = stop
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -379,8 +379,9 @@ def apply(model: nn.Module, *, seed: Optional[int] = 0, method: str = "auto", v_
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if v_mode not in V_MODES:
         raise ValueError(f"v_mode must be one of {V_MODES}, got {v_mode!r}")
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a str, got {type(method).__name__}")
+    from condinit.init.orthogonalize import check_method
+
+    check_method(method)
     if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1:
         raise ValueError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
     seed = seed_from(None, seed) if seed is not None else seed_from(None)
@@ -389,6 +390,10 @@ def apply(model: nn.Module, *, seed: Optional[int] = 0, method: str = "auto", v_
     if not layers:
         raise _no_attention_error(model, include, exclude)
 
+    for l in layers:  # every check before the first write (or allocation)
+        for p, proj in l.spec.projections():
+            if not proj.weight.is_floating_point():
+                raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
     params = list(model.parameters())
     meta = has_meta(model)
     init_time = 0.0

@@ -86,14 +86,10 @@ def _hf_init(model, skip_ids: set[int]):
             with torch.no_grad():
                 model.apply(model._init_weights)
     finally:
+        # modules keep the flag HF sets after initializing them (as after a normal construction);
+        # the parameters condinit overwrites lose the mark added above
         for p in marked:
-            try:
-                del p._is_hf_initialized
-            except AttributeError:
-                pass
-        for mod in model.modules():
-            if "_is_hf_initialized" in mod.__dict__:
-                del mod.__dict__["_is_hf_initialized"]
+            p.__dict__.pop("_is_hf_initialized", None)
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()

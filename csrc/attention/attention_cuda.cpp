@@ -4,7 +4,7 @@
 // compile to attention_cuda.o).
 #include <torch/library.h>
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: it needs cusparse.h, absent from slim toolkits
 #include <c10/cuda/CUDAGuard.h>
 
 #include "attention_cuda.h"
@@ -65,7 +65,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q_, const Tensor& k_
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
   check_launch(fwd(dtype_of(q, op), shape_of(q, k, causal, scale), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                   out.data_ptr(), lse.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+                   out.data_ptr(), lse.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
                op);
   return {out, lse};
 }
@@ -85,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_jvp_cuda(const Tensor& q_, const Te
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, tout, lse};
   const Shape s = shape_of(q, k, causal, scale);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   if (P == 0) {
     check_launch(fwd(dtype_of(q, op), s, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                      lse.data_ptr<float>(), stream),
@@ -115,7 +115,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(const Tensor& dout_, const
   Tensor lse = lse_.contiguous();
   check_launch(bwd(dtype_of(q, op), shape_of(q, k, causal, scale), dout.data_ptr(), q.data_ptr(), k.data_ptr(),
                    v.data_ptr(), lse.data_ptr<float>(), Dvec.data_ptr<float>(), dq_acc.data_ptr<float>(),
-                   dk.data_ptr(), dv.data_ptr(), at::cuda::getCurrentCUDAStream()),
+                   dk.data_ptr(), dv.data_ptr(), c10::cuda::getCurrentCUDAStream()),
                op);
   return {dq_acc.to(q.scalar_type()), dk, dv};
 }

@@ -352,11 +352,10 @@ __global__ void __launch_bounds__(128) attention_fwd_jvp_kernel(const FwdParams<
       const float alpha = m_new == kNegInf ? 1.0f : exp2f((m_old - m_new) * kLog2e);
       float sum = 0.0f;
       for (int c = lane; c < BN; c += 32) {
-        // l sums the rounded weights that multiply V, so O stays an exact convex combination.
-        const T e = Cvt<T>::from_f(exp2f((srow[c] - mu) * kLog2e));
-        srow[c] = Cvt<T>::to_f(e);
-        Ps[(r0 + r) * L.ldP + c] = e;
-        sum += Cvt<T>::to_f(e);
+        const float e = exp2f((srow[c] - mu) * kLog2e);
+        srow[c] = e;
+        Ps[(r0 + r) * L.ldP + c] = Cvt<T>::from_f(e);
+        sum += e;
       }
       sum = warp_sum(sum);
       __syncwarp();  // every lane has read m_s / a_s of this row before lane 0 updates them

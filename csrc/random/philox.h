@@ -1,5 +1,5 @@
 // Philox4x32-10 and its Box-Muller transform, shared by the C++ CPU kernel (randn_cpu.cpp) and
-// the CUDA kernel (randn_cuda.cu). Light header: only <stdint.h> (and <string.h> on the host).
+// the CUDA kernel (randn_kernels.cu). Light header: only <stdint.h> (and <string.h> on the host).
 //
 // The math is specified in condinit/init/random.py (module docstring); the PyTorch reference there
 // performs exactly the same float32 operations, one IEEE round-to-nearest step at a time, so all

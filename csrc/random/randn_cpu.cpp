@@ -7,16 +7,18 @@
 // writes block g = block_ids[b] into out[b] (float32 contiguous [B, m, n]): element e = i*n + j is
 // lane e % 4 of Philox4x32-10(counter = (e / 4, stream, lo32(g), hi32(g)), key = (seed_lo, seed_hi)).
 //
-// Speed: the work is split over threads by (block, quad) ranges; each thread generates tiles of
-// kLanes quads as plain loops over lane arrays, which GCC vectorizes (Philox's 32x32->64 products
-// become vpmuludq, the Cephes polynomials packed mul/add). The hot loop is compiled three times
-// (AVX-512, AVX2, baseline x86-64) and the best one the CPU supports is picked at run time, so the
-// extension needs no -march flag; CONDINIT_RANDN_ISA=avx512|avx2|default forces one (tests check
-// that all three give the same bits).
+// Speed: threads take chunks of (block, quad) work items from a shared counter; each generates
+// tiles of kLanes quads: Philox with vpmuludq intrinsics (GCC cannot vectorize a 32x32->64-bit
+// mulhi), the Box-Muller math as plain loops over lane arrays that GCC vectorizes. The hot loop is
+// compiled three times (AVX-512, AVX2+FMA, baseline x86-64) and the best one the CPU supports is
+// picked at run time (like target_clones, but testable), so the extension needs no -march flag;
+// CONDINIT_RANDN_ISA=avx512|avx2|default forces one (tests check that all three give the same bits).
+// A large fresh output is mostly page faults: see advise_huge_pages.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -282,10 +284,13 @@ void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at
   const Kernels kern = pick_kernels();
   const uint32_t k0 = (uint32_t)seed_lo, k1 = (uint32_t)seed_hi, s = (uint32_t)stream;
 
-  // Work items: (block, quad) pairs in row-major order, split in ranges of whole tiles per thread.
+  // Work items: (block, quad) pairs in row-major order, in chunks of whole tiles. Threads take
+  // chunks from a shared counter (dynamic scheduling) rather than one static range each: on a
+  // machine whose cores are shared, a thread that gets descheduled does not hold up the others.
   const int64_t total = B * Q;
-  const int64_t grain = int64_t(1) << 14;  // quads (64K normals): amortizes the thread hand-off
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kChunk = int64_t(1) << 14;  // quads (64K normals, 256 KiB of output)
+  const int64_t n_chunks = (total + kChunk - 1) / kChunk;
+  auto generate = [&](int64_t begin, int64_t end) {
     int64_t b = begin / Q;
     int64_t q = begin - b * Q;
     int64_t pos = begin;
@@ -316,6 +321,16 @@ void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at
         q = 0;
       }
     }
+  };
+  const int64_t n_threads = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  if (n_threads <= 1) {
+    generate(0, total);
+    return;
+  }
+  std::atomic<int64_t> next_chunk{0};
+  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next_chunk.fetch_add(1); c < n_chunks; c = next_chunk.fetch_add(1))
+      generate(c * kChunk, std::min(total, (c + 1) * kChunk));
   });
 }
 

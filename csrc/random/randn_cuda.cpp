@@ -1,4 +1,4 @@
-// CUDA registration of condinit_C::philox_randn (schema in randn_cpu.cpp; kernel in randn_cuda.cu).
+// CUDA registration of condinit_C::philox_randn (schema in randn_cpu.cpp; kernel in randn_kernels.cu).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,4 +1,4 @@
-// Launcher of the CUDA kernel of condinit_C::philox_randn (randn_cuda.cu); light header, no torch.
+// Launcher of the CUDA kernel of condinit_C::philox_randn (randn_kernels.cu); light header, no torch.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -4,7 +4,7 @@
 //
 // Grid: x covers the quads of one block (grid-stride), y covers the blocks (grid-stride), so no
 // 64-bit division per element. Each thread runs one Philox4x32-10 and writes its 4 normals with
-// one 16-byte store when the block size is a multiple of 4 (then every quad is 16-byte aligned).
+// one 16-byte store when the block size is a multiple of 4 and out is 16-byte aligned.
 #include "random/randn_cuda.h"
 #include "random/philox.h"
 
@@ -15,10 +15,9 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads) philox_randn_kernel(uint32_t seed_lo, uint32_t seed_hi, uint32_t stream,
                                                                   const int64_t* __restrict__ block_ids,
-                                                                  int64_t n_blocks, int64_t mn,
+                                                                  int64_t n_blocks, int64_t mn, bool vec4,
                                                                   float* __restrict__ out) {
   const int64_t n_quads = (mn + 3) / 4;
-  const bool aligned4 = (mn & 3) == 0;
   for (int64_t b = blockIdx.y; b < n_blocks; b += gridDim.y) {
     const uint64_t g = (uint64_t)block_ids[b];
     float* blk = out + b * mn;
@@ -30,7 +29,7 @@ __global__ void __launch_bounds__(kThreads) philox_randn_kernel(uint32_t seed_lo
       philox::box_muller(c0, c1, &z.x, &z.y);
       philox::box_muller(c2, c3, &z.z, &z.w);
       const int64_t e = 4 * q;
-      if (aligned4) {
+      if (vec4) {
         *reinterpret_cast<float4*>(blk + e) = z;
       } else {
         blk[e] = z.x;
@@ -57,8 +56,10 @@ cudaError_t philox_randn_cuda_launch(uint32_t seed_lo, uint32_t seed_hi, uint32_
   int64_t gy = (want + gx - 1) / gx;
   if (gy > n_blocks) gy = n_blocks;
   if (gy > 65535) gy = 65535;
-  philox_randn_kernel<<<dim3((unsigned)gx, (unsigned)gy), kThreads, 0, cuda_stream>>>(seed_lo, seed_hi, stream,
-                                                                                      block_ids, n_blocks, mn, out);
+  // 16-byte stores when every quad of every block starts on a 16-byte boundary
+  const bool vec4 = (mn % 4 == 0) && (reinterpret_cast<uintptr_t>(out) % 16 == 0);
+  philox_randn_kernel<<<dim3((unsigned)gx, (unsigned)gy), kThreads, 0, cuda_stream>>>(
+      seed_lo, seed_hi, stream, block_ids, n_blocks, mn, vec4, out);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,215 @@
+"""``condinit probe``: per-layer conditioning of the attention Jacobian of a checkpoint.
+
+    condinit probe tiny.safetensors --preset tiny-llama [--seq-len 64] [--batch 2] [--steps 20]
+                   [--plot kappa.png] [--json probe.json]
+
+Loads the safetensors checkpoint (never unpickles) into a preset model of
+:mod:`condinit.models.presets`, runs it once on a seeded synthetic batch (random token ids, or random
+pixels for ViT) to capture each attention layer's input, and prints per layer: sigma_max and
+sigma_min of the weight Jacobian (sigma_min on the complement of its known null directions:
+:mod:`condinit.probe.estimators`), kappa(J), ``||J||_F`` (Hutchinson, with its 95 % interval) and the
+paper's Theorem 3.1 bound (:mod:`condinit.probe.bound`). Decoder presets use the causal mask.
+``--plot`` and ``--json`` are written atomically.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+NAME = "probe"
+HELP = "attention-Jacobian conditioning per layer of a .safetensors checkpoint (sigma, kappa, Thm 3.1 bound)"
+
+
+def add_arguments(p):
+    p.add_argument("file", metavar="FILE.safetensors", help="checkpoint (safetensors only)")
+    p.add_argument("--preset", required=True, metavar="NAME", help="model preset the checkpoint belongs to")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64; ViT: fixed)")
+    p.add_argument("--batch", type=int, default=2, help="sequences in the synthetic batch (default 2)")
+    p.add_argument("--steps", type=int, default=20, help="Golub-Kahan-Lanczos steps per layer (default 20)")
+    p.add_argument("--samples", type=int, default=16, help="Hutchinson probes per layer (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch and the estimators (default 0)")
+    p.add_argument("--wrt", choices=("weights", "input", "qkv"), default="weights",
+                   help="Jacobian variables (default weights: the paper's J)")
+    p.add_argument("--layers", type=int, default=None, metavar="K", help="probe only the first K layers")
+    p.add_argument("--plot", metavar="OUT.png", default=None, help="figure of sigma/kappa per layer")
+    p.add_argument("--json", metavar="OUT.json", default=None, help="write the results as JSON")
+
+
+def _fmt(v, spec=".3e"):
+    return "-" if v is None else format(v, spec)
+
+
+def _load(path, preset):
+    import torch
+
+    from condinit.models.checkpoint import open_checkpoint
+    from condinit.models.presets import build_model
+
+    with open_checkpoint(path) as fh:
+        state = {k: fh.get_tensor(k) for k in fh.keys()}
+    model, family = build_model(preset, dtype=None, device="meta")
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"{path} does not fit preset {preset!r}: {str(exc).splitlines()[0]}") from None
+    if unexpected:
+        raise ValueError(f"{path} does not fit preset {preset!r}: unexpected tensors {unexpected[:3]}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if still_meta:
+        # buffers such as rotary inverse frequencies are not saved: rebuild them on CPU
+        fresh, _ = build_model(preset, dtype=None, device="cpu")
+        fresh_state = dict(fresh.named_parameters())
+        fresh_state.update(dict(fresh.named_buffers()))
+        params = [n for n in still_meta if n in dict(model.named_parameters())]
+        if params:
+            raise ValueError(f"{path} does not fit preset {preset!r}: missing tensors {params[:3]}")
+        for n in still_meta:
+            mod_name, _, attr = n.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            mod._buffers[attr] = fresh_state[n].to(torch.float32 if fresh_state[n].is_floating_point() else
+                                                   fresh_state[n].dtype)
+    model.eval()
+    return model.float(), family
+
+
+def _batch(model, family, batch, seq_len, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if family == "vit":
+        size = cfg.image_size
+        return {"pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), size, size, generator=g)}
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} is above the preset's maximum of {limit} positions")
+    return {"input_ids": torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)}
+
+
+def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", max_layers=None):
+    """One record per attention layer: Lanczos sigma/kappa, Hutchinson Frobenius, Theorem 3.1 bound."""
+    import time
+
+    import torch
+
+    from condinit.models import find_attention
+    from condinit.probe import JacobianOperator, frobenius_hutchinson, lanczos_svd, theorem31_bound
+    from condinit.probe.monitor import _hidden_states
+
+    layers = find_attention(model)
+    if not layers:
+        raise ValueError(f"no attention layer found in {type(model).__name__}")
+    if max_layers is not None:
+        layers = layers[:max_layers]
+    captured = {}
+
+    def hook_for(i):
+        def hook(mod, args, kwargs):
+            x = _hidden_states(mod, args, kwargs)
+            if x is not None and i not in captured:
+                captured[i] = x.detach().clone()
+        return hook
+
+    handles = [l.module.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, l in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    rows = []
+    for i, l in enumerate(layers):
+        x = captured.get(i)
+        if x is None:
+            raise ValueError(f"layer {l.name} was not run by the model's forward")
+        causal = bool(getattr(l.module, "is_causal", False))
+        t0 = time.perf_counter()
+        op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32)
+        est = lanczos_svd(op, steps=steps, seed=seed + i)
+        fro = frobenius_hutchinson(op, samples=samples, seed=seed + i)
+        bnd = theorem31_bound(l.module, x, causal=causal, measure=False)
+        rows.append({"layer": l.index, "name": l.name, "causal": causal, "shape": list(op.shape),
+                     "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
+                     "rank_deficient": est.rank_deficient, "converged": est.converged,
+                     "residual_max": est.residual_max, "residual_min": est.residual_min,
+                     "frobenius": fro.frobenius, "frobenius_ci": [fro.ci_low, fro.ci_high],
+                     "bound": bnd.bound, "bound_terms": {k: getattr(bnd, k) for k in (
+                         "kappa_X", "kappa_WQ", "kappa_WK", "kappa_WV", "kappa_Lambda", "kappa_softmax")},
+                     "subspace": est.subspace, "time_s": time.perf_counter() - t0})
+    return rows
+
+
+def _plot(rows, out, title):
+    from condinit.models.checkpoint import atomic_output
+
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    idx = [r["layer"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("sigma_max", "sigma_max"), ("sigma_min", "sigma_min (complement)"), ("kappa", "kappa(J)"),
+                       ("bound", "Thm 3.1 bound")):
+        ys = [r[key] if r[key] is not None and r[key] > 0 else float("nan") for r in rows]
+        ax.semilogy(idx, ys, marker="o", label=label)
+    ax.set_xlabel("layer")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_output(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from condinit.models.checkpoint import atomic_output, check_output_path
+    from condinit.models.presets import PRESETS
+
+    # every check before any work or write
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    for name, val in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--steps", args.steps)):
+        if val < 1:
+            raise ValueError(f"{name} must be >= 1, got {val}")
+    if args.samples < 2:
+        raise ValueError(f"--samples must be >= 2, got {args.samples}")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
+    if not 0 <= args.seed < 2 ** 62:
+        raise ValueError(f"--seed must be in [0, 2**62), got {args.seed}")
+    plot = check_output_path(args.plot) if args.plot else None
+    out_json = check_output_path(args.json) if args.json else None
+    if plot and not plot.lower().endswith(".png"):
+        raise ValueError(f"--plot must name a .png file, got {args.plot}")
+    from condinit.models.checkpoint import open_checkpoint
+    open_checkpoint(args.file).__exit__(None, None, None)   # safetensors? (before building the model)
+
+    model, family = _load(args.file, args.preset)
+    inputs = _batch(model, family, args.batch, args.seq_len, args.seed)
+    rows = probe_model(model, inputs, steps=args.steps, samples=args.samples, seed=args.seed, wrt=args.wrt,
+                       max_layers=args.layers)
+    head = f"{'layer':>5}  {'name':<34} {'sigma_max':>10} {'sigma_min*':>10} {'kappa(J)':>10} {'||J||_F':>10} " \
+           f"{'Thm3.1':>10}"
+    print(f"{args.file}: preset {args.preset}, wrt={args.wrt}, batch {args.batch} x "
+          f"{inputs['input_ids'].shape[1] if 'input_ids' in inputs else 'image'} tokens, {args.steps} Lanczos steps")
+    print(head)
+    for r in rows:
+        kappa = "rank-def." if r["rank_deficient"] else _fmt(r["kappa"])
+        flag = "" if r["converged"] else " (not converged)"
+        print(f"{r['layer']:>5}  {r['name'][-34:]:<34} {_fmt(r['sigma_max']):>10} {_fmt(r['sigma_min']):>10} "
+              f"{kappa:>10} {_fmt(r['frobenius']):>10} {_fmt(r['bound']):>10}{flag}")
+    print("* sigma_min on the orthogonal complement of the known null directions: " + rows[0]["subspace"])
+    if out_json:
+        with atomic_output(out_json) as tmp:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump({"file": args.file, "preset": args.preset, "wrt": args.wrt, "batch": args.batch,
+                           "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed, "layers": rows},
+                          fh, indent=1, default=lambda v: None if isinstance(v, float) and not math.isfinite(v)
+                          else str(v))
+        print(f"wrote {out_json}")
+    if plot:
+        _plot(rows, plot, f"{args.preset}: attention Jacobian ({args.wrt})")
+        print(f"wrote {plot}")
+    return 0

@@ -1,0 +1,92 @@
+"""JacobianMonitor: logs per layer and never changes training (bit-identical losses and parameters)."""
+import csv
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from condinit.probe import JacobianMonitor
+
+
+class TinyTransformer(nn.Module):
+    """Two encoder layers (nn.MultiheadAttention inside) with dropout, so any draw from the global RNG
+    by the monitor would change the loss trajectory."""
+
+    def __init__(self, vocab=11, D=16, H=2, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, D)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, H, dim_feedforward=24, dropout=0.1,
+                                                               batch_first=True) for _ in range(layers))
+        self.head = nn.Linear(D, vocab)
+
+    def forward(self, tok):
+        h = self.emb(tok)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def train(monitor_kwargs=None, steps=5, tmp_path=None):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = JacobianMonitor(model, **monitor_kwargs) if monitor_kwargs is not None else None
+    losses = []
+    for _ in range(steps):
+        tok = torch.randint(0, 11, (2, 6))
+        loss = nn.functional.cross_entropy(model(tok).reshape(-1, 11), tok.roll(1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if mon is not None:
+            mon.step()
+    return model, losses, mon
+
+
+def test_monitor_does_not_change_training(tmp_path):
+    model0, losses0, _ = train()
+    model1, losses1, mon = train(dict(every=2, steps=6, log_dir=tmp_path, seed=3, frobenius_samples=4))
+    assert losses0 == losses1
+    for (n0, p0), (n1, p1) in zip(model0.state_dict().items(), model1.state_dict().items()):
+        assert n0 == n1 and torch.equal(p0, p1), n0
+    assert model1.training
+    # steps 0, 2, 4 sampled, 2 layers each
+    recs = [r for r in mon.history if r["skipped"] is None]
+    assert [(r["step"], r["layer"]) for r in recs] == [(s, l) for s in (0, 2, 4) for l in (0, 1)]
+    assert all(r["sigma_max"] > 0 and r["frobenius"] > 0 for r in recs)
+    assert all(r["kappa"] is None or r["kappa"] >= 1 for r in recs)
+    mon.close()
+    assert all(not l.self_attn._forward_pre_hooks for l in model1.layers)
+    lines = [json.loads(line) for line in open(tmp_path / "jacobian.jsonl")]
+    assert len(lines) == 6 and lines[0]["name"] == "layers.0.self_attn"
+    rows = list(csv.DictReader(open(tmp_path / "jacobian.csv")))
+    assert len(rows) == 6 and float(rows[0]["sigma_max"]) == pytest.approx(lines[0]["sigma_max"])
+
+
+def test_budget_and_round_robin(tmp_path):
+    _, _, mon = train(dict(every=1, steps=4, max_layers=1, frobenius_samples=0,
+                           path=tmp_path / "j.jsonl"), steps=3)
+    done = [(r["step"], r["layer"]) for r in mon.history if r["skipped"] is None]
+    assert done == [(0, 0), (1, 1), (2, 0)]
+    assert sum(r["skipped"] == "max_layers" for r in mon.history) == 3
+    mon.close()
+    assert (tmp_path / "j.csv").exists()
+    with JacobianMonitor(TinyTransformer(), every=5, budget=1e-9) as m2:
+        assert m2.budget == 1e-9
+    assert m2._handles is None
+
+
+def test_monitor_bad_input(tmp_path):
+    model = TinyTransformer()
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="budget must be > 0"):
+            JacobianMonitor(model, budget=bad)
+    with pytest.raises(ValueError, match="every"):
+        JacobianMonitor(model, every=0)
+    with pytest.raises(ValueError, match="no attention layer"):
+        JacobianMonitor(nn.Sequential(nn.Linear(3, 3)))
+    with pytest.raises(ValueError, match="directory"):
+        JacobianMonitor(model, path=tmp_path / "missing" / "j.jsonl")
+    assert all(not l.self_attn._forward_pre_hooks for l in model.layers)
