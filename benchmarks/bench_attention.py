@@ -130,7 +130,10 @@ def _chosen_backend(q, backend):
 
 
 def child(cfg: dict) -> dict:
-    torch.set_num_threads(cfg["threads"]) if cfg.get("threads") else None
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+    if cfg.get("native_lib"):
+        torch.ops.load_library(cfg["native_lib"])
     name, causal = cfg["method"], cfg["causal"]
     fn, label = _method(name, causal)
     # warm up on a small problem (lazy imports, kernel selection) without touching the peak
@@ -184,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--skip-reference", action="store_true", help="skip the tiled torch reference")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--native-lib", help="kernel development: load this library of condinit_C ops "
+                    "(a separately built attention kernel) in every measurement")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -192,7 +197,11 @@ def main(argv=None):
 
     N = args.N or (1024 if args.quick else 4096)
     causal = not args.non_causal
-    base = {"B": args.B, "H": args.H, "N": N, "d": args.d, "causal": causal, "threads": args.threads}
+    base = {"B": args.B, "H": args.H, "N": N, "d": args.d, "causal": causal, "threads": args.threads,
+            "native_lib": os.path.abspath(args.native_lib) if args.native_lib else None}
+    if os.getloadavg()[0] > (os.cpu_count() or 1):
+        print(f"warning: load average {os.getloadavg()[0]:.1f} > {os.cpu_count()} CPUs: timings are "
+              "unreliable (try --threads 1)")
     print(f"attention JVP, CPU, B={args.B} H={args.H} N={N} d={args.d} {'causal' if causal else 'non-causal'} "
           f"fp32; torch {torch.__version__}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 

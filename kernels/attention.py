@@ -36,7 +36,8 @@ Conventions: q ``[B, H, Nq, d]``, k/v ``[B, Hkv, Nk, d]``, query head ``h`` read
 ``lse = -inf`` and zero gradients. Exponentials run in base 2 (``exp2``, the scale folded with
 ``log2 e``), ``lse`` is returned in natural log. Loads are upcast to fp32 for elementwise math;
 matrix products take fp16/bf16 operands with fp32 accumulators (``P~`` and ``P~ o S'`` rounded to
-the input dtype before the product with V, as flash attention does); fp32 inputs use IEEE fp32
+the input dtype before the product with V, as flash attention does; ``P~ o S'`` is formed from the
+rounded ``P~``, which frees the fp32 ``P~`` registers early); fp32 inputs use IEEE fp32
 products (no TF32). Under ``TRITON_INTERPRET=1`` the operands are rounded to the input dtype and
 then upcast to fp32 (the interpreter has no bf16 arithmetic), so results match the GPU rounding.
 
@@ -47,7 +48,10 @@ They were screened by compiling for sm_90 offline (registers, spills, shared mem
 JVP at d = 128 fits 128 x 32 tiles with 8 warps in 250-255 registers without spills, wider key
 tiles spill (two fp32 ``BLOCK_M x d`` accumulators plus S, S', P~ tiles). Causal programs stop
 the key loop at the diagonal and mask only the tiles straddling it (or a ragged last tile); the
-query tiles are issued heaviest first. Under the interpreter one fixed 16 x 16 config runs.
+query tiles are issued heaviest first. ``CONDINIT_ATTN_AUTOTUNE=0`` skips the autotuner and runs
+the first config of each list. ``python -m condinit.kernels.attention [--full] [--autotune]``
+checks correctness on a GPU and times bf16 N=8192, d=128 (forward, backward, JVP with P=1 and
+P=8 against 8 launches). Under the interpreter one fixed 16 x 16 config runs.
 """
 
 import functools
@@ -536,23 +540,24 @@ def _fwd_configs(block_d: int, jvp: bool, multi_probe: bool) -> list:
         elif block_d <= 128:
             cfgs = [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3)]
         else:
-            cfgs = [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2)]
+            cfgs = [_cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 4, 2)]
         cfgs.append(_cfg(32, 32, 4, 1))
         for c in cfgs:
             c.kwargs["PROBES_PER_PROGRAM"] = 1
         return cfgs
     if block_d <= 64:
-        cfgs = [_cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3)]
-        two = [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3)]
+        cfgs = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)]
+        two = [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)]
     elif block_d <= 128:
         # sm_90 offline compile (bf16): 128x32/8 warps fits in 250-255 registers without spills;
         # 128x64 and 64x64 spill, two probes spill a little (see the module notes).
         cfgs = [_cfg(128, 32, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 2)]
         two = [_cfg(128, 32, 8, 2), _cfg(64, 32, 8, 2)]
     else:
-        # d = 256: only 64 x 32 tiles over 8 warps keep the two accumulators in registers and
-        # Q, tQ plus two stages of K, V, tK, tV (192 KB) in shared memory; two probes never fit.
-        cfgs = [_cfg(64, 32, 8, 2), _cfg(64, 32, 8, 1)]
+        # d = 256: two fp32 64 x 256 accumulators fill the register file whatever the tiling
+        # (every config spills ~1-3 KB at sm_90); 64 x 32 over 8 warps spills least and keeps
+        # Q, tQ and two stages of K, V, tK, tV in 196 KB of shared memory. Two probes never fit.
+        cfgs = [_cfg(64, 32, 8, 2)]
         two = []
     cfgs.append(_cfg(32, 32, 4, 1))
     for c in cfgs:
@@ -568,19 +573,20 @@ def _bwd_configs(block_d: int, kind: str) -> list:
     """GPU autotune list for the backward kernels. ``dkdv`` holds two fp32 ``BLOCK_N x d``
     accumulators and walks query tiles (tall key tiles, short query tiles); ``dq`` is the mirror."""
     if kind == "dkdv":
+        # Ordered by sm_90 spills (dK, dV accumulators plus K, V as loop-invariant operands).
         if block_d <= 64:
-            cfgs = [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3)]
+            cfgs = [_cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3)]
         elif block_d <= 128:
-            cfgs = [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 2), _cfg(32, 64, 4, 3)]
+            cfgs = [_cfg(32, 128, 8, 3), _cfg(32, 64, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)]
         else:
-            cfgs = [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2)]
+            cfgs = [_cfg(32, 64, 8, 2), _cfg(32, 32, 4, 2)]
     else:
         if block_d <= 64:
             cfgs = [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)]
         elif block_d <= 128:
             cfgs = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)]
         else:
-            cfgs = [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2)]
+            cfgs = [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)]
     cfgs.append(_cfg(32, 32, 4, 1))
     return cfgs
 
@@ -613,13 +619,22 @@ def _common_meta(q: torch.Tensor) -> dict:
     )
 
 
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+
+
 def _launch(kind, grid_fn, args, meta, *, jvp=False, multi_probe=False, probes_per_program=1):
+    """Interpreter: the fixed small config. GPU: the autotuner, or with
+    CONDINIT_ATTN_AUTOTUNE=0 the first (pre-screened) config of the list, compiled once."""
     if _interpret():
         cfg = dict(_INTERPRET_CONFIG)
         if kind == "fwd":
             cfg["PROBES_PER_PROGRAM"] = probes_per_program
-        kernel = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}[kind]
-        kernel[(grid_fn(cfg),)](*args, **meta, **cfg)
+        _KERNELS[kind][(grid_fn(cfg),)](*args, **meta, **cfg)
+    elif os.environ.get("CONDINIT_ATTN_AUTOTUNE", "1") == "0":
+        first = (_fwd_configs(meta["BLOCK_D"], jvp, multi_probe) if kind == "fwd"
+                 else _bwd_configs(meta["BLOCK_D"], kind))[0]
+        _KERNELS[kind][(grid_fn(first.kwargs),)](*args, **meta, **first.kwargs,
+                                                  num_warps=first.num_warps, num_stages=first.num_stages)
     else:
         _tuned(kind, meta["BLOCK_D"], jvp, multi_probe)[lambda m: (grid_fn(m),)](*args, **meta)
 
@@ -667,7 +682,11 @@ def _check_qkv(q, k, v, causal, scale):
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    try:
+        scale_value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        scale_value = math.nan
+    if isinstance(scale, bool) or not math.isfinite(scale_value):
         raise TypeError(f"scale must be a finite float, got {scale!r}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -829,3 +848,108 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
              dq.stride(0), dq.stride(1), dq.stride(2),
              H, Nq, Nk, H // Hkv, qk_scale, float(scale), *tune), meta)
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# GPU self-check: python -m condinit.kernels.attention [--full] [--autotune]
+# --------------------------------------------------------------------------------------------
+
+
+def _gpu_check(full: bool = False, autotune: bool = False) -> None:  # pragma: no cover - needs a GPU
+    """Correctness against a float32 PyTorch reference at small shapes, then bf16 timings at
+    B=4, H=16, N=8192, d=128: forward, JVP (counted as 3x the forward FLOPs), backward (2.5x),
+    and P=8 probes in one launch against 8 single-probe launches.
+
+    Every (dtype, head dim, causal, mode) compiles its own kernels, so by default the check runs
+    a few combinations with the first (pre-screened) config of each list; ``--full`` covers all
+    dtypes and head dims, ``--autotune`` times with the autotuner (minutes of compiling)."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "0"
+
+    def ref(q, k, v, causal, scale):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = scale * q @ k.transpose(-1, -2)
+        if causal:
+            n_q, n_k = q.shape[2], k.shape[2]
+            i = torch.arange(n_q, device=q.device)[:, None]
+            j = torch.arange(n_k, device=q.device)[None, :]
+            s = s.masked_fill(j > i + n_k - n_q, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+        return p @ v
+
+    if full:
+        combos = [(dt, d) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in SUPPORTED_HEAD_DIMS]
+    else:
+        combos = [(torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float16, 80), (torch.float32, 32),
+                  (torch.bfloat16, 256)]
+    worst = 0.0
+    for dtype, d in combos:
+        shapes = [(77, 300, True, 4, 2), (300, 77, True, 4, 4)]
+        if full or (dtype, d) == (torch.bfloat16, 128):
+            shapes.append((129, 129, False, 4, 1))
+        for n_q, n_k, causal, h, hkv in shapes:
+            q = torch.randn(2, h, n_q, d, device=dev, dtype=dtype)
+            k, v = (torch.randn(2, hkv, n_k, d, device=dev, dtype=dtype) for _ in range(2))
+            tq = torch.randn(2, *q.shape, device=dev, dtype=dtype)
+            tk, tv = (torch.randn(2, *k.shape, device=dev, dtype=dtype) for _ in range(2))
+            do = torch.randn_like(q)
+            sc = d ** -0.5
+            out, tout, lse = attention_jvp(q, k, v, tq, tk, tv, causal, sc)
+            dq, dk, dv = attention_bwd(do, q, k, v, out, lse, causal, sc)
+            f = [t.float() for t in (q, k, v)]
+            r_out, r_t = torch.func.jvp(lambda a, b, c: ref(a, b, c, causal, sc), tuple(f),
+                                        (tq[1].float(), tk[1].float(), tv[1].float()))
+            _, vjp = torch.func.vjp(lambda a, b, c: ref(a, b, c, causal, sc), *f)
+            pairs = zip((out, tout[1], dq, dk, dv), (r_out, r_t, *vjp(do.float())))
+            err = max(((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in pairs)
+            bad = any(torch.isnan(t).any().item() for t in (out, tout, dq, dk, dv))
+            worst = max(worst, err)
+            print(f"check {str(dtype)[6:]:8s} d={d:3d} Nq={n_q:3d} Nk={n_k:3d} causal={causal!s:5s} "
+                  f"H={h}/{hkv}: max rel. RMS error {err:.2e}{'  NaN!' if bad else ''}", flush=True)
+    print(f"worst relative RMS error {worst:.2e}", flush=True)
+    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "1" if autotune else "0"
+
+    def bench(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps * 1e-3
+
+    B, H, N, d = 4, 16, 8192, 128
+    q, k, v = (torch.randn(B, H, N, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    for causal in (False, True):
+        fl = 4 * B * H * N * N * d / (2 if causal else 1)
+        out, lse = attention_fwd(q, k, v, causal, d ** -0.5)
+        t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        t_f = bench(lambda: attention_fwd(q, k, v, causal, d ** -0.5))
+        t_b = bench(lambda: attention_bwd(do, q, k, v, out, lse, causal, d ** -0.5))
+        print(f"bf16 B={B} H={H} N={N} d={d} causal={causal}: fwd {t_f * 1e3:.2f} ms "
+              f"{fl / t_f / 1e12:.0f} TFLOP/s (SDPA {t_sdpa * 1e3:.2f} ms); "
+              f"bwd {t_b * 1e3:.2f} ms {2.5 * fl / t_b / 1e12:.0f} TFLOP/s", flush=True)
+        for n_probes in (1, 8):
+            tq = torch.randn(n_probes, *q.shape, device=dev, dtype=torch.bfloat16)
+            tk, tv = torch.randn_like(tq), torch.randn_like(tq)
+            t_j = bench(lambda: attention_jvp(q, k, v, tq, tk, tv, causal, d ** -0.5), reps=3)
+            line = (f"  JVP P={n_probes}: {t_j * 1e3:.2f} ms, {3 * n_probes * fl / t_j / 1e12:.0f} TFLOP/s "
+                    f"(3x fwd FLOPs per probe)")
+            if n_probes > 1:
+                t_sep = bench(lambda: [attention_jvp(q, k, v, tq[p], tk[p], tv[p], causal, d ** -0.5)
+                                       for p in range(n_probes)], reps=3)
+                line += f"; {n_probes} separate launches {t_sep * 1e3:.2f} ms ({t_sep / t_j:.2f}x)"
+            print(line, flush=True)
+            del tq, tk, tv
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    _gpu_check(full="--full" in sys.argv, autotune="--autotune" in sys.argv)

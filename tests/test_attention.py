@@ -391,6 +391,7 @@ def test_forced_torch_backend_by_env(rng, monkeypatch):
     chosen = _backends.select("attention_fwd", "cpu", head_dim=16, dtype=torch.float32)
     assert [i.backend for i in chosen] == ["torch"]
     torch.testing.assert_close(attention(q, k, v), reference.attention_naive(q, k, v))
+    torch.testing.assert_close(attention(q, k, v, backend="auto"), reference.attention_naive(q, k, v))
 
 
 def _bad_calls():

@@ -259,3 +259,21 @@ def test_models_forward_shapes():
     tok2 = tok.clone()
     tok2[:, -1] = (tok2[:, -1] + 1) % 17                      # causal: earlier positions unchanged
     torch.testing.assert_close(lm(tok2)[:, :-1], out[:, :-1])
+
+
+def test_jacobian_sigma_agrees_with_condinit_probe():
+    """The demo's per-head dense probe and condinit.probe's exact (dense) estimator give the same
+    sigma_max and sigma_min on a LayerNorm'd input (wide J: no output-side nulls to project)."""
+    probe = pytest.importorskip("condinit.probe")
+    g = torch.Generator().manual_seed(4)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight.normal_(0, 0.3, generator=g)
+        mha.in_proj_bias.normal_(0, 0.05, generator=g)
+    x = torch.nn.functional.layer_norm(torch.randn(5, 8, generator=g), (8,))
+    for causal in (False, True):
+        est = probe.condition_number(probe.JacobianOperator(mha, x, causal=causal, dtype=torch.float64),
+                                     method="dense")
+        smax, smin = attention_jacobian_sigma(mha, x, causal=causal)
+        assert math.isclose(smax, est.sigma_max, rel_tol=1e-8)
+        assert math.isclose(smin, est.sigma_min, rel_tol=1e-6)

@@ -9,6 +9,16 @@ from torch import nn
 from condinit.probe import JacobianMonitor
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread avoids OpenMP spin contention on the shared 2-core machine
+    (70x slower with 2 threads under load); restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class TinyTransformer(nn.Module):
     """Two encoder layers (nn.MultiheadAttention inside) with dropout, so any draw from the global RNG
     by the monitor would change the loss trajectory."""

@@ -50,7 +50,7 @@ def test_orthonormal(method, shape, rng):
         assert bool((torch.linalg.eigvalsh((F + F.transpose(1, 2)) / 2) > 0).all())
 
 
-@pytest.mark.parametrize("method,n", [("cholqr2", 16384), ("householder", 16384), ("polar", 4096)])
+@pytest.mark.parametrize("method,n", [("cholqr2", 16384), ("householder", 4096), ("polar", 4096)])
 def test_big_wide_block(method, n, rng):
     W = torch.randn(2, 256, n, generator=rng)
     assert orth_error(orthogonalize(W, method)) <= 1e-5

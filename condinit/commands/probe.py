@@ -48,14 +48,21 @@ def _load(path, preset):
     with open_checkpoint(path) as fh:
         state = {k: fh.get_tensor(k) for k in fh.keys()}
     model, family = build_model(preset, dtype=None, device="meta")
+    # tied parameters (e.g. embeddings / lm_head) are stored once: give every name of a tie the tensor
+    groups = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    for names in groups.values():
+        src = next((n for n in names if n in state), None)
+        for n in names:
+            if src is not None and n not in state:
+                state[n] = state[src]
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"{path} does not fit preset {preset!r}: {str(exc).splitlines()[0]}") from None
     if unexpected:
         raise ValueError(f"{path} does not fit preset {preset!r}: unexpected tensors {unexpected[:3]}")
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if still_meta:
         # buffers such as rotary inverse frequencies are not saved: rebuild them on CPU

@@ -106,6 +106,15 @@ inline void tile_default(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g
 #define CONDINIT_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma")))
 #define CONDINIT_AVX2 __attribute__((target("avx2,fma")))
 
+// 64-bit lane shifts and the even-lane 32x32->64 product. (Not _mm512_srli_epi64 / _mm512_mul_epu32:
+// in GCC 12 they merge into _mm512_undefined_epi32(), which -Wall reports as uninitialized.)
+typedef unsigned long long ci_v8du __attribute__((vector_size(64)));
+CONDINIT_AVX512 __attribute__((always_inline)) inline __m512i srl32_512(__m512i x) { return (__m512i)((ci_v8du)x >> 32); }
+CONDINIT_AVX512 __attribute__((always_inline)) inline __m512i sll32_512(__m512i x) { return (__m512i)((ci_v8du)x << 32); }
+CONDINIT_AVX512 __attribute__((always_inline)) inline __m512i mul_epu32_512(__m512i a, __m512i b) {
+  return _mm512_maskz_mul_epu32((__mmask8)0xFF, a, b);
+}
+
 CONDINIT_AVX512 __attribute__((always_inline)) inline void tile_avx512(
     uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g_hi, uint32_t k0, uint32_t k1, float* __restrict__ tile) {
   constexpr int V = kLanes / 16;  // independent zmm chains per word: hides the multiply latency
@@ -124,12 +133,12 @@ CONDINIT_AVX512 __attribute__((always_inline)) inline void tile_avx512(
     const __m512i rk1 = _mm512_set1_epi32((int)(k1 + (uint32_t)r * philox::kW1));
     for (int v = 0; v < V; ++v) {
       // 64-bit products of the even lanes, and of the odd lanes shifted down
-      const __m512i e0 = _mm512_mul_epu32(c0[v], M0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(c0[v], 32), M0);
-      const __m512i e1 = _mm512_mul_epu32(c2[v], M1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(c2[v], 32), M1);
-      const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e0, 32), o0);
-      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, e0, _mm512_slli_epi64(o0, 32));
-      const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(e1, 32), o1);
-      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, e1, _mm512_slli_epi64(o1, 32));
+      const __m512i e0 = mul_epu32_512(c0[v], M0), o0 = mul_epu32_512(srl32_512(c0[v]), M0);
+      const __m512i e1 = mul_epu32_512(c2[v], M1), o1 = mul_epu32_512(srl32_512(c2[v]), M1);
+      const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, srl32_512(e0), o0);
+      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, e0, sll32_512(o0));
+      const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, srl32_512(e1), o1);
+      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, e1, sll32_512(o1));
       const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[v]), rk0);
       const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[v]), rk1);
       c0[v] = n0;
