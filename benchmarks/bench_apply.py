@@ -68,7 +68,7 @@ def _hf_own_init(model):
 # ------------------------------------------------------------------------------------------------
 # children (one variant per fresh process)
 
-def child(variant: str, preset: str, threads: int) -> dict:
+def child(variant: str, preset: str, threads: int, repeats: int = 2) -> dict:
     import torch
 
     if threads:
@@ -86,18 +86,23 @@ def child(variant: str, preset: str, threads: int) -> dict:
         t0 = time.perf_counter()
         model, _ = build_model(preset, device="cpu")
         res["t_build"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _hf_own_init(model)
-        res["t_own_init"] = time.perf_counter() - t0
         res["peak_own"] = _peak_rss_bytes() - base
-        t0 = time.perf_counter()
-        rep = apply(model, seed=0, report=False)
-        res["t_apply"] = time.perf_counter() - t0
-        res["launches"] = rep.launches
+        # own init and apply alternate `repeats` times on the same model; the minimum of each is
+        # reported, so that a burst of load from other processes does not decide the ratio
+        own, app, app_rep = [], [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _hf_own_init(model)
+            own.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rep = apply(model, seed=0, report=False)
+            app.append(time.perf_counter() - t0)
         res["peak_after_apply"] = _peak_rss_bytes() - base
         t0 = time.perf_counter()
         apply(model, seed=0, report=True)
-        res["t_apply_report"] = time.perf_counter() - t0
+        app_rep.append(time.perf_counter() - t0)
+        res.update(t_own_init=min(own), t_apply=min(app), t_apply_report=min(app_rep), launches=rep.launches,
+                   t_own_init_all=own, t_apply_all=app)
     elif variant == "meta":
         t0 = time.perf_counter()
         model, _ = build_model(preset, device="meta")
@@ -118,9 +123,9 @@ def child(variant: str, preset: str, threads: int) -> dict:
     return res
 
 
-def run_child(variant, preset, threads) -> dict:
+def run_child(variant, preset, threads, repeats) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--preset", preset,
-           "--threads", str(threads)]
+           "--threads", str(threads), "--repeats", str(repeats)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"variant {variant} failed:\n{out.stderr[-4000:]}")
@@ -130,7 +135,7 @@ def run_child(variant, preset, threads) -> dict:
 # ------------------------------------------------------------------------------------------------
 # GPU section
 
-def gpu_section(buffer_mib: int, layers: int = 80) -> dict:
+def gpu_section(buffer_mib: int, layers: int = 80, device: str = "cuda") -> dict:
     import torch
     from torch import nn
 
@@ -143,23 +148,26 @@ def gpu_section(buffer_mib: int, layers: int = 80) -> dict:
     with torch.device("meta"):
         stack = nn.ModuleList([LlamaAttention(cfg, i) for i in range(layers)]).to(torch.bfloat16)
     nbytes = _model_bytes(stack)
-    dev = torch.device("cuda")
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.synchronize()
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     rep = apply(stack, seed=0, report=False, device=dev, buffer_bytes=buffer_mib << 20)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     total = time.perf_counter() - t0
     cond = rep.total_time_s - rep.init_time_s
-    peak = torch.cuda.max_memory_allocated(dev) - base
+    peak = torch.cuda.max_memory_allocated(dev) - base if cuda else float("nan")
     d, D = 128, 8192
     blocks = layers * (64 + 8)
     flop = blocks * 4 * 2 * d * d * D  # CholeskyQR2: 4 GEMMs of 2 d^2 D
     return {"layers": layers, "stack_bytes": nbytes, "t_total": total, "t_own_init": rep.init_time_s,
             "t_condition": cond, "launches": rep.launches, "peak_gpu_bytes": peak, "qk_blocks": blocks,
             "tflops_orth": flop / cond / 1e12, "written_gb_per_s": blocks * d * D * 2 / cond / 1e9,
-            "buffer_mib": buffer_mib, "gpu": torch.cuda.get_device_name(dev)}
+            "buffer_mib": buffer_mib, "gpu": torch.cuda.get_device_name(dev) if cuda else str(dev)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,17 +184,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--gpu-buffer-mib", type=int, default=2048)
     ap.add_argument("--gpu-layers", type=int, default=80)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating own-init / apply timings (min kept)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.preset, args.threads)))
+        print(json.dumps(child(args.child, args.preset, args.threads, args.repeats)))
         return 0
 
     from rich.console import Console
     from rich.table import Table
 
-    results = {v: run_child(v, args.preset, args.threads) for v in ("own", "meta", "default")}
+    results = {v: run_child(v, args.preset, args.threads, args.repeats) for v in ("own", "meta", "default")}
     own, meta, default = results["own"], results["meta"], results["default"]
     con = Console(width=160)
     mb = own["model_bytes"]

@@ -8,6 +8,10 @@ fails because triton or the native extension is missing):
   :func:`spectrum`, :func:`recondition_`;
 * fused attention with forward- and reverse-mode AD (``condinit.attention``):
   :func:`attention`, :func:`attention_jvp`;
+* real models (``condinit.models``): :func:`apply`, :func:`register_adapter`, :func:`find_attention`;
+* attention Jacobian probes (``condinit.probe``): :class:`JacobianOperator`, :class:`JacobianMonitor`,
+  :func:`lanczos_svd`, :func:`power_sigma_max`, :func:`condition_number`,
+  :func:`frobenius_hutchinson`, :func:`theorem31_bound`;
 
 ``python -m condinit info`` lists which backends (cuda, triton, cpp-cpu, torch) each op can use.
 """
@@ -28,7 +32,17 @@ _LAZY = {
     "recondition_": "condinit.init",
     "attention": "condinit.attention",
     "attention_jvp": "condinit.attention",
+    "conditioned_blocks": "condinit.init",
     "apply": "condinit.models",
+    "register_adapter": "condinit.models",
+    "find_attention": "condinit.models",
+    "JacobianOperator": "condinit.probe",
+    "JacobianMonitor": "condinit.probe",
+    "lanczos_svd": "condinit.probe",
+    "power_sigma_max": "condinit.probe",
+    "condition_number": "condinit.probe",
+    "frobenius_hutchinson": "condinit.probe",
+    "theorem31_bound": "condinit.probe",
     "BackendUnavailableError": "condinit._backends",
 }
 

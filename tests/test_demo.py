@@ -106,8 +106,8 @@ def test_same_seed_same_numbers(tmp_path):
     assert _numbers(a) == _numbers(b)
     ca = (tmp_path / "a" / "curves.csv").read_text()
     assert ca == (tmp_path / "b" / "curves.csv").read_text()
-    # a different seed count changes the numbers (the comparison above can fail)
-    assert main(args[:4] + ["2"] + args[5:] + ["--out", str(tmp_path / "c")]) == 0
+    # one more step changes the numbers (the comparison above can fail)
+    assert main([a if a != "6" else "7" for a in args] + ["--out", str(tmp_path / "c")]) == 0
     c = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert _numbers(c) != _numbers(a)
 
@@ -225,7 +225,7 @@ def test_all_inits_share_non_attention_weights_and_condinit_gives_unit_spectra()
 def test_jacobian_sigma_matches_full_mha_jacobian(causal):
     """Per-head probe == singular values of the dense Jacobian of nn.MultiheadAttention itself
     (W_O = I, so the module's output is the concatenated heads) wrt its whole in_proj_weight."""
-    e, h, n = 12, 3, 7
+    e, h, n = 8, 2, 6
     g = torch.Generator().manual_seed(2)
     mha = nn.MultiheadAttention(e, h, batch_first=True).double()
     with torch.no_grad():

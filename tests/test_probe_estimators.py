@@ -118,3 +118,19 @@ def test_theorem31_bound_terms():
     assert res.bound == pytest.approx(max(v for row in res.per_head for v in row))
     assert res.measured is not None and res.measured_kappa == res.measured.kappa
     assert res.bound > 1.0 and res.to_dict()["measured"]["method"] == "golub-kahan-lanczos"
+
+
+def test_cli_probe_bad_input(tmp_path, capsys):
+    from condinit.cli import main
+
+    ckpt = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, ckpt)
+    assert main(["probe", str(ckpt), "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert main(["probe", str(ckpt), "--preset", "tiny-llama", "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert main(["probe", str(ckpt), "--preset", "tiny-llama", "--json", str(tmp_path / "o.json")]) == 2
+    assert "not safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+    assert main(["probe", str(ckpt), "--preset", "tiny-llama", "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -101,18 +101,26 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
     with_tangent = tq is not None or tk is not None or tv is not None
     P = next(t.shape[0] for t in (tq, tk, tv) if t is not None) if with_tangent else 0
 
-    qg = _grouped(q, Hkv).to(acc_t)                      # [B, Hkv, G, Nq, d]
+    # The scale is folded into Q and Q' (S = (s Q) K^T, S' = (s Q') K^T + (s Q) K'^T): no
+    # elementwise pass over the score blocks for it.
+    qg = _grouped(q, Hkv).to(acc_t) * scale              # [B, Hkv, G, Nq, d]
     kg = k.to(acc_t).unsqueeze(2)                        # [B, Hkv, 1, Nk, d]
     vg = v.to(acc_t).unsqueeze(2)
-    tqg = _grouped(tq, Hkv).to(acc_t) if tq is not None else None   # [P, B, Hkv, G, Nq, d]
-    tkg = tk.to(acc_t).unsqueeze(3) if tk is not None else None      # [P, B, Hkv, 1, Nk, d]
+    tqg = _grouped(tq, Hkv).to(acc_t) * scale if tq is not None else None   # [P, B, Hkv, G, Nq, d]
+    tkg = tk.to(acc_t).unsqueeze(3) if tk is not None else None              # [P, B, Hkv, 1, Nk, d]
     tvg = tv.to(acc_t).unsqueeze(3) if tv is not None else None
+    # With both Q' and K', S' = [s Q', s Q] [K, K']^T: one product with inner dim 2d.
+    both = tqg is not None and tkg is not None
+    if both:
+        kcat = torch.cat([kg.expand(P, *kg.shape), tkg], dim=-1)            # [P, B, Hkv, 1, Nk, 2d]
 
     outs, touts, lses = [], [], []
     for i0 in range(0, Nq, block_q):
         i1 = min(Nq, i0 + block_q)
         qb = qg[..., i0:i1, :]
         tqb = tqg[..., i0:i1, :] if tqg is not None else None
+        if both:
+            qcat = torch.cat([tqb, qb.expand(P, *qb.shape)], dim=-1)        # [P, B, Hkv, G, bq, 2d]
         rows = qb.shape[:-1]                                            # [B, Hkv, G, bq]
         m = qb.new_full(rows, _NEG_INF)
         l = qb.new_zeros(rows)
@@ -123,7 +131,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
         for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
             j1 = min(Nk, j0 + block_k)
             kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
-            s = scale * (qb @ kb.transpose(-1, -2))                     # [B, Hkv, G, bq, bk]
+            s = qb @ kb.transpose(-1, -2)                               # [B, Hkv, G, bq, bk]
             mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
             if mask is not None:
                 s = s.masked_fill(~mask, _NEG_INF)
@@ -136,16 +144,18 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
             l = alpha * l + p.sum(-1)
             acc = alpha[..., None] * acc + p @ vb
             if with_tangent:
-                ds = None                                               # S' = scale (Q' K^T + Q K'^T)
-                if tqb is not None:
+                if both:                                                # S' = s (Q' K^T + Q K'^T)
+                    ds = qcat @ kcat[..., j0:j1, :].transpose(-1, -2)
+                elif tqb is not None:
                     ds = tqb @ kb.transpose(-1, -2)
-                if tkg is not None:
-                    t = qb @ tkg[..., j0:j1, :].transpose(-1, -2)
-                    ds = t if ds is None else ds + t
+                elif tkg is not None:
+                    ds = qb @ tkg[..., j0:j1, :].transpose(-1, -2)
+                else:
+                    ds = None
                 a = alpha[..., None]
                 upd = acc_t_ * a
                 if ds is not None:
-                    ps = p * (scale * ds)                               # P~ * S' (0 where masked)
+                    ps = p * ds                                         # P~ * S' (0 where masked)
                     r = alpha * r + ps.sum(-1)
                     upd = upd + ps @ vb                                 # accB
                 else:
@@ -180,7 +190,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     acc_t = _acc_dtype(q.dtype)
-    qg = _grouped(q, Hkv).to(acc_t)
+    qg = _grouped(q, Hkv).to(acc_t) * scale              # s Q: S = (s Q) K^T, dK = dS^T (s Q)
     dog = _grouped(dout, Hkv).to(acc_t)
     og = _grouped(out, Hkv).to(acc_t)
     kg = k.to(acc_t).unsqueeze(2)
@@ -200,7 +210,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
             j1 = min(Nk, j0 + block_k)
             kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
-            s = scale * (qb @ kb.transpose(-1, -2))
+            s = qb @ kb.transpose(-1, -2)
             mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
             if mask is not None:
                 s = s.masked_fill(~mask, _NEG_INF)
@@ -212,7 +222,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             dv[..., j0:j1, :] += (p.transpose(-1, -2) @ dob).sum(2)
         dqs.append(dq)
     dq = _ungrouped(torch.cat(dqs, dim=-2)) * scale
-    return dq.to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def attention_naive(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,

@@ -27,7 +27,7 @@ def add_arguments(p):
     p.add_argument("--seeds", type=int, default=None, metavar="N",
                    help="number of seeds 0..N-1 per init (default 3; 2 with --quick)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
-                   help="training steps per run (default per task: vision 600, text 800; --quick 40)")
+                   help="training steps per run (default per task: vision 600, text 1200; --quick 40)")
     p.add_argument("--out", default="condinit-demo", metavar="DIR",
                    help="output directory for summary.json, curves.csv, table.md and plots (default ./condinit-demo)")
     p.add_argument("--quick", action="store_true", help="a smoke run (well under a minute): few steps, small probes")
@@ -107,7 +107,7 @@ def run(args) -> int:
         table.add_column(col)
     for r in rows:
         table.add_row(*r)
-    con = Console(file=sys.stdout)
+    con = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)  # no squeezing when piped
     con.print(table)
     con.print(f"{len(written)} files written to {out} in {summary['meta']['seconds']:.0f} s: "
               + ", ".join(os.path.basename(w) for w in written))

@@ -124,30 +124,6 @@ def spectral_condition_(mha: nn.MultiheadAttention, *, lam: float = 10.0) -> nn.
     return mha
 
 
-def _conditioned(model, seed):
-    # TEMPORARY while condinit.init is being written: Algorithm 1 by Gaussian QR with sign fix.
-    try:
-        import condinit.init  # noqa: F401
-        import condinit
-        condinit.apply(model, seed=seed, report=False)
-        return
-    except ImportError:
-        pass
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.MultiheadAttention):
-                e, h, d = m.embed_dim, m.num_heads, m.head_dim
-                w = m.in_proj_weight
-                for part in range(2):
-                    for head in range(h):
-                        q, r = torch.linalg.qr(torch.randn(e, d, generator=g, dtype=torch.float64))
-                        q = q * torch.sign(torch.diagonal(r))
-                        w[part * e + head * d: part * e + (head + 1) * d].copy_(q.T)
-                w[2 * e:].copy_(torch.eye(e))
-                m.in_proj_bias.zero_()
-
-
 def initialize_(model: nn.Module, init: str, *, seed: int) -> nn.Module:
     """Base init, then ``init`` on every ``nn.MultiheadAttention``; seeds the global RNG with ``seed``.
 
@@ -163,7 +139,8 @@ def initialize_(model: nn.Module, init: str, *, seed: int) -> nn.Module:
         for m in mhas:
             mimetic_init_(m, generator=g)
     elif init == "conditioned":
-        _conditioned(model, seed)
+        import condinit
+        condinit.apply(model, seed=seed, report=False)
     elif init == "spectral":
         for m in mhas:
             spectral_condition_(m, lam=10.0)

@@ -110,7 +110,7 @@ def _fmt_kappa(k):
 def table_rows(summary: dict):
     """Header and rows of the paper-style table (strings)."""
     header = ["task", "init", "final acc (mean ± std)", "final loss", "steps to default's final acc",
-              "ratio", "κ(J) at init", "κ(J) median in training", "κ(J) < default's"]
+              "ratio", "κ(J) at init", "κ(J) median, training", "κ(J) < default's"]
     rows = []
     for task, t in summary["tasks"].items():
         for init, s in t["inits"].items():

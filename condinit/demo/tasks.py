@@ -101,7 +101,7 @@ def mqar_sequences(n: int, *, num_pairs: int, num_keys: int, num_values: int, ge
     return x.contiguous(), y
 
 
-def load_mqar_task(*, num_train: int = 8192, num_test: int = 512, num_pairs: int = 6, num_keys: int = 16,
+def load_mqar_task(*, num_train: int = 8192, num_test: int = 512, num_pairs: int = 4, num_keys: int = 16,
                    num_values: int = 16) -> MQARTask:
     g = torch.Generator().manual_seed(DATA_SEED)
     kw = dict(num_pairs=num_pairs, num_keys=num_keys, num_values=num_values, generator=g)

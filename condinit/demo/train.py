@@ -61,8 +61,8 @@ class TaskConfig:
 DEFAULT_CONFIGS = {
     "vision": TaskConfig("vision", steps=600, batch_size=64, lr=2e-3, eval_every=20, probe_every=50,
                          model=dict(dim=32, depth=2, num_heads=2, mlp_ratio=2)),
-    "text": TaskConfig("text", steps=800, batch_size=64, lr=2e-3, eval_every=20, probe_every=50,
-                       model=dict(dim=64, depth=2, num_heads=2, mlp_ratio=2)),
+    "text": TaskConfig("text", steps=1200, batch_size=64, lr=1e-3, eval_every=25, probe_every=100,
+                       model=dict(dim=32, depth=2, num_heads=2, mlp_ratio=2)),
 }
 QUICK_CONFIGS = {
     "vision": replace(DEFAULT_CONFIGS["vision"], steps=40, eval_every=10, probe_every=20, probe_examples=1),

@@ -170,12 +170,27 @@ class _Effective:
                 f"of the known null directions; {side}. Known nulls: {op.null_description}")
 
 
-def _reorth(w: Tensor, basis: list) -> Tensor:
-    if basis:
-        Q = torch.stack(basis)
-        for _ in range(2):       # twice is enough (Kahan / Parlett)
-            w = w - Q.t() @ (Q @ w)
-    return w
+class _Basis:
+    """Orthonormal vectors in a preallocated ``[rows, size]`` buffer (no per-step re-stacking)."""
+
+    def __init__(self, rows: int, like: Tensor):
+        self.M = like.new_empty(rows, like.shape[0])
+        self.k = 0
+
+    def append(self, v: Tensor):
+        self.M[self.k] = v
+        self.k += 1
+
+    def last(self) -> Tensor:
+        return self.M[self.k - 1]
+
+    def reorth(self, w: Tensor) -> Tensor:
+        """Full reorthogonalization, twice (enough in floating point: Kahan / Parlett)."""
+        if self.k:
+            Q = self.M[: self.k]
+            for _ in range(2):
+                w = w - Q.t() @ (Q @ w)
+        return w
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,16 +202,19 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
     eps = torch.finfo(op.dtype).eps
     v = eff.proj_in(_randn(op, eff.size_in, gen))
     v = v / torch.linalg.vector_norm(v)
-    V, U, alphas, betas = [v], [], [], []
-    beta, u_prev = 0.0, None
     k_max = min(steps, eff.r)
+    V, U, alphas, betas = _Basis(k_max + 1, v), None, [], []
+    V.append(v)
+    beta, u_prev = 0.0, None
     scale_est = 0.0
     for it in range(1, k_max + 1):
         # upper bidiagonal: A V_k = U_k B_k,  A^T U_k = V_k B_k^T + beta_k v_{k+1} e_k^T
-        u = eff.mv(V[-1])
+        u = eff.mv(V.last())
+        if U is None:
+            U = _Basis(k_max, u)
         if u_prev is not None:
             u = u - beta * u_prev
-        u = _reorth(u, U)
+        u = U.reorth(u)
         alpha = float(torch.linalg.vector_norm(u))
         scale_est = max(scale_est, alpha, beta)
         if alpha <= 100 * eps * max(scale_est, 1e-300):
@@ -206,15 +224,15 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         u = u / alpha
         U.append(u)
         alphas.append(alpha)
-        w = eff.rmv(u) - alpha * V[-1]
-        w = _reorth(w, V)
+        w = eff.rmv(u) - alpha * V.last()
+        w = V.reorth(w)
         beta = float(torch.linalg.vector_norm(w))
         betas.append(beta)
         scale_est = max(scale_est, beta)
         if beta <= 100 * eps * scale_est or it == k_max:
             break                    # invariant subspace found (exact Ritz values), or out of steps
         V.append(w / beta)
-        u_prev = u
+        u_prev = U.last()
     k = len(alphas)
     Bk = torch.zeros(k, k, dtype=torch.float64)
     Bk[range(k), range(k)] = torch.tensor(alphas, dtype=torch.float64)
@@ -329,8 +347,8 @@ def power_sigma_max(op: Union[JacobianOperator, Sequence[JacobianOperator]], ite
 
 def _t_quantile(p: float, dof: int) -> float:
     try:
-        from scipy.stats import t
-        return float(t.ppf(p, dof))
+        from scipy.special import stdtrit   # much lighter to import than scipy.stats
+        return float(stdtrit(dof, p))
     except ImportError:          # normal approximation
         from statistics import NormalDist
         return NormalDist().inv_cdf(p)

@@ -158,7 +158,7 @@ CONDINIT_AVX512 __attribute__((always_inline)) inline void tile_avx512(
   alignas(64) float rr[2 * kLanes];
   spread_words(w0, w1, w2, w3, xr, xa);
   minus2log_lanes(xr, rr);
-  for (int p = 0; p < 2 * kLanes; p += 16) _mm512_store_ps(rr + p, _mm512_sqrt_ps(_mm512_load_ps(rr + p)));
+  for (int p = 0; p < 2 * kLanes; p += 16) _mm512_store_ps(rr + p, _mm512_maskz_sqrt_ps((__mmask16)0xFFFF, _mm512_load_ps(rr + p)));
   sincos_store_lanes(xa, rr, tile);
 }
 
