@@ -42,6 +42,25 @@ def _cuda_home():
     return os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
 
 
+def _cxx_standard():
+    """C++20 when torch's headers demand it (torch >= 2.13), else C++17."""
+    from torch.utils.cpp_extension import include_paths
+    for inc in include_paths():
+        header = os.path.join(inc, "ATen", "ATen.h")
+        if os.path.exists(header):
+            with open(header) as f:
+                return "c++20" if "C++20 or later" in f.read() else "c++17"
+    return "c++17"
+
+
+def _nvidia_wheel_includes():
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "*", "include")))
+
+
 def _extensions():
     """Return (ext_modules, cmdclass); empty when the extension cannot or should not be built."""
     if _flag("CONDINIT_NO_EXT"):
@@ -70,13 +89,17 @@ def _extensions():
     if _flag("CONDINIT_FORCE_CUDA") and not with_cuda:
         raise RuntimeError("CONDINIT_FORCE_CUDA=1 but nvcc (CUDA_HOME) or a CUDA build of torch is missing")
 
-    # Portable baseline; hot loops pick AVX2/AVX-512 at run time with target_clones.
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # Portable baseline; hot loops pick AVX2/AVX-512 at run time. Recent torch headers need C++20.
+    cxx = ["-O3", f"-std={_cxx_standard()}", "-fopenmp"]
     define_macros = [("CONDINIT_BUILD_TORCH_VERSION", f'"{torch.__version__}"')]
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         os.environ.setdefault("CUDA_HOME", cuda_home)
         define_macros.append(("CONDINIT_WITH_CUDA", None))
+        # ATen's CUDA headers include cuSPARSE/cuBLAS headers that a minimal toolkit may lack; the
+        # nvidia-* wheels torch depends on carry them. Searched last, so CUDA_HOME's headers win.
+        for inc in _nvidia_wheel_includes():
+            cxx += ["-idirafter", inc]
         ext = CUDAExtension(
             "condinit._C",
             sources=cpu_sources + cuda_sources + cu_sources,

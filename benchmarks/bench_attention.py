@@ -199,11 +199,12 @@ def main(argv=None):
     causal = not args.non_causal
     base = {"B": args.B, "H": args.H, "N": N, "d": args.d, "causal": causal, "threads": args.threads,
             "native_lib": os.path.abspath(args.native_lib) if args.native_lib else None}
+    print(f"attention JVP, CPU, B={args.B} H={args.H} N={N} d={args.d} {'causal' if causal else 'non-causal'} "
+          f"fp32; torch {torch.__version__}; torch threads {args.threads or torch.get_num_threads()}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if os.getloadavg()[0] > (os.cpu_count() or 1):
         print(f"warning: load average {os.getloadavg()[0]:.1f} > {os.cpu_count()} CPUs: timings are "
               "unreliable (try --threads 1)")
-    print(f"attention JVP, CPU, B={args.B} H={args.H} N={N} d={args.d} {'causal' if causal else 'non-causal'} "
-          f"fp32; torch {torch.__version__}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
     runs = []
     if not args.skip_math:

@@ -114,7 +114,8 @@ def check_randn():
     cpu = block_randn(1234, 7, ids, (64, 1000), device="cpu")
     diff = (gpu - cpu).abs().max().item()
     same = torch.equal(gpu, cpu)
-    record("init", "randn cuda == cpu", diff <= 1e-6, f"bitwise={same} max|diff|={diff:.2e}")
+    # The generator is designed bit-identical across backends (fixed fp32 operation sequences).
+    record("init", "randn cuda == cpu bit for bit", same, f"max|diff|={diff:.2e}")
 
 
 @guarded("init")

@@ -30,7 +30,6 @@ def _ops():
         if not ok:
             return None, f"condinit._C unavailable: {why}"
     try:
-        torch._C._dispatch_has_kernel_for_dispatch_key("condinit_C::attention_jvp", "CPU")
         if not torch._C._dispatch_has_kernel_for_dispatch_key("condinit_C::attention_jvp", "CPU"):
             return None, "condinit._C has no attention_jvp CPU kernel"
     except RuntimeError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-import sys
 import traceback
 
 import pytest
@@ -128,6 +127,21 @@ def _worker(rank, world, port, errfile):
                 for p in "qkv":  # a rank whose shard holds none of a projection's rows measures nothing
                     st = l.after[p]
                     assert st is None or abs(st.cond - 1) < 1e-4, (label, l.name, p, st)
+        # deferred + sharded: built on meta, fully_shard, then materialized (own init through
+        # reset_parameters on the DTensor shards) and conditioned by apply
+        with torch.device("meta"):
+            m = Net()
+        for blk in m.blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        rep = condinit.apply(m, seed=SEED, device="cpu")
+        assert rep.materialized and rep.sharded
+        got = _full(m)
+        qkv = [k for k in expect if any(s in k for s in ("in_proj", "c_attn", ".q.", ".k.", ".v."))]
+        assert len(qkv) == 16
+        for k in qkv:
+            assert torch.equal(got[k], expect[k]), f"meta+fsdp2: {k}"
+        assert all(torch.isfinite(v).all() for v in got.values())
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:

@@ -161,6 +161,8 @@ def _plot(rows, out, title):
                        ("bound", "Thm 3.1 bound")):
         ys = [r[key] if r[key] is not None and r[key] > 0 else float("nan") for r in rows]
         ax.semilogy(idx, ys, marker="o", label=label)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -204,9 +206,12 @@ def run(args) -> int:
     print(head)
     for r in rows:
         kappa = "rank-def." if r["rank_deficient"] else _fmt(r["kappa"])
-        flag = "" if r["converged"] else " (not converged)"
+        flag = "" if r["converged"] else " (not converged: sigma_min is an upper bound, kappa a lower bound)"
         print(f"{r['layer']:>5}  {r['name'][-34:]:<34} {_fmt(r['sigma_max']):>10} {_fmt(r['sigma_min']):>10} "
               f"{kappa:>10} {_fmt(r['frobenius']):>10} {_fmt(r['bound']):>10}{flag}")
+    if any(r["bound"] is None for r in rows):
+        print("Thm3.1 '-': vacuous for that layer (kappa(X) or a weight block's kappa is infinite, e.g. repeated "
+              "tokens give a rank-deficient X)")
     print("* sigma_min on the orthogonal complement of the known null directions: " + rows[0]["subspace"])
     if out_json:
         with atomic_output(out_json) as tmp:

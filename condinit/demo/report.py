@@ -23,7 +23,6 @@ import math
 import os
 import statistics
 import tempfile
-from typing import Optional
 
 __all__ = ["summarize", "format_table", "render_files", "write_outputs", "check_output_dir", "INIT_COLORS"]
 

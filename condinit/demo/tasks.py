@@ -1,7 +1,7 @@
 """Data for ``condinit demo``: two small tasks whose data ship with the dependencies (no downloads).
 
 * ``vision``: scikit-learn's digits (1797 grey 8x8 images of 0-9, from the UCI optical digits set,
-  shipped inside scikit-learn), pixels scaled to [0, 1], a fixed stratified-free 80/20 split drawn
+  shipped inside scikit-learn), pixels scaled to [0, 1], a fixed random 80/20 split drawn
   with a fixed generator (the split never depends on the run's seed, so seeds differ only in
   init and data order).
 * ``text``: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology"). A sequence lists
@@ -9,7 +9,8 @@
   key tokens, values from ``num_values`` value tokens), then asks every key again in a random
   order, each followed by its value: ``q_1 v(q_1) ... q_n v(q_n)``. A causal LM is scored on the
   ``n`` positions holding a query key (predict its value), where only recall from the context can
-  help: chance is ``1 / num_values``. Generated from a fixed seed: identical on every machine.
+  help: chance is ``1 / num_values``. Defaults: 4 pairs, 16 key and 16 value tokens (15 input
+  tokens). Generated from a fixed seed (same torch RNG stream on every machine).
 
 Both tasks hand out batches through a :class:`torch.Generator` owned by the run, so the data order
 is a function of the run's seed alone.

@@ -113,14 +113,13 @@ class _small_lapack:
         self.cpu = device.type == "cpu"
 
     def __enter__(self):
-        if self.cpu:
-            self.threads = torch.get_num_threads()
-            if self.threads != 1:
-                torch.set_num_threads(1)
+        self.threads = torch.get_num_threads() if self.cpu else 1
+        if self.threads != 1:
+            torch.set_num_threads(1)
         return self
 
     def __exit__(self, *exc):
-        if self.cpu and self.threads != 1:
+        if self.threads != 1:
             torch.set_num_threads(self.threads)
         return False
 
@@ -192,10 +191,14 @@ def _near_identity_chol_inverse(G: torch.Tensor):
 
 def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     B = scratch if scratch is not None else torch.empty_like(A)
-    Linv, bad = _chol_inverse(_gram(A), near_identity=False)
+    G = _gram(A)
+    with _small_lapack(A.device):   # everything on the m x m Grams: tiny, single-threaded
+        Linv, bad = _chol_inverse(G, near_identity=False)
     torch.bmm(Linv, A, out=B)
-    Linv, bad2 = _near_identity_chol_inverse(_gram(B))
-    bad |= bad2
+    G = _gram(B)
+    with _small_lapack(A.device):
+        Linv, bad2 = _near_identity_chol_inverse(G)
+        bad |= bad2
     fallback = None
     if bool(bad.any()):  # decided before ``out`` (which may alias A) is written
         idx = bad.nonzero().flatten()
@@ -269,16 +272,18 @@ def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Opti
     while True:
         if steps:
             G = gram(X)
-            done |= (G - eye).abs().flatten(1).amax(1) <= tol
-        active = ~done & (limit > steps)
-        if not bool(active.any()):
-            break
-        alpha, beta, l = _cubic_coefficients(l)
-        if steps == 0:
-            alpha, beta = alpha * scale, beta * scale
-        # finished blocks take the exact identity step alpha = 1, beta = 0
-        alpha = torch.where(active, alpha, 1.0).float()
-        beta = torch.where(active, -beta, 0.0).float()
+        with _small_lapack(A.device):
+            if steps:
+                done |= (G - eye).abs().flatten(1).amax(1) <= tol
+            active = ~done & (limit > steps)
+            if not bool(active.any()):
+                break
+            alpha, beta, l = _cubic_coefficients(l)
+            if steps == 0:
+                alpha, beta = alpha * scale, beta * scale
+            # finished blocks take the exact identity step alpha = 1, beta = 0
+            alpha = torch.where(active, alpha, 1.0).float()
+            beta = torch.where(active, -beta, 0.0).float()
         step(X, G, alpha, beta, Y)
         X, Y = Y, X
         steps += 1
@@ -330,16 +335,8 @@ def orthogonalize_wide_(A: torch.Tensor, method: str, out: torch.Tensor, *, scra
                         backend: Optional[str] = None) -> torch.Tensor:
     """Orthonormalize the rows of the contiguous fp32 chunk ``A`` [C, m, n] (m <= n, C >= 2) into
     ``out``; ``A`` (and ``scratch``, like ``A``) may be clobbered. ``method`` is concrete (not auto)."""
-    # TF32 / bf16 GEMMs (torch.set_float32_matmul_precision("high")) would leave |Q Q^T - I| ~ 1e-3
-    precision = torch.get_float32_matmul_precision()
-    if precision != "highest":
-        torch.set_float32_matmul_precision("highest")
-    try:
-        return _backends.dispatch("orthogonalize", A.device, (A, method, out, scratch), backend=backend,
-                                  call_info={"method": method, "m": A.shape[1], "n": A.shape[2]})
-    finally:
-        if precision != "highest":
-            torch.set_float32_matmul_precision(precision)
+    return _backends.dispatch("orthogonalize", A.device, (A, method, out, scratch), backend=backend,
+                              call_info={"method": method, "m": A.shape[1], "n": A.shape[2]})
 
 
 def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
@@ -350,7 +347,8 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     ``[stop-start, m, n]``); ``sink(start, stop, R)`` receives their orthonormalized fp32 results.
     ``direct(start, stop)`` may return a contiguous fp32 tensor to write a whole chunk's result into
     (then ``sink`` is not called for it). ``breaks``: block offsets where, on the CPU, a chunk should
-    end (destination boundaries, so that chunks can be written directly).
+    end (destination boundaries, so that chunks can be written directly). The callbacks of
+    different chunks may run concurrently (CPU) and must touch disjoint memory.
 
     Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
     goes through a multithreaded GEMM): on GPUs every chunk is padded to exactly
@@ -358,22 +356,34 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     was measured to give the same per-block bits (tests/test_orthogonalize.py checks it), so chunks
     there are at most that long, split at ``breaks``, and padded to 2 blocks only (not at all for
     Householder and SVD, which LAPACK runs matrix by matrix).
+
+    CPU parallelism: ``torch.get_num_threads()`` workers each run whole chunks single-threaded
+    (torch's intra-op thread count is set to 1 for the duration of the call, then restored). The
+    GEMMs here are small (``m = 64``): one OpenMP region per GEMM costs a barrier per call, and on
+    a loaded machine a barrier waits for a descheduled thread (measured on 2 shared cores: 2
+    intra-op threads 4-20x slower than 1); independent chunks per worker need no barrier at all.
     """
     m, n = block_shape
     device = torch.device(device)
     C = chunk_blocks(m, n, device.type, memory_budget)
     cpu = device.type == "cpu"
-    A_full = torch.empty((min(C, max(2, num_blocks)) if cpu else C, m, n), dtype=torch.float32,
-                         device=device)
-    S_full = torch.empty_like(A_full) if method in ("cholqr2", "polar") else None
-    # Householder and SVD run LAPACK matrix by matrix on the CPU: no padding at all there.
     lapack = method in ("householder", "svd")
     cuts = sorted(set(b for b in breaks if 0 < b < num_blocks)) if cpu else []
+    chunks = []
     start, ci = 0, 0
     while start < num_blocks:
         while ci < len(cuts) and cuts[ci] <= start:
             ci += 1
         stop = min(num_blocks, start + C, cuts[ci] if ci < len(cuts) else num_blocks)
+        chunks.append((start, stop))
+        start = stop
+    rows = min(C, max(2, num_blocks)) if cpu else C
+
+    def buffers():
+        A = torch.empty((rows, m, n), dtype=torch.float32, device=device)
+        return A, (torch.empty_like(A) if method in ("cholqr2", "polar") else None)
+
+    def one(start, stop, A_full, S_full):
         k = stop - start
         size = (k if lapack else max(2, k)) if cpu else C
         A = A_full[:size]
@@ -382,11 +392,49 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
         if k < size:  # pad with copies of a real block; their results are discarded
             A[k:].copy_(A[k - 1:k].expand(size - k, m, n))
         dest = direct(start, stop) if (direct is not None and k == size) else None
-        out = dest if dest is not None else A
-        orthogonalize_wide_(A, method, out, scratch=S, backend=backend)
+        orthogonalize_wide_(A, method, dest if dest is not None else A, scratch=S, backend=backend)
         if dest is None:
             sink(start, stop, A[:k])
-        start = stop
+
+    # TF32 / bf16 GEMMs (torch.set_float32_matmul_precision("high")) would leave |Q Q^T - I| ~ 1e-3
+    precision = torch.get_float32_matmul_precision()
+    threads = torch.get_num_threads()
+    workers = min(threads, len(chunks)) if cpu and not lapack else 1
+    if workers > 1 and _backends.select("orthogonalize", device, backend=backend, method=method)[0].backend != "torch":
+        workers = 1   # the Triton interpreter is not thread-safe
+    torch.set_float32_matmul_precision("highest")
+    if cpu and not lapack:
+        torch.set_num_threads(1)   # also for one worker: the same bits whatever the chunk count
+    try:
+        if workers <= 1:
+            bufs = buffers()
+            for start, stop in chunks:
+                one(start, stop, *bufs)
+        else:
+            _run_workers(workers, chunks, buffers, one)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(precision)
+
+
+def _run_workers(workers, chunks, buffers, one):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    lock = threading.Lock()
+    todo = iter(chunks)
+
+    def worker():
+        bufs = buffers()
+        while True:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            one(*item, *bufs)
+
+    with ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(worker) for _ in range(workers)]:
+            f.result()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -438,26 +486,23 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
     m, n = stack.shape[-2:]
     tall = m > n
     src = stack.reshape(-1, m, n)
-    dst = out.view(-1, m, n) if out.is_contiguous() else None
     if tall:
         src = src.transpose(1, 2)
     wm, wn = src.shape[1:]
     concrete = resolve_method(wm, wn, method)
     num = src.shape[0]
-    results = []
+    # results go straight into ``out`` when it is a contiguous fp32 wide stack, else via a buffer
+    fast = out.dtype == torch.float32 and out.is_contiguous() and not tall
+    res = out.view(-1, m, n) if fast else torch.empty((num, wm, wn), dtype=torch.float32, device=stack.device)
 
     def fill(start, stop, A):
         A.copy_(src[start:stop])
 
     def sink(start, stop, R):
-        R = R.transpose(1, 2) if tall else R
-        if dst is not None:
-            dst[start:stop].copy_(R)
-        else:
-            results.append(R.clone())
+        res[start:stop].copy_(R)
 
     run_chunks(num, (wm, wn), concrete, stack.device, fill, sink, memory_budget=memory_budget,
-               backend=backend)
-    if dst is None:
-        out.copy_(torch.cat(results).view(stack.shape))
+               backend=backend, direct=lambda start, stop: res[start:stop])
+    if not fast:
+        out.copy_((res.transpose(1, 2) if tall else res).reshape(stack.shape))
     return out

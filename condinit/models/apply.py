@@ -35,7 +35,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -137,11 +137,33 @@ class BlockStats:
         return cls.from_heads(smax, smin, cond)
 
 
+# Blocks whose fp32-Gram estimate of kappa exceeds this are measured again by condinit.init.spectrum.
+_FAST_MAX_COND = 100.0
+
+
 def _spectrum(stack: torch.Tensor):
+    """Per-block ``(sigma_max, sigma_min, cond)`` (float64, CPU) of a ``[B, m, n]`` stack.
+
+    Fast path for the report: the ``min(m,n)``-square Gram in fp32 (one batched GEMM, no float64
+    copy of the blocks) and its eigenvalues in float64. Singular values from a fp32 Gram are
+    accurate to ~1e-6 relative while kappa is moderate (init blocks: 1 after, ~1.5-3 before);
+    blocks with an estimated kappa above 100 are measured again exactly by
+    :func:`condinit.init.spectrum`.
+    """
     from condinit.init import spectrum
 
-    smax, smin, cond = spectrum(stack)
-    return smax.detach().cpu(), smin.detach().cpu(), cond.detach().cpu()
+    x = stack if stack.dtype == torch.float32 else stack.float()
+    if x.shape[-2] > x.shape[-1]:
+        x = x.transpose(-1, -2)
+    ev = torch.linalg.eigvalsh(torch.matmul(x, x.transpose(-1, -2)).double())
+    smax = ev[:, -1].clamp_min(0).sqrt()
+    smin = ev[:, 0].clamp_min(0).sqrt()
+    redo = ~(smax <= _FAST_MAX_COND * smin)
+    if bool(redo.any()):
+        exact = spectrum(stack[redo])
+        smax[redo], smin[redo] = exact[0].to(smax), exact[1].to(smin)
+    cond = torch.where(smin > 0, smax / smin, torch.full_like(smax, float("inf")))
+    return smax.cpu(), smin.cpu(), cond.cpu()
 
 
 @dataclass

@@ -23,12 +23,12 @@ elements (``per_head`` holds them all). The measured kappa(J) beside it (``measu
 layer's weight Jacobian (all heads, the whole batch, on the complement of its known nulls; see
 :mod:`condinit.probe.estimators`), which is not itself covered by a per-head bound: read the two as
 the paper's prediction and the observed quantity side by side. A rank-deficient ``X`` makes the bound
-vacuous (reported as None).
+vacuous (reported as None; so does a rank-deficient weight block, reported with kappa None).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -43,9 +43,9 @@ class Theorem31Bound:
 
     bound: Optional[float]
     kappa_X: Optional[float]
-    kappa_WQ: float
-    kappa_WK: float
-    kappa_WV: float
+    kappa_WQ: Optional[float]
+    kappa_WK: Optional[float]
+    kappa_WV: Optional[float]
     kappa_Lambda: Optional[float]
     kappa_softmax: Optional[float]
     per_head: list            # [B][H] bound per (sequence, head), None where vacuous
@@ -141,8 +141,8 @@ def theorem31_bound(layer: nn.Module, x: Tensor, *, causal: bool = False, scale:
     finite = [v for row in per_head for v in row if v is not None]
     vacuous = any(v is None for row in per_head for v in row)
     res = Theorem31Bound(
-        bound=None if vacuous or not finite else max(finite), kappa_X=_fin(kX.max()), kappa_WQ=float(kQ.max()),
-        kappa_WK=float(kK.max()), kappa_WV=float(kV.max()), kappa_Lambda=_fin(kL.max()),
+        bound=None if vacuous or not finite else max(finite), kappa_X=_fin(kX.max()), kappa_WQ=_fin(kQ.max()),
+        kappa_WK=_fin(kK.max()), kappa_WV=_fin(kV.max()), kappa_Lambda=_fin(kL.max()),
         kappa_softmax=_fin(kP.max()), per_head=per_head)
     if measure:
         from .estimators import lanczos_svd

@@ -27,7 +27,7 @@ or a sequence of them (layers are estimated one after another; the probes of one
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -51,6 +51,8 @@ class SpectrumEstimate:
     ``sigma_min`` / ``kappa`` refer to ``J`` on the complement of its known null directions
     (``subspace``); ``kappa`` is None when ``rank_deficient`` and for ``power`` (no sigma_min).
     Residuals are relative: ``||A^T u - sigma v|| / sigma`` for the Ritz pair of each value.
+    Lanczos Ritz values bracket from inside: ``sigma_max`` is a lower bound and ``sigma_min`` an upper
+    bound of the true values (so an unconverged ``kappa`` is a lower bound).
     """
 
     method: str

@@ -22,8 +22,11 @@ touched. A seeded training loop gives bit-identical losses and parameters with t
 
 Budget: ``budget`` seconds of estimator work per sampled step (None: no limit; <= 0: ValueError),
 ``max_layers`` layers per sampled step, ``max_tokens`` / ``max_batch`` to subsample the captured input.
-Layers are visited round-robin, so over several sampled steps every layer is covered; layers left
-out by the budget are logged as skipped.
+The time budget is checked between layers (a layer already started finishes). Layers are visited
+round-robin, so over several sampled steps every layer is covered; layers left out by the budget are
+logged as skipped. Cost on a CPU (benchmarks/bench_probe.py): one layer's estimate (20 steps, wrt
+weights) is about 40 JVP/VJP passes, each about as costly as that layer's Q/K/V projection forward
+plus 3 attention forwards; ``max_batch=1`` or ``max_layers`` bring ``every=100`` to about 1-3 %.
 """
 from __future__ import annotations
 

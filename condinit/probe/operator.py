@@ -55,7 +55,7 @@ so later optimizer steps do not change it), keeps no autograd graph, and draws n
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
