@@ -284,11 +284,15 @@ def write_outputs(out_dir, files: dict) -> list[str]:
     """Write ``{name: bytes}`` into ``out_dir`` (created if needed), each file atomically."""
     out_dir = check_output_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = 0o666 & ~umask          # mkstemp makes 0600 files; give the usual permissions
     written, tmps = [], []
     try:
         for name, data in files.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
             tmps.append(tmp)
+            os.chmod(tmp, mode)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -17,7 +17,10 @@ the *wide* orientation (``m <= n``); a tall block is handled as its transpose. M
     ``kappa(W) <~ u^{-1/2}``; a Gaussian ``m x n`` block with ``n >= 4m`` has
     ``kappa ~ (sqrt(n)+sqrt(m)) / (sqrt(n)-sqrt(m)) <= 3``. A block whose Cholesky fails
     (``cholesky_ex`` info), whose first factor is too ill-conditioned, or whose second Gram is not
-    close to ``I`` falls back, alone, to Householder. Cost: 4 GEMMs of ``2 m^2 n`` flops.
+    close to ``I`` falls back, alone, to Householder. Cost: 4 GEMMs of ``2 m^2 n`` flops. The
+    second pass's Gram is ``I + E`` with ``|E| ~ 1e-6``: its Cholesky factor's inverse is taken as
+    ``I - tril(E, -1) - diag(E)/2``, exact to ``O(m |E|^2)`` (used when that is < 1e-9; else the
+    float64 Cholesky), which saves a second batch of tiny LAPACK calls.
 ``polar``
     The polar factor ``U V^T`` of ``W = U S V^T`` by odd polynomial iterations
     ``X <- (alpha I + beta X X^T) X`` in fp32. Each step uses the optimal cubic for the current
@@ -38,10 +41,11 @@ the *wide* orientation (``m <= n``); a tall block is handled as its transpose. M
 Polar and SVD give the polar factor, QR and CholeskyQR the Q factor: different matrices, the same
 (Haar) distribution for Gaussian input.
 
-Determinism: blocks are processed in chunks of a fixed number of blocks (a function of the block
-shape, the device type and the memory budget only); a short last chunk is padded with copies of a
-real block. Every block's result therefore depends only on its own data, never on how many other
-blocks were processed with it (batched BLAS may pick another algorithm for another batch size).
+Determinism: every block's result depends only on its own data, never on how many or which other
+blocks were processed with it: on GPUs blocks run in chunks of a fixed number of blocks (a
+function of the block shape and the memory budget; a short chunk is padded with copies of a real
+block), on the CPU in chunks of at least 2 blocks run single-threaded (MKL's batched GEMM gives
+the same per-block bits for every batch size >= 2); see :func:`run_chunks`.
 """
 from __future__ import annotations
 
