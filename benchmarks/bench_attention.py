@@ -124,7 +124,7 @@ def _method(name: str, causal: bool):
 
 def _chosen_backend(q, backend):
     from condinit import _backends
-    import condinit.attention  # noqa: F401  (registers the ops)
+    import condinit.ops.attention  # noqa: F401  (registers the ops)
     return _backends.select("attention_jvp", q.device, backend=backend, head_dim=q.shape[-1],
                             dtype=q.dtype)[0].backend
 

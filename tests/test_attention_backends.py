@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from condinit import _backends
-from condinit.attention import attention, attention_jvp, reference
+from condinit.ops.attention import attention, attention_jvp, reference
 
 from conftest import TOLERANCES
 

@@ -9,7 +9,7 @@ NAME = "info"
 HELP = "show versions and which backends (cuda, triton, cpp-cpu, torch) each op can use, and why not"
 
 # Modules whose import registers ops with condinit._backends.
-OP_MODULES = ("condinit.init.random", "condinit.init.orthogonalize", "condinit.attention")
+OP_MODULES = ("condinit.init.random", "condinit.init.orthogonalize", "condinit.ops.attention")
 
 
 def add_arguments(p):

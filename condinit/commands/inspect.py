@@ -79,17 +79,21 @@ def plot(rows, out, title):
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ext = os.path.splitext(out)[1].lstrip(".").lower() or "png"
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = list(range(len(rows)))
+    # kappa - 1 on a symlog axis: a conditioned init sits at 0 .. 1e-6, a trained or default-init
+    # checkpoint at 1 .. 1e3, and both stay readable (a log axis of kappa itself is not)
     for p, color in (("q", "tab:blue"), ("k", "tab:orange"), ("v", "tab:green")):
-        st = [_stats([min(c, 1e12) for c in r[p]["cond_per_head"]]) for r in rows]
+        st = [_stats([min(c, 1e12) - 1 for c in r[p]["cond_per_head"]]) for r in rows]
         ax.plot(x, [s[1] for s in st], marker="o", ms=3, color=color, label=f"W_{p.upper()} median")
         ax.fill_between(x, [s[0] for s in st], [s[2] for s in st], color=color, alpha=0.2)
-    ax.set_yscale("log")
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("attention layer")
-    ax.set_ylabel("κ per head (band: min–max over heads)")
+    ax.set_ylabel("κ − 1 per head (band: min–max over heads)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -130,7 +134,7 @@ def run(args) -> int:
         t.add_column(col)
     for r in rows:
         t.add_row(str(r["layer"]), r["name"], f"{r['num_heads']}/{r['num_kv_heads']}x{r['head_dim']}",
-                  *("/".join(f"{v:.4g}" for v in _stats(r[p]["cond_per_head"])) for p in ("q", "k", "v")))
+                  *("/".join(f"{v:.7g}" for v in _stats(r[p]["cond_per_head"])) for p in ("q", "k", "v")))
     con = wide_console()
     con.print(t)
     if args.plot is not None:

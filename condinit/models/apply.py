@@ -272,7 +272,7 @@ def wide_console(force_width: bool = False):
 def _fmt(s: Optional[BlockStats]) -> str:
     if s is None:
         return "-"
-    return f"{s.sigma_max:.4g}/{s.sigma_min:.4g}/{s.cond:.6g}"
+    return f"{s.sigma_max:.7g}/{s.sigma_min:.7g}/{s.cond:.7g}"
 
 
 # ------------------------------------------------------------------------------------------------

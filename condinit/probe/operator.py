@@ -269,7 +269,7 @@ class JacobianOperator:
     def _primal(self):
         """(q, k, v, out, lse) at the linearization point; computed once, no graph."""
         if self._primals is None:
-            import condinit.attention.op  # noqa: F401  (registers torch.ops.condinit.attention_*)
+            import condinit.ops.attention.op  # noqa: F401  (registers torch.ops.condinit.attention_*)
             with torch.no_grad():
                 if self._qkv_given is not None:
                     q, k, v = self._qkv_given
@@ -341,7 +341,7 @@ class JacobianOperator:
 
     def _matmat_rows(self, T: Tensor) -> Tensor:
         """[P, n] -> [P, m]: one fused multi-probe JVP launch."""
-        from condinit.attention import attention_jvp
+        from condinit.ops.attention import attention_jvp
 
         q, k, v, _, _ = self._primal()
         with torch.no_grad():

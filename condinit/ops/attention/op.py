@@ -13,7 +13,7 @@ On top of them, :func:`attention` (a ``torch.autograd.Function``: backward = fla
 saved log-sum-exp, ``jvp`` = the fused JVP op) and :func:`attention_jvp` (the single-pass JVP
 with several probes, differentiable in all six inputs).
 
-Math and conventions: DESIGN.md section 3 and :mod:`condinit.attention.reference`.
+Math and conventions: DESIGN.md section 3 and :mod:`condinit.ops.attention.reference`.
 """
 
 import math
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from condinit import _backends
-from condinit.attention import reference
+from condinit.ops.attention import reference
 
 __all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES"]
 

@@ -1,0 +1,15 @@
+"""Fused attention with forward- and reverse-mode AD (issue 4; math in DESIGN.md section 3).
+
+* :func:`attention` — ``softmax(scale Q K^T) V`` as a differentiable op: reverse mode through the
+  flash VJP from the saved log-sum-exp, forward mode through the fused JVP kernel; works under
+  ``torch.func`` (jvp, vjp, jacfwd, jacrev, vmap) and ``torch.compile``.
+* :func:`attention_jvp` — the single-pass fused JVP with several probes at once, differentiable
+  in all six inputs.
+
+Backends (``python -m condinit info``): cuda, triton, cpp-cpu, and the tiled PyTorch reference
+(:mod:`condinit.ops.attention.reference`).
+"""
+from condinit.ops.attention.op import attention, attention_jvp
+
+__all__ = ["attention", "attention_jvp"]
+
