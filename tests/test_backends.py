@@ -97,3 +97,17 @@ def test_info_command_lists_every_backend():
     for row in data["backends"]:
         assert row["reason"], row  # every yes/no says why
     assert not data["cuda_available"] or data["gpu"]
+
+
+def test_gpu_check_script_runs_and_says_when_there_is_no_gpu(tmp_path):
+    """benchmarks/gpu_check.py is only useful on a GPU, but it must at least parse, start, and
+    exit non-zero with a clear line where no GPU is visible (as here)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: run the script itself")
+    log = tmp_path / "gpu_check.log"
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--skip-build", "--log", str(log)],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert out.returncode == 1, out.stderr
+    assert "no CUDA GPU visible" in out.stdout and "no CUDA GPU visible" in log.read_text()

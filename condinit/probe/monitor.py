@@ -74,6 +74,8 @@ class JacobianMonitor:
         causal: None = the module's own ``is_causal`` attribute (HF decoders), else a bool for all layers.
         max_layers: at most this many layers per sampled step (round-robin).
         max_batch, max_tokens: keep the first ``max_batch`` sequences / ``max_tokens`` tokens of the input.
+            ``max_batch`` defaults to 1: one sequence keeps ``every=100`` at about 1.6 % of training time
+            for a 12-layer D=768 model at 8 x 512 tokens (the whole batch costs about 10 %); ``None``: all.
         frobenius_samples: Hutchinson probes per layer (0: skip).
         dtype: compute dtype (default: the layer's, float32 for half types).
         include, exclude: fnmatch patterns on module names (as in :func:`condinit.apply`).
@@ -81,7 +83,7 @@ class JacobianMonitor:
 
     def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 20, *,
                  log_dir=None, path=None, seed: int = 0, wrt: str = "weights", causal: Optional[bool] = None,
-                 max_layers: Optional[int] = None, max_batch: Optional[int] = None,
+                 max_layers: Optional[int] = None, max_batch: Optional[int] = 1,
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
                  exclude=None, tensorboard: bool = True):
         from condinit.models.apply import _no_attention_error, find_attention
