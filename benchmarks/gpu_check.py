@@ -28,6 +28,12 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# --cpu-dry-run runs the same code on the CPU at toy sizes with the CPU backends, so the script's
+# own logic is checked before a GPU session spends its budget on it.
+DRY = False
+DEV = "cuda"
+GPU_BACKENDS = ("triton", "cuda")
+RANDN_BACKEND = "cuda"
 LOG = None
 RESULTS = []  # (section, name, status, detail)
 
@@ -78,14 +84,21 @@ def build():
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def rel_err(x, ref):
+def rel_err(x, ref, floor=1e-30):
+    """max |x - ref| / max |ref|; ``floor`` bounds the denominator from below (a gradient that is
+    exactly zero, e.g. dq when each row sees one key, would otherwise divide rounding noise by 0)."""
     x, ref = x.double().cpu(), ref.double().cpu()
-    return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return ((x - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
 
 
 def cuda_time(fn, warmup=2, iters=5):
     """Median milliseconds of fn() timed with CUDA events after warm-up."""
     import torch
+    if DEV == "cpu":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -110,7 +123,7 @@ def check_randn():
     import torch
     from condinit.init.random import block_randn
     ids = [0, 5, 123456789, 2**33 + 7]
-    gpu = block_randn(1234, 7, ids, (64, 1000), device="cuda", backend="cuda").cpu()
+    gpu = block_randn(1234, 7, ids, (64, 1000), device=DEV, backend=RANDN_BACKEND).cpu()
     cpu = block_randn(1234, 7, ids, (64, 1000), device="cpu")
     diff = (gpu - cpu).abs().max().item()
     same = torch.equal(gpu, cpu)
@@ -122,16 +135,17 @@ def check_randn():
 def check_orthogonalize():
     import torch
     from condinit.init import orthogonalize
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in [(64, 1, 1), (96, 64, 2048), (8, 128, 8192), (4, 256, 16384), (2, 17, 123), (2, 300, 40)]:
-        x = torch.randn(shape, device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [(64, 1, 1), (96, 64, 2048), (8, 128, 8192), (4, 256, 16384), (2, 17, 123), (2, 300, 40)]
+    for shape in (shapes[:2] + shapes[4:] if DRY else shapes):
+        x = torch.randn(shape, device=DEV, generator=g)
         for method in ("householder", "cholqr2", "polar", "svd"):
             q = orthogonalize(x, method=method)
             m, n = shape[-2:]
             gram = q @ q.mT if m <= n else q.mT @ q
-            err = (gram - torch.eye(min(m, n), device="cuda")).abs().max().item()
+            err = (gram - torch.eye(min(m, n), device=DEV)).abs().max().item()
             record("init", f"orthogonalize {method} {shape}", err <= 1e-5, f"max|WW^T-I|={err:.1e}")
-    x = torch.randn(16, 64, 4096, device="cuda", generator=g)
+    x = torch.randn(16, 64, 4096, device=DEV, generator=g)
     d = (orthogonalize(x, method="cholqr2") - orthogonalize(x, method="householder")).abs().max().item()
     record("init", "cholqr2 Q == householder Q (sign-fixed)", d <= 1e-5, f"max|diff|={d:.1e}")
 
@@ -146,7 +160,7 @@ def check_conditioned_init_gpu_equals_cpu():
         return [dict(q=torch.empty(H * d, D, device=device), k=torch.empty(Hkv * d, D, device=device),
                      v=torch.empty(Hkv * d, D, device=device)) for _ in range(L)]
 
-    cpu, gpu = make("cpu"), make("cuda")
+    cpu, gpu = make("cpu"), make(DEV)
     conditioned_init_layers_(cpu, num_heads=H, num_kv_heads=Hkv, seed=11)
     conditioned_init_layers_(gpu, num_heads=H, num_kv_heads=Hkv, seed=11)
     err = max((a[n] - b[n].cpu()).abs().max().item() for a, b in zip(cpu, gpu) for n in "qkv")
@@ -160,12 +174,13 @@ def naive_attention(q, k, v, causal, scale):
     k = k.repeat_interleave(H // Hkv, dim=1)
     v = v.repeat_interleave(H // Hkv, dim=1)
     s = scale * q @ k.mT
-    if causal:
-        nq, nk = q.shape[2], k.shape[2]
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return p @ v
+    if not causal:
+        return torch.softmax(s, dim=-1) @ v
+    nq, nk = q.shape[2], k.shape[2]
+    mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+    # a finite fill keeps rows that see no key NaN-free (also in their gradients); zero them after
+    p = torch.softmax(s.masked_fill(~mask, torch.finfo(s.dtype).min), dim=-1)
+    return (p * mask.any(-1, keepdim=True)) @ v
 
 
 @guarded("attention")
@@ -176,14 +191,14 @@ def check_attention(backend):
         (1, 2, 2, 1, 1, 64, False), (2, 4, 2, 17, 17, 16, True), (1, 8, 1, 128, 128, 128, True),
         (1, 4, 4, 333, 333, 80, False), (1, 2, 1, 200, 64, 64, True), (1, 2, 2, 64, 300, 256, True),
         (1, 8, 2, 129, 257, 96, False), (1, 2, 2, 1000, 1000, 32, True),
-    ]
+    ][: 4 if DRY else None]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         worst = {"out": 0.0, "tout": 0.0, "grad": 0.0}
         for B, H, Hkv, Nq, Nk, d, causal in cases:
-            mk = lambda h, n: torch.randn(B, h, n, d, device="cuda", dtype=torch.float64)
+            mk = lambda h, n: torch.randn(B, h, n, d, device=DEV, dtype=torch.float64)
             q, k, v = mk(H, Nq), mk(Hkv, Nk), mk(Hkv, Nk)
             P = 2
-            tq, tk, tv = (torch.randn(P, *t.shape, device="cuda", dtype=torch.float64) for t in (q, k, v))
+            tq, tk, tv = (torch.randn(P, *t.shape, device=DEV, dtype=torch.float64) for t in (q, k, v))
             scale = d ** -0.5
             # float64 reference: value, tangents (per probe), gradients
             ref_out = naive_attention(q, k, v, causal, scale)
@@ -201,7 +216,8 @@ def check_attention(backend):
             nan = any(torch.isnan(t).any().item() for t in (out, tout, o2, *grads))
             worst["out"] = max(worst["out"], rel_err(out, ref_out), rel_err(o2, ref_out))
             worst["tout"] = max(worst["tout"], rel_err(tout, ref_t))
-            worst["grad"] = max(worst["grad"], *(rel_err(a, b) for a, b in zip(grads, ref_g)))
+            # inputs are unit Gaussians, so gradients are O(1): floor the denominator at 1
+            worst["grad"] = max(worst["grad"], *(rel_err(a, b, floor=1.0) for a, b in zip(grads, ref_g)))
             if nan:
                 record("attention", f"{backend} {dtype} {B,H,Hkv,Nq,Nk,d,causal}", False, "NaN in output")
         tol = TOL[str(dtype).split(".")[1]]
@@ -217,16 +233,17 @@ TIMINGS = []  # (what, condinit_ms, baseline name, baseline_ms, extra)
 @guarded("timing")
 def time_matmul_rate():
     import torch
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    n = 512 if DRY else 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     ms = cuda_time(lambda: a @ a, warmup=3, iters=10)
-    rate = 2 * 8192 ** 3 / ms / 1e9
-    TIMINGS.append(("bf16 matmul 8192^3 (ceiling)", ms, "", float("nan"), f"{rate:.0f} TFLOP/s"))
-    a32 = torch.randn(8192, 8192, device="cuda")
+    rate = 2 * n ** 3 / ms / 1e9
+    TIMINGS.append((f"bf16 matmul {n}^3 (ceiling)", ms, "", float("nan"), f"{rate:.1f} TFLOP/s"))
+    a32 = torch.randn(n, n, device=DEV)
     with_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     ms32 = cuda_time(lambda: a32 @ a32, warmup=2, iters=5)
     torch.backends.cuda.matmul.allow_tf32 = with_tf32
-    TIMINGS.append(("fp32 matmul 8192^3 (ceiling)", ms32, "", float("nan"), f"{2 * 8192 ** 3 / ms32 / 1e9:.0f} TFLOP/s"))
+    TIMINGS.append((f"fp32 matmul {n}^3 (ceiling)", ms32, "", float("nan"), f"{2 * n ** 3 / ms32 / 1e9:.1f} TFLOP/s"))
     globals()["BF16_RATE"] = rate
 
 
@@ -235,19 +252,21 @@ def time_init_70b(quick):
     import torch
     from condinit.init import conditioned_init_layers_
     L, D, H, Hkv, d = (8 if quick else 80), 8192, 64, 8, 128
-    layers = [dict(q=torch.empty(H * d, D, device="cuda"), k=torch.empty(Hkv * d, D, device="cuda"),
-                   v=torch.empty(Hkv * d, D, device="cuda")) for _ in range(L)]
+    if DRY:
+        L, D, H, Hkv = 1, 1024, 8, 2
+    layers = [dict(q=torch.empty(H * d, D, device=DEV), k=torch.empty(Hkv * d, D, device=DEV),
+                   v=torch.empty(Hkv * d, D, device=DEV)) for _ in range(L)]
     ms = cuda_time(lambda: conditioned_init_layers_(layers, num_heads=H, num_kv_heads=Hkv, seed=0),
                    warmup=1, iters=3)
     nblocks = L * (H + Hkv)
 
     def batched_qr():
-        g = torch.randn(nblocks, D, d, device="cuda")
+        g = torch.randn(nblocks, D, d, device=DEV)
         q, r = torch.linalg.qr(g)
         q.mul_(torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2))
     ms_qr = cuda_time(batched_qr, warmup=1, iters=3)
     # per-head orthogonal_ loop: time 64 heads, extrapolate (the full loop takes minutes)
-    w = torch.empty(d, D, device="cuda")
+    w = torch.empty(d, D, device=DEV)
     ms_loop64 = cuda_time(lambda: [torch.nn.init.orthogonal_(w) for _ in range(64)], warmup=1, iters=3)
     ms_loop = ms_loop64 * nblocks / 64
     tag = f"Llama-3-70B Q/K/V ({L} layers, {nblocks} blocks 128x8192)"
@@ -265,25 +284,36 @@ def time_attention_jvp(quick):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import condinit
     B, H, N, d = 1, 16, (4096 if quick else 8192), 128
+    dtype = torch.bfloat16
+    if DRY:
+        H, N, dtype = 2, 256, torch.float32
     rate = globals().get("BF16_RATE")
+
+    def reset_peak():
+        if DEV == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        return 0
+
+    def peak(base):
+        return torch.cuda.max_memory_allocated() - base if DEV == "cuda" else float("nan")
     for causal in (False, True):
-        q, k, v, tq, tk, tv = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(6))
+        q, k, v, tq, tk, tv = (torch.randn(B, H, N, d, device=DEV, dtype=dtype) for _ in range(6))
         fwd_flops = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
 
         def math_jvp():
             with sdpa_kernel(SDPBackend.MATH):
                 return torch.func.jvp(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
                                       (q, k, v), (tq, tk, tv))
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base = reset_peak()
         ms_math = cuda_time(math_jvp, warmup=1, iters=3)
-        mem_math = torch.cuda.max_memory_allocated() - base
-        for backend in ("triton", "cuda"):
+        mem_math = peak(base)
+        for backend in GPU_BACKENDS:
             try:
                 fn = lambda: condinit.attention_jvp(q, k, v, tq, tk, tv, causal=causal, backend=backend)
-                torch.cuda.reset_peak_memory_stats()
+                base = reset_peak()
                 ms = cuda_time(fn, warmup=2, iters=5)
-                mem = torch.cuda.max_memory_allocated() - base
+                mem = peak(base)
             except Exception as exc:
                 record("timing", f"attention_jvp {backend} causal={causal}", "ERROR", str(exc))
                 continue
@@ -292,16 +322,16 @@ def time_attention_jvp(quick):
             if rate:
                 extra += f" = {100 * tflops / rate:.0f}% of bf16 matmul"
             extra += f", mem {mem / 2**20:.0f} MiB vs {mem_math / 2**20:.0f} MiB"
-            TIMINGS.append((f"attention_jvp {backend} bf16 B{B} H{H} N{N} d{d} causal={causal}", ms,
+            TIMINGS.append((f"attention_jvp {backend} {str(dtype)[6:]} B{B} H{H} N{N} d{d} causal={causal}", ms,
                             "torch.func.jvp(SDPA MATH)", ms_math, extra))
         # forward and multi-probe, best backend
         fwd_ms = cuda_time(lambda: condinit.attention(q, k, v, causal=causal), warmup=2, iters=5)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(SDPBackend.MATH if DRY else SDPBackend.FLASH_ATTENTION):
             sdpa_ms = cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), warmup=2, iters=5)
-        TIMINGS.append((f"attention fwd bf16 N{N} causal={causal}", fwd_ms, "SDPA flash", sdpa_ms,
+        TIMINGS.append((f"attention fwd {str(dtype)[6:]} N{N} causal={causal}", fwd_ms, "SDPA flash", sdpa_ms,
                         f"{fwd_flops / fwd_ms / 1e9:.0f} TFLOP/s"))
         P = 8
-        tqs, tks, tvs = (torch.randn(P, B, H, N // 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        tqs, tks, tvs = (torch.randn(P, B, H, N // 2, d, device=DEV, dtype=dtype) for _ in range(3))
         qh, kh, vh = q[:, :, : N // 2].contiguous(), k[:, :, : N // 2].contiguous(), v[:, :, : N // 2].contiguous()
         ms_multi = cuda_time(lambda: condinit.attention_jvp(qh, kh, vh, tqs, tks, tvs, causal=causal), 1, 3)
         ms_sep = cuda_time(lambda: [condinit.attention_jvp(qh, kh, vh, tqs[p], tks[p], tvs[p], causal=causal)
@@ -309,7 +339,8 @@ def time_attention_jvp(quick):
         TIMINGS.append((f"attention_jvp P={P} probes, N{N // 2} causal={causal}", ms_multi,
                         f"{P} separate attention_jvp calls", ms_sep, f"{ms_sep / ms_multi:.2f}x"))
         del q, k, v, tq, tk, tv
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -320,16 +351,24 @@ def main():
     parser.add_argument("--log", default=default_log)
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smaller timing shapes")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run the script's logic on the CPU at toy sizes with the CPU backends (no build)")
     args = parser.parse_args()
+    global DRY, DEV, GPU_BACKENDS, RANDN_BACKEND
+    if args.cpu_dry_run:
+        DRY, DEV, GPU_BACKENDS, RANDN_BACKEND = True, "cpu", ("cpp-cpu", "torch"), "cpp-cpu"
+        args.skip_build = True
     LOG = open(args.log, "w")
     t_start = time.perf_counter()
     import torch
     log(f"condinit gpu_check {time.strftime('%Y-%m-%d %H:%M:%S')}; python {sys.version.split()[0]}, "
         f"torch {torch.__version__}")
-    if not torch.cuda.is_available():
+    if not DRY and not torch.cuda.is_available():
         log("no CUDA GPU visible: nothing to check")
         return 1
-    log(f"GPU: {torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}")
+    device_name = "CPU dry run" if DRY else torch.cuda.get_device_name(0)
+    if not DRY:
+        log(f"GPU: {device_name}, capability {torch.cuda.get_device_capability(0)}")
     if not args.skip_build:
         if not build():
             log("build failed: the checks run with whatever backends load")
@@ -346,20 +385,20 @@ def main():
     info = collect()
     log(f"native extension: {info['native_extension']}")
     for row in info["backends"]:
-        if row["device"] == "cuda":
+        if row["device"] == DEV:
             log(f"   {row['op']:<24} {row['backend']:<8} {'yes' if row['available'] else 'no '} {row['reason']}")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
     check_randn()
     check_orthogonalize()
     check_conditioned_init_gpu_equals_cpu()
-    for backend in ("triton", "cuda"):
+    for backend in GPU_BACKENDS:
         check_attention(backend)
     time_matmul_rate()
     time_init_70b(args.quick)
     time_attention_jvp(args.quick)
 
     log("")
-    log(f"=== condinit gpu_check summary ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+    log(f"=== condinit gpu_check summary ({device_name}, torch {torch.__version__}, "
         f"{time.perf_counter() - t_start:.0f} s) ===")
     failed = [r for r in RESULTS if r[2] != "PASS"]
     log(f"checks: {len(RESULTS) - len(failed)} passed, {len(failed)} failed")

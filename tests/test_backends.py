@@ -111,3 +111,17 @@ def test_gpu_check_script_runs_and_says_when_there_is_no_gpu(tmp_path):
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     assert out.returncode == 1, out.stderr
     assert "no CUDA GPU visible" in out.stdout and "no CUDA GPU visible" in log.read_text()
+
+
+def test_gpu_check_script_logic_in_a_cpu_dry_run(tmp_path):
+    """The GPU check runs once per GPU session on a small budget: its own logic (references,
+    tolerances, timing, the table) is exercised here on the CPU backends at toy sizes."""
+    log = tmp_path / "gpu_check.log"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-dry-run", "--log", str(log)],
+                         capture_output=True, text=True, timeout=300, env=env,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = log.read_text()
+    assert " 0 failed" in text and "attention_jvp P=8 probes" in text
+    assert "[ERROR]" not in text
