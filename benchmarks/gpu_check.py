@@ -260,17 +260,20 @@ def time_init_70b(quick):
                    warmup=1, iters=3)
     nblocks = L * (H + Hkv)
 
+    # batched QR: cuSOLVER loops over the batch (pytorch#143281), so time 640 blocks, extrapolate
+    qr_blocks = min(nblocks, 640)
+
     def batched_qr():
-        g = torch.randn(nblocks, D, d, device=DEV)
+        g = torch.randn(qr_blocks, D, d, device=DEV)
         q, r = torch.linalg.qr(g)
         q.mul_(torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2))
-    ms_qr = cuda_time(batched_qr, warmup=1, iters=3)
+    ms_qr = cuda_time(batched_qr, warmup=1, iters=3) * nblocks / qr_blocks
     # per-head orthogonal_ loop: time 64 heads, extrapolate (the full loop takes minutes)
     w = torch.empty(d, D, device=DEV)
     ms_loop64 = cuda_time(lambda: [torch.nn.init.orthogonal_(w) for _ in range(64)], warmup=1, iters=3)
     ms_loop = ms_loop64 * nblocks / 64
     tag = f"Llama-3-70B Q/K/V ({L} layers, {nblocks} blocks 128x8192)"
-    TIMINGS.append((tag, ms, "batched torch.linalg.qr", ms_qr, f"{ms_qr / ms:.1f}x"))
+    TIMINGS.append((tag, ms, f"batched torch.linalg.qr (extrapolated from {qr_blocks})", ms_qr, f"{ms_qr / ms:.1f}x"))
     TIMINGS.append((tag, ms, "per-head orthogonal_ loop (extrapolated from 64)", ms_loop, f"{ms_loop / ms:.0f}x"))
     # fp32 writes of Q/K/V once: the bandwidth floor
     nbytes = 4 * L * (H + 2 * Hkv) * d * D
@@ -351,6 +354,9 @@ def main():
     parser.add_argument("--log", default=default_log)
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smaller timing shapes")
+    parser.add_argument("--autotune", action="store_true",
+                        help="let the Triton attention kernels autotune for the timings (adds ~1-2 min); "
+                             "default: their first, pre-screened config")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the script's logic on the CPU at toy sizes with the CPU backends (no build)")
     args = parser.parse_args()
@@ -374,8 +380,7 @@ def main():
             log("build failed: the checks run with whatever backends load")
         # the freshly built extension must be imported by a new interpreter
         cmd = [sys.executable, os.path.abspath(__file__), "--skip-build", "--log", args.log + ".checks"]
-        if args.quick:
-            cmd.append("--quick")
+        cmd += ["--quick"] * args.quick + ["--autotune"] * args.autotune
         rc = subprocess.call(cmd)
         LOG.write(open(args.log + ".checks").read())
         LOG.close()
@@ -391,8 +396,11 @@ def main():
     check_randn()
     check_orthogonalize()
     check_conditioned_init_gpu_equals_cpu()
+    # correctness checks run many shapes: no autotuning there (each config would compile)
+    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "0"
     for backend in GPU_BACKENDS:
         check_attention(backend)
+    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "1" if args.autotune else "0"
     time_matmul_rate()
     time_init_70b(args.quick)
     time_attention_jvp(args.quick)
