@@ -228,3 +228,25 @@ def test_bad_input_leaves_tensors_untouched():
                                                 seed=0), *tensors, match="layer_indices")
     _untouched(lambda: conditioned_init_(good["q"], good["k"], good["v"], num_heads=4, num_kv_heads=2,
                                          layer_index=-1, seed=0), *tensors, match="layer_index")
+
+
+def test_in_place_functions_work_on_parameters_that_require_grad():
+    """Like torch.nn.init: the in-place initializers write into nn.Parameters (requires_grad=True,
+    also from the CPU worker threads, where grad mode is thread-local) and leave them leaves."""
+    import torch.nn as nn
+    from condinit.init import conditioned_init_, recondition_, rect_identity_, semi_orthogonal_
+
+    q, k, v = nn.Linear(256, 256), nn.Linear(256, 64), nn.Linear(256, 64)
+    conditioned_init_(q.weight, k.weight, v.weight, num_heads=8, num_kv_heads=2, q_bias=q.bias,
+                      k_bias=k.bias, v_bias=v.bias, seed=3)
+    semi_orthogonal_(q.weight, head_dim=32, seed=4)
+    rect_identity_(v.weight)
+    recondition_(k.weight, max_cond=2.0, head_dim=32)
+    for p in (q.weight, k.weight, v.weight, q.bias):
+        assert p.requires_grad and p.is_leaf and p.grad_fn is None
+    blocks = q.weight.detach().view(8, 32, 256)
+    eye = torch.eye(32)
+    assert (blocks @ blocks.mT - eye).abs().max() <= 1e-5
+    assert torch.count_nonzero(q.bias) == 0
+    (q(torch.randn(2, 256)).sum()).backward()  # still trainable
+    assert q.weight.grad is not None

@@ -191,6 +191,7 @@ def _ids(block_ids, device) -> torch.Tensor:
     return ids.to(device)
 
 
+@torch.no_grad()
 def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int], method: str = "auto",
                        device=None, *, rows: Optional[slice] = None, cols: Optional[slice] = None,
                        memory_budget: Optional[int] = None, backend: Optional[str] = None) -> torch.Tensor:
@@ -231,6 +232,7 @@ def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int
 # ---------------------------------------------------------------------------------------------------
 # public init functions
 
+@torch.no_grad()
 def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, gain: float = 1.0,
                      generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
                      stream=None, method: str = "auto") -> torch.Tensor:
@@ -269,6 +271,7 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
     return weight
 
 
+@torch.no_grad()
 def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_head: bool = False) -> torch.Tensor:
     """Fill ``weight`` ``[rows, cols]`` in place with the rectangular identity.
 
@@ -314,6 +317,7 @@ def _get(layer, i: int, key: str, pos: int):
     raise TypeError(f"layers[{i}] must be a dict or a tuple, got {type(layer).__name__}")
 
 
+@torch.no_grad()
 def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads: int,
                              num_kv_heads: Optional[int] = None, seed: Optional[int] = None,
                              generator: Optional[torch.Generator] = None,
@@ -414,6 +418,7 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
                      memory_budget=memory_budget, backend=backend)
 
 
+@torch.no_grad()
 def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor, *,
                       num_heads: int, num_kv_heads: Optional[int] = None,
                       q_bias: Optional[torch.Tensor] = None, k_bias: Optional[torch.Tensor] = None,

@@ -428,6 +428,7 @@ def _run_workers(workers, chunks, buffers, one):
     todo = iter(chunks)
 
     def worker():
+        torch.set_grad_enabled(False)  # grad mode is thread-local: weights may require grad
         bufs = buffers()
         while True:
             with lock:
@@ -452,6 +453,7 @@ def _check_floating(t, name: str):
                         f"float16), got dtype {t.dtype}")
 
 
+@torch.no_grad()  # an initializer, not a differentiable op
 def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[torch.Tensor] = None,
                   backend: Optional[str] = None, memory_budget: Optional[int] = None) -> torch.Tensor:
     """Orthonormalize every block of ``stack`` ``[..., m, n]`` (``[m, n]`` is one block).

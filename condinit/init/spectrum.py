@@ -75,6 +75,7 @@ def _gram_eig(X: torch.Tensor, vectors: bool):
     return torch.linalg.eigvalsh(G).clamp_min(0.0).sqrt(), None, Xw
 
 
+@torch.no_grad()
 def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
     """``Spectrum(sigma_max, sigma_min, cond)`` of every block of ``stack`` ``[..., m, n]``.
 
@@ -110,6 +111,7 @@ def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
     return Spectrum(smax.reshape(lead), smin.reshape(lead), cond.reshape(lead))
 
 
+@torch.no_grad()
 def recondition_(stack_or_weight: torch.Tensor, *, max_cond: float, head_dim: Optional[int] = None,
                  method: str = "svd") -> torch.Tensor:
     """Clamp every block's singular values to ``[sigma_max / max_cond, sigma_max]``, in place.
