@@ -7,6 +7,7 @@ import torch
 import condinit
 from condinit.init import (conditioned_blocks, conditioned_init_, conditioned_init_layers_, rect_identity_,
                            semi_orthogonal_)
+from condinit.init.functional import LAYER_STRIDE
 from condinit.init.random import stream_id
 
 
@@ -117,9 +118,9 @@ def test_conditioned_init_layer(H, Hkv, d, D):
     for key in ("q_bias", "k_bias", "v_bias"):
         assert torch.equal(L[key], torch.zeros_like(L[key]))
     # the documented block ids: Q head h of layer 3 is block 3*H + h of stream "q"
-    ref = conditioned_blocks(9, "q", range(3 * H, 4 * H), (d, D))
+    ref = conditioned_blocks(9, "q", range(3 * LAYER_STRIDE, 3 * LAYER_STRIDE + H), (d, D))
     assert torch.equal(L["q"].view(H, d, D), ref)
-    refk = conditioned_blocks(9, stream_id("k"), range(3 * Hkv, 4 * Hkv), (d, D))
+    refk = conditioned_blocks(9, stream_id("k"), range(3 * LAYER_STRIDE, 3 * LAYER_STRIDE + Hkv), (d, D))
     assert torch.equal(L["k"].view(Hkv, d, D), refk)
     L2 = _layer(H, Hkv, d, D, bias=False)
     conditioned_init_(L2["q"], L2["k"], L2["v"], num_heads=H, num_kv_heads=Hkv, seed=9, v_mode="identity_per_head")
@@ -144,7 +145,7 @@ def test_layers_one_by_one_all_at_once_chunked_sharded_identical(method):
         for i, x in zip(chunk, layers):
             assert torch.equal(x["q"], all_at_once[i]["q"]) and torch.equal(x["k"], all_at_once[i]["k"])
     # a shard owning rows 2..5 of Q heads 1..2 of layer 5
-    blocks = conditioned_blocks(77, "q", [5 * H + 1, 5 * H + 2], (d, D), method, rows=slice(2, 6))
+    blocks = conditioned_blocks(77, "q", [5 * LAYER_STRIDE + 1, 5 * LAYER_STRIDE + 2], (d, D), method, rows=slice(2, 6))
     assert torch.equal(blocks, all_at_once[5]["q"].view(H, d, D)[1:3, 2:6])
 
 

@@ -546,3 +546,21 @@ def test_import_condinit_models_is_lean():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_layers_with_different_head_counts_draw_independent_blocks():
+    """Block ids put the layer in the counter's high word: a layer with 8 heads of 8 and one with
+    4 heads of 16 never share a random stream (with ids L * num_heads + h they would: after
+    CholeskyQR a block's first row is its Gaussian's first row, normalized, so shared streams
+    show up as identical first rows)."""
+    model = torch.nn.Sequential(torch.nn.MultiheadAttention(64, 8), torch.nn.MultiheadAttention(64, 4))
+    condinit.apply(model, seed=0, report=False)
+    rows = []
+    for mha, heads in ((model[0], 8), (model[1], 4)):
+        for p in range(2):  # Q and K
+            w = mha.in_proj_weight.detach()[p * 64:(p + 1) * 64].view(heads, 64 // heads, 64)
+            rows.append(w[:, 0, :])
+    rows = torch.cat(rows)
+    rows = rows / rows.norm(dim=1, keepdim=True)
+    overlap = (rows @ rows.T - torch.eye(len(rows))).abs().max()
+    assert overlap < 0.8, overlap

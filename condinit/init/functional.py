@@ -6,8 +6,9 @@ every singular value is exactly 1 (entries ~ 1/sqrt(D)).
 
 Randomness is counter based (:mod:`condinit.init.random`): block ``g`` of stream ``s`` is
 ``orthogonalize(block_randn(seed, s, [g], shape))`` and depends on nothing else. Q blocks of layer
-``L``, head ``h`` use stream ``stream_id("q")`` and block id ``L * num_heads + h``; K blocks
-``stream_id("k")`` and ``L * num_kv_heads + h``. Initializing layers one by one, all at once, in
+``L``, head ``h`` use stream ``stream_id("q")`` and block id ``L * 2**32 + h``; K blocks
+``stream_id("k")`` and the same ``L * 2**32 + h`` (layer in the counter's high word, head in the
+low word: distinct for any mix of head counts across layers). Initializing layers one by one, all at once, in
 chunks or sharded (:func:`conditioned_blocks` on the blocks a rank owns) gives bit-identical weights
 (for a given device type and memory budget).
 
@@ -36,6 +37,11 @@ __all__ = ["semi_orthogonal_", "rect_identity_", "conditioned_init_", "condition
 Q_STREAM = "q"
 K_STREAM = "k"
 V_MODES = ("identity", "identity_per_head")
+
+# Head h of layer L is block L * LAYER_STRIDE + h of its stream (Q or K): the layer sits in the high
+# 32 bits of Philox's block counter, the head in the low 32, so blocks never collide across layers,
+# whatever their head counts.
+LAYER_STRIDE = 1 << 32
 
 
 def _random():
@@ -332,7 +338,7 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
     ``[num_kv_heads * d, D]``, ``v`` any 2-D (``[num_kv_heads * d, D]`` for ``identity_per_head``).
 
     Q head ``h`` of layer ``L = layer_indices[i]`` (default ``i``) gets block
-    ``L * num_heads + h`` of stream ``stream_id("q")``; K head ``h`` block ``L * num_kv_heads + h``
+    ``L * 2**32 + h`` of stream ``stream_id("q")``; K head ``h`` block ``L * 2**32 + h``
     of ``stream_id("k")``, so calls per layer, all at once or in chunks give bit-identical weights
     for the same ``seed`` (default: one draw from ``generator`` / torch's default generator per
     call). V: :func:`rect_identity_` (``v_mode="identity"``: whole matrix, the default;
@@ -404,7 +410,7 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
                 blocks = w.unflatten(0, (heads, hd))
                 tall = hd > D
                 wide = (D, hd) if tall else (hd, D)
-                ids = torch.arange(L * heads, (L + 1) * heads, dtype=torch.int64, device=w.device)
+                ids = torch.arange(L * LAYER_STRIDE, L * LAYER_STRIDE + heads, dtype=torch.int64, device=w.device)
                 groups.setdefault((w.device, wide), []).append(
                     _Run(stream, ids, blocks.transpose(1, 2) if tall else blocks))
             if v is not None and v.device.type != "meta":

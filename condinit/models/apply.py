@@ -9,8 +9,8 @@ parameter is left bitwise alone.
 
 **Layer index.** Attention modules are numbered in the order ``model.named_modules()`` yields them
 (a module inside a matched attention module is not visited again), plus ``layer_offset``. The index
-picks the random blocks: head ``h`` of layer ``L``'s Q is block ``L * num_heads + h`` of stream
-``stream_id("q")``, K block ``L * num_kv_heads + h`` of ``stream_id("k")`` (the numbering of
+picks the random blocks: head ``h`` of layer ``L``'s Q is block ``L * 2**32 + h`` of stream
+``stream_id("q")``, K block ``L * 2**32 + h`` of ``stream_id("k")`` (the numbering of
 :func:`condinit.init.conditioned_init_`). ``include`` / ``exclude`` (``fnmatch`` patterns on module
 names) select layers *after* numbering, so initializing a model in pieces, or only some layers,
 gives the same weights as one call on the whole model.
@@ -39,6 +39,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+from condinit.init.functional import LAYER_STRIDE
 
 from .adapters import AttentionSpec, Projection, get_adapter, registered_adapters
 from .deferred import has_meta, materialize_
@@ -478,7 +480,7 @@ def _plan(layers, *, report: bool, buffer_bytes: int):
             for h0 in range(h_first, h_last + 1, max_heads):
                 h1 = min(h0 + max_heads, h_last + 1)
                 lo, hi = max(reg.r_lo, h0 * d), min(reg.r_hi, h1 * d)
-                items.append(_Item(rep, p, l.index * heads + h0, h0, h1, d, lo, hi, reg.c_lo, reg.c_hi,
+                items.append(_Item(rep, p, l.index * LAYER_STRIDE + h0, h0, h1, d, lo, hi, reg.c_lo, reg.c_hi,
                                    reg.view[lo - reg.r_lo:hi - reg.r_lo]))
         v_jobs.append((rep, s, l.name))
         reports.append(rep)
