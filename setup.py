@@ -18,6 +18,7 @@ Switches (environment variables):
 import glob
 import os
 import shutil
+import subprocess
 import sys
 import warnings
 
@@ -30,16 +31,27 @@ def _flag(name):
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
 
+def _is_cuda_home(path):
+    return bool(path) and os.path.isfile(os.path.join(path, "bin", "nvcc")) and os.path.isfile(
+        os.path.join(path, "include", "cuda_runtime.h"))
+
+
 def _cuda_home():
+    """A CUDA toolkit with both nvcc and its headers, or None.
+
+    torch guesses CUDA_HOME from `which nvcc`, which is wrong when nvcc on PATH is a wrapper script
+    (e.g. /usr/local/bin/nvcc -> CUDA_HOME=/usr/local, without headers); check each candidate."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     try:
         from torch.utils.cpp_extension import CUDA_HOME
+        candidates.append(CUDA_HOME)
     except Exception:
-        CUDA_HOME = None
-    home = CUDA_HOME or os.environ.get("CUDA_HOME")
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return home
+        pass
+    candidates.append("/usr/local/cuda")
     nvcc = shutil.which("nvcc")
-    return os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    return next((c for c in candidates if _is_cuda_home(c)), None)
 
 
 def _cxx_standard():
@@ -92,9 +104,19 @@ def _extensions():
     # Portable baseline; hot loops pick AVX2/AVX-512 at run time. Recent torch headers need C++20.
     cxx = ["-O3", f"-std={_cxx_standard()}", "-fopenmp"]
     define_macros = [("CONDINIT_BUILD_TORCH_VERSION", f'"{torch.__version__}"')]
+    cpu_ext = CppExtension(
+        "condinit._C",
+        sources=cpu_sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=list(define_macros),
+        extra_compile_args={"cxx": list(cxx)},
+        extra_link_args=["-fopenmp"],
+    )
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        os.environ.setdefault("CUDA_HOME", cuda_home)
+        os.environ["CUDA_HOME"] = cuda_home
+        import torch.utils.cpp_extension as cpp_extension
+        cpp_extension.CUDA_HOME = cuda_home  # what BuildExtension uses to find nvcc and headers
         define_macros.append(("CONDINIT_WITH_CUDA", None))
         # ATen's CUDA headers include cuSPARSE/cuBLAS headers that a minimal toolkit may lack; the
         # nvidia-* wheels torch depends on carry them. Searched last, so CUDA_HOME's headers win.
@@ -118,14 +140,7 @@ def _extensions():
         why = ("CONDINIT_NO_CUDA=1" if _flag("CONDINIT_NO_CUDA") else
                "nvcc not found" if cuda_home is None else "torch is a CPU-only build")
         print(f"condinit: building condinit._C for CPU only ({why})")
-        ext = CppExtension(
-            "condinit._C",
-            sources=cpu_sources,
-            include_dirs=[os.path.join(ROOT, "csrc")],
-            define_macros=define_macros,
-            extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
-        )
+        ext = cpu_ext
 
     class OptionalBuildExtension(BuildExtension):
         """A failed native build warns and installs the pure-Python package (unless strict)."""
@@ -144,7 +159,19 @@ def _extensions():
             except Exception as exc:
                 if _flag("CONDINIT_STRICT_BUILD"):
                     raise
+                if ext is not cpu_ext and self._build_cpu_only(exc):
+                    return
                 warnings.warn(f"condinit: building {ext.name} failed ({exc}); installing without it")
+
+        def _build_cpu_only(self, exc):
+            """Keep the C++ CPU kernels when only the CUDA part fails: rebuild without it, in a
+            child process (BuildExtension prepares its compiler once per run)."""
+            warnings.warn(f"condinit: building condinit._C with CUDA failed ({exc}); retrying for CPU only")
+            cmd = [sys.executable, os.path.join(ROOT, "setup.py"), "-q", "build_ext",
+                   "--build-temp", os.path.abspath(self.build_temp) + "-cpu"]
+            cmd += ["--inplace"] if self.inplace else ["--build-lib", os.path.abspath(self.build_lib)]
+            env = {**os.environ, "CONDINIT_NO_CUDA": "1", "CONDINIT_STRICT_BUILD": "1"}
+            return subprocess.run(cmd, cwd=ROOT, env=env).returncode == 0
 
     return [ext], {"build_ext": OptionalBuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
