@@ -9,14 +9,7 @@ from torch import nn
 from condinit.probe import JacobianMonitor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread avoids OpenMP spin contention on the shared 2-core machine
-    (70x slower with 2 threads under load); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyTransformer(nn.Module):

@@ -7,7 +7,9 @@ import torch
 from condinit.probe import (condition_number, frobenius_hutchinson, lanczos_svd, power_sigma_max, theorem31_bound)
 from condinit.probe.bound import softmax_jacobian_kappa
 
-from test_probe_operator import F64, _adapter, _one_thread, make, reference_jacobian  # noqa: F401 (fixtures)
+from test_probe_operator import F64, _adapter, make, reference_jacobian  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def complement_svdvals(op, J):

@@ -11,14 +11,7 @@ from condinit.probe import JacobianOperator, lanczos_svd
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread avoids OpenMP spin contention on the shared 2-core machine
-    (70x slower with 2 threads under load); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyAttention(nn.Module):
