@@ -101,12 +101,11 @@ class _substitute_rng:
 
 
 def run_cpu(repeats=3, whole=True):
-    from condinit import _backends
-    from condinit.init.random import block_randn, stream_id
+    from condinit.init.random import RANDN, block_randn, stream_id
     cfg = LLAMA_1B
     stack = make_stack(**cfg)
     rows = []
-    rng_backend = _backends.select("randn", "cpu")[0].backend
+    rng_backend = RANDN.choose("cpu")
     native = rng_backend != "torch"
     pool = torch.randn(64, cfg["d"], cfg["D"])
     notes = []
@@ -221,9 +220,8 @@ SMALL = dict(LLAMA_1B, layers=4)
 
 def test_bench_condinit(benchmark):
     import pytest
-    from condinit import _backends
-    from condinit.init import random  # noqa: F401  (registers the randn op)
-    if _backends.select("randn", "cpu")[0].backend == "torch":
+    from condinit.init.random import RANDN
+    if RANDN.choose("cpu") == "torch":
         pytest.skip("block_randn's native CPU kernel is not built (the torch reference takes minutes)")
     stack = make_stack(**SMALL)
     benchmark.pedantic(condinit_init, args=(stack, SMALL), rounds=3, warmup_rounds=1)

@@ -2,7 +2,7 @@
 
 The default size is the Q and K head blocks of a Llama-1B-shaped model (16 layers x (32 Q + 8 K
 heads) = 640 blocks of 64 x 2048 = 83,886,080 float32 normals), the Gaussian part of its
-conditioned initialization. The product's bar: the whole conditioned init (these Gaussians plus
+conditioned initialization. The target: the whole conditioned init (these Gaussians plus
 CholeskyQR2) costs at most one torch.randn of the same size.
 
     python benchmarks/bench_random.py [--blocks 640] [--repeat 5] [--skip-torch-backend]
@@ -31,7 +31,7 @@ SEED = 0x5EED
 
 
 def _cpp_ok() -> bool:
-    return _backends.backend_status("cpp-cpu", "cpu", "randn")[0]
+    return _backends.available("cpp-cpu", "cpu", "philox_randn")[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def main(argv=None):
         rows.append(("condinit block_randn cpp-cpu, out=",
                      lambda: R.block_randn(SEED, 1, range(B), (M, N), out=out, backend="cpp-cpu"), args.repeat))
     else:
-        print("cpp-cpu backend unavailable:", _backends.backend_status("cpp-cpu", "cpu", "randn")[1])
+        print("cpp-cpu backend unavailable:", _backends.available("cpp-cpu", "cpu", "philox_randn")[1])
     if not args.skip_torch_backend:
         rows.append(("condinit block_randn torch (reference)",
                      lambda: R.block_randn(SEED, 1, range(B), (M, N), backend="torch"), 1))

@@ -1,84 +1,187 @@
-"""Backend registry: which implementation runs each op.
+"""Backend tables: which implementation runs each op, and what each one supports.
 
-Every op (``"attention_fwd"``, ``"randn"``, ...) registers one implementation per backend:
+Every op (``attention_fwd``, ``randn``, ``orthogonalize``, ...) is an :class:`Op` with one row per
+backend, declared once next to the op's public function:
 
-=========  ===========================================================  ==============
+=========  ===========================================================  ==================
 backend    what it is                                                    devices
-=========  ===========================================================  ==============
+=========  ===========================================================  ==================
 cuda       CUDA C++ kernels in the native extension ``condinit._C``       cuda
-triton     Triton kernels (``condinit.kernels``)                          cuda; cpu only
-                                                                          under
+triton     Triton kernels (``condinit.kernels``)                          cuda; cpu only under
                                                                           TRITON_INTERPRET=1
 cpp-cpu    C++ CPU kernels in ``condinit._C`` (OpenMP)                    cpu
 torch      the PyTorch reference implementation                          any
-=========  ===========================================================  ==============
+=========  ===========================================================  ==================
 
-Automatic choice walks :data:`PREFERENCE` for the tensor's device and takes the first backend
-that is available and supports the call; if it raises, the next one runs and :func:`report`
-records why (an automatic choice falls back quietly). ``CONDINIT_BACKEND=name`` (all ops) or
-``CONDINIT_BACKEND=op=name,op2=name`` forces a backend, as does the ``backend=`` argument of the
-public functions; a forced backend that cannot run raises :class:`BackendUnavailableError`.
+A row states the devices, the limits on the call (``dtype``, ``head_dim``, ``method``, ...) and
+whether the implementation is deterministic. The public function of an op validates its
+arguments, then calls :meth:`Op.choose` once: the first backend of the device's preference order
+that is available (built, importable), accepts the call and is deterministic. The chosen name is
+what the kernel call runs; there is no fallback at run time: an exception raised inside a kernel
+reaches the caller. ``condinit info`` prints the same tables.
 
-Nothing here imports triton, loads the extension or touches CUDA until an op is called or
-:func:`report` is asked for.
+Forcing: the ``backend=`` argument of the public functions, or the environment variable
+``CONDINIT_BACKEND`` (``CONDINIT_BACKEND=triton`` for every op, or
+``CONDINIT_BACKEND=attention_jvp=torch,randn=cpp-cpu``), read once at the first op call
+(:func:`reset` re-reads it). A forced backend that cannot run the call raises
+:class:`BackendUnavailableError` with the reason; a forced backend may be non-deterministic.
+
+Nothing here imports triton, loads the extension or touches CUDA until a backend's availability
+is first asked for.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-import threading
-import warnings
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "register", "select", "dispatch",
-           "backend_status", "report", "ops"]
+__all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "Op", "ops", "available", "reset",
+           "report"]
 
 BACKENDS = ("cuda", "triton", "cpp-cpu", "torch")
 ENV_VAR = "CONDINIT_BACKEND"
-# Automatic order per device type. Triton on the CPU (the interpreter) is slow: only on request.
-PREFERENCE = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpp-cpu", "torch")}
+ANY_DEVICE = "any"
+# Automatic order per device type. Triton goes before the CUDA C++ kernels on GPUs until a
+# measurement shows the CUDA kernel faster; Triton on the CPU (the interpreter) is slow, so it
+# runs there only when forced.
+PREFERENCE = {"cuda": ("triton", "cuda", "torch"), "cpu": ("cpp-cpu", "torch")}
 
 
 class BackendUnavailableError(RuntimeError):
-    """A backend was forced (argument or CONDINIT_BACKEND) but cannot run this call."""
+    """No backend can run this call, or the forced one cannot."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Impl:
-    op: str
+    """One row of an op's table."""
     backend: str
     fn: Callable
-    native_op: Optional[str] = None  # condinit_C op that must exist (cuda / cpp-cpu backends)
-    supports: Optional[Callable[..., Optional[str]]] = None  # (**call_info) -> None or why not
+    devices: tuple[str, ...]
+    limits: tuple[tuple[str, tuple], ...] = ()   # (call key, allowed values)
+    deterministic: bool = True
+    native_op: Optional[str] = None              # condinit_C op that must have a kernel
+
+    def not_supported(self, device_type: str, call: dict) -> Optional[str]:
+        """None when this row accepts the call, else why not."""
+        if ANY_DEVICE not in self.devices and device_type not in self.devices:
+            return f"runs on {'/'.join(self.devices)} tensors only"
+        for key, allowed in self.limits:
+            if key in call and call[key] not in allowed:
+                shown = tuple(str(a).replace("torch.", "") for a in allowed)
+                return f"{key} {str(call[key]).replace('torch.', '')} not in {shown}"
+        return None
+
+    def describe(self) -> str:
+        parts = [f"{k}: {', '.join(str(a).replace('torch.', '') for a in allowed)}"
+                 for k, allowed in self.limits]
+        if not self.deterministic:
+            parts.append("not deterministic (only when forced)")
+        return "; ".join(parts) or "any"
 
 
-_REGISTRY: dict[str, dict[str, Impl]] = {}
-_FALLBACKS: dict[tuple[str, str], str] = {}
-_LOCK = threading.Lock()
+_OPS: dict[str, "Op"] = {}
 
 
-def register(op: str, backend: str, *, native_op: str | None = None,
-             supports: Callable[..., Optional[str]] | None = None):
-    """Decorator: register ``fn`` as ``op``'s implementation on ``backend``.
+class Op:
+    """The backend table of one op."""
 
-    ``supports(**call_info)`` returns None when the implementation handles the call, else a short
-    reason (e.g. ``"head_dim 512 > 256"``); ``call_info`` is what the op passes to :func:`select`.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    def __init__(self, name: str):
+        if name in _OPS:
+            raise ValueError(f"op {name!r} is already defined")
+        self.name = name
+        self.impls: dict[str, Impl] = {}
+        _OPS[name] = self
 
-    def deco(fn):
-        _REGISTRY.setdefault(op, {})[backend] = Impl(op, backend, fn, native_op, supports)
-        return fn
+    def register(self, backend: str, *, devices: tuple[str, ...], limits: Optional[dict] = None,
+                 deterministic: bool = True, native_op: Optional[str] = None):
+        """Decorator: ``fn`` is this op's implementation on ``backend``."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
-    return deco
+        def deco(fn):
+            self.impls[backend] = Impl(backend, fn, tuple(devices),
+                                       tuple((k, tuple(v)) for k, v in (limits or {}).items()),
+                                       deterministic, native_op)
+            return fn
+
+        return deco
+
+    def __call__(self, backend: str, *args):
+        """Run the implementation ``backend`` (a name :meth:`choose` returned)."""
+        return self.impls[backend].fn(*args)
+
+    def why_not(self, backend: str, device_type: str, call: dict) -> Optional[str]:
+        impl = self.impls.get(backend)
+        if impl is None:
+            return "not implemented for this op"
+        reason = impl.not_supported(device_type, call)
+        if reason is None:
+            ok, why = available(backend, device_type, impl.native_op)
+            reason = None if ok else why
+        return reason
+
+    def choose(self, device, backend: Optional[str] = None, **call) -> str:
+        """The backend that runs this call: ``backend`` (or the environment's) when forced, else
+        the first available, supporting, deterministic one in the device's preference order."""
+        device_type = torch.device(device).type
+        forced = backend if backend is not None else _forced_from_env().get(self.name)
+        if forced is not None and forced != "auto":
+            if forced not in BACKENDS:
+                raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {forced!r}")
+            why = self.why_not(forced, device_type, call)
+            if why is not None:
+                raise BackendUnavailableError(
+                    f"{self.name}: backend {forced!r} cannot run this call on {device_type}: {why}")
+            return forced
+        reasons = []
+        for name in PREFERENCE.get(device_type, ("torch",)):
+            why = self.why_not(name, device_type, call)
+            if why is None and not self.impls[name].deterministic:
+                why = "not deterministic (force it to use it)"
+            if why is None:
+                return name
+            reasons.append(f"{name}: {why}")
+        raise BackendUnavailableError(f"{self.name}: no backend can run this call on {device_type} "
+                                      f"({'; '.join(reasons)})")
 
 
 def ops() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_OPS)
+
+
+def get(name: str) -> Op:
+    return _OPS[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _forced_from_env() -> dict:
+    """``CONDINIT_BACKEND`` parsed: op name -> forced backend."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if not env or env == "auto":
+        return {}
+    if "=" not in env:
+        return _AllOps(env)
+    out = {}
+    for item in env.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{ENV_VAR} must be a backend name or 'op=backend,op=backend', got {env!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+class _AllOps(dict):
+    """``CONDINIT_BACKEND=name``: the same backend for every op."""
+
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+
+    def get(self, key, default=None):
+        return self.backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,27 +193,20 @@ def _triton_import() -> tuple[bool, str]:
     return True, f"triton {triton.__version__}"
 
 
-def _triton_status(device_type: str) -> tuple[bool, str]:
-    if device_type not in ("cpu", "cuda"):
-        return False, f"no Triton support for device type {device_type!r}"
-    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False, "on CPU only under TRITON_INTERPRET=1 (set before triton is imported)"
-    ok, why = _triton_import()
-    if not ok:
-        return False, why
-    return True, "available (interpreter)" if device_type == "cpu" else "available"
-
-
-def backend_status(backend: str, device_type: str, op: str | None = None) -> tuple[bool, str]:
-    """(available, reason) for ``backend`` on ``device_type`` (and ``op``, when given)."""
-    impl = _REGISTRY.get(op, {}).get(backend) if op else None
-    if op is not None and impl is None:
-        return False, "not implemented for this op"
+@functools.lru_cache(maxsize=None)
+def available(backend: str, device_type: str, native_op: Optional[str] = None) -> tuple[bool, str]:
+    """(available, reason) for ``backend`` on ``device_type``; cached (see :func:`reset`)."""
     if backend == "torch":
         return True, "available"
     if backend == "triton":
-        return _triton_status(device_type)
-    # native backends
+        if device_type not in ("cpu", "cuda"):
+            return False, f"no Triton support for device type {device_type!r}"
+        if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return False, "on CPU only under TRITON_INTERPRET=1 (set before triton is imported)"
+        ok, why = _triton_import()
+        if not ok:
+            return False, why
+        return True, "available (interpreter)" if device_type == "cpu" else "available"
     want = {"cuda": "cuda", "cpp-cpu": "cpu"}[backend]
     if device_type != want:
         return False, f"runs on {want} tensors only"
@@ -120,88 +216,36 @@ def backend_status(backend: str, device_type: str, op: str | None = None) -> tup
         return False, why
     if backend == "cuda" and not _ext.build_info().get("with_cuda", False):
         return False, "extension built without CUDA (nvcc not found at install time)"
-    if impl is not None and impl.native_op is not None:
+    if native_op is not None:
         key = "CUDA" if backend == "cuda" else "CPU"
-        if not _ext.has_op(impl.native_op, key):
-            return False, f"condinit_C::{impl.native_op} has no {key} kernel in this build"
+        if not _ext.has_op(native_op, key):
+            return False, f"condinit_C::{native_op} has no {key} kernel in this build"
     return True, "available"
 
 
-def _forced(op: str, backend: str | None) -> str | None:
-    if backend is not None:
-        return backend
-    env = os.environ.get(ENV_VAR, "").strip()
-    if not env or env == "auto":
-        return None
-    if "=" not in env:
-        return env
-    for item in env.split(","):
-        name, _, value = item.partition("=")
-        if name.strip() == op:
-            return value.strip()
-    return None
-
-
-def select(op: str, device: torch.device | str, *, backend: str | None = None, **call_info) -> list[Impl]:
-    """Implementations to try for this call, best first (one entry when a backend is forced)."""
-    device = torch.device(device)
-    impls = _REGISTRY.get(op)
-    if not impls:
-        raise KeyError(f"unknown op {op!r}")
-    forced = _forced(op, backend)
-    if forced is not None:
-        if forced not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {forced!r}")
-        ok, why = backend_status(forced, device.type, op)
-        if ok and impls[forced].supports is not None:
-            reason = impls[forced].supports(**call_info)
-            ok, why = reason is None, reason
-        if not ok:
-            raise BackendUnavailableError(f"{op}: backend {forced!r} cannot run on {device.type}: {why}")
-        return [impls[forced]]
-    chosen = []
-    for name in PREFERENCE.get(device.type, ("torch",)):
-        impl = impls.get(name)
-        if impl is None or not backend_status(name, device.type, op)[0]:
-            continue
-        if impl.supports is not None and impl.supports(**call_info) is not None:
-            continue
-        chosen.append(impl)
-    if not chosen:
-        raise BackendUnavailableError(f"{op}: no backend can run on {device.type} for {call_info}")
-    return chosen
-
-
-def dispatch(op: str, device, args: tuple, *, backend: str | None = None, call_info: dict | None = None):
-    """Run ``op`` on the best backend; an automatic choice that raises falls back to the next."""
-    impls = select(op, device, backend=backend, **(call_info or {}))
-    for i, impl in enumerate(impls):
-        if i == len(impls) - 1:
-            return impl.fn(*args)
-        try:
-            return impl.fn(*args)
-        except Exception as exc:  # automatic choice: fall back, remember why
-            with _LOCK:
-                first = (op, impl.backend) not in _FALLBACKS
-                _FALLBACKS[(op, impl.backend)] = f"{type(exc).__name__}: {exc}"
-            if first:
-                warnings.warn(f"condinit: {op} on backend {impl.backend!r} failed ({exc}); "
-                              f"falling back to {impls[i + 1].backend!r}")
+def reset() -> None:
+    """Forget cached availability and re-read ``CONDINIT_BACKEND``."""
+    _forced_from_env.cache_clear()
+    available.cache_clear()
 
 
 def report(device_types=("cpu", "cuda")) -> list[dict]:
-    """One row per (op, backend, device type): available?, why, and fallbacks seen so far."""
+    """One row per (op, backend, device type): available?, why not, and what it supports."""
     rows = []
-    for op in ops():
-        for backend in BACKENDS:
-            for dt in device_types:
-                if backend not in _REGISTRY[op]:
-                    ok, why = False, "not implemented for this op"
-                else:
-                    ok, why = backend_status(backend, dt, op)
-                if backend in ("cuda",) and dt == "cpu" or backend == "cpp-cpu" and dt == "cuda":
+    for name in ops():
+        op = _OPS[name]
+        for dt in device_types:
+            auto = PREFERENCE.get(dt, ("torch",))
+            forced_only = [b for b, impl in op.impls.items() if b not in auto
+                           and (dt in impl.devices or ANY_DEVICE in impl.devices)]
+            for backend in (*auto, *forced_only):
+                impl = op.impls.get(backend)
+                if impl is None:
                     continue
-                if (op, backend) in _FALLBACKS:
-                    why += f"; fell back at run time: {_FALLBACKS[(op, backend)]}"
-                rows.append({"op": op, "backend": backend, "device": dt, "available": ok, "reason": why})
+                why = op.why_not(backend, dt, {})
+                supports = impl.describe() + ("; only when forced" if backend in forced_only else "")
+                rows.append({"op": name, "device": dt, "backend": backend, "available": why is None,
+                             "reason": why or "available", "supports": supports,
+                             "automatic": backend not in forced_only and impl.deterministic,
+                             "deterministic": impl.deterministic})
     return rows

@@ -1,6 +1,6 @@
 """Triton kernels of condinit's fused attention: forward, multi-probe JVP, and flash backward (VJP).
 
-Per head (DESIGN.md section 3), with ``s`` the softmax scale::
+Per head (the math: docs/design.md, "Attention"), with ``s`` the softmax scale::
 
     S = s Q K^T (+ causal mask),  P = softmax(S),  O = P V,  lse = log rowsum(exp(S))
 
@@ -49,25 +49,21 @@ JVP at d = 128 fits 128 x 32 tiles with 8 warps in 250-255 registers without spi
 tiles spill (two fp32 ``BLOCK_M x d`` accumulators plus S, S', P~ tiles). Causal programs stop
 the key loop at the diagonal and mask only the tiles straddling it (or a ragged last tile); the
 query tiles are issued heaviest first. ``CONDINIT_ATTN_AUTOTUNE=0`` skips the autotuner and runs
-the first config of each list. ``python -m condinit.kernels.attention [--full] [--autotune]``
-checks correctness on a GPU and times bf16 N=8192, d=128 (forward, backward, JVP with P=1 and
-P=8 against 8 launches). Under the interpreter one fixed 16 x 16 config runs.
+the first config of each list. ``benchmarks/gpu_check.py`` checks and times them on a GPU.
+Under the interpreter one fixed 16 x 16 config runs.
 """
 
 import functools
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_jvp", "supports", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_jvp"]
 
-# Head dims the kernels are tuned and tested for; any d in [1, 256] runs (padded to a power of two).
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
-_MAX_HEAD_DIM = 256
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Which head dims and dtypes these kernels run for is declared once, in the backend table of
+# condinit/ops/attention/op.py; the public op validates arguments before calling them.
 _LOG2E = 1.4426950408889634
 
 
@@ -98,10 +94,12 @@ def _load_rows(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, MASK_ROWS: tl.c
 
 
 @triton.jit
-def _mma(x, DTYPE: tl.constexpr, MMA_F32: tl.constexpr):
-    """Operand of tl.dot: rounded to the input dtype; upcast to fp32 only for the interpreter."""
+def _dot_operand(x, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """``x`` rounded to the input dtype, as an operand of ``tl.dot``. The interpreter has no
+    bf16/fp16 arithmetic, so there the rounded value is upcast to fp32 again (same rounding as
+    the GPU, products in fp32)."""
     y = x.to(DTYPE)
-    if MMA_F32:
+    if INTERPRETER:
         y = y.to(tl.float32)
     return y
 
@@ -113,7 +111,7 @@ def _attn_fwd_loop(acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
                    lo, hi, rows_m, offs_n, offs_d, n_k, causal_shift, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, JVP: tl.constexpr,
-                   TWO_PROBES: tl.constexpr, DTYPE: tl.constexpr, MMA_F32: tl.constexpr,
+                   TWO_PROBES: tl.constexpr, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """Key tiles [lo, hi): online softmax (+ tangent accumulators). MASKED applies the key bound
     and, when CAUSAL, the diagonal; unmasked tiles are fully visible and in bounds."""
@@ -123,8 +121,8 @@ def _attn_fwd_loop(acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
         rows64 = cols.to(tl.int64)[:, None]
         k = _load_rows(k_ptrs + rows64 * stride_kn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
         v = _load_rows(v_ptrs + rows64 * stride_vn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-        k = _mma(k, DTYPE, MMA_F32)
-        v = _mma(v, DTYPE, MMA_F32)
+        k = _dot_operand(k, DTYPE, INTERPRETER)
+        v = _dot_operand(v, DTYPE, INTERPRETER)
         kt = tl.trans(k)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # log2 units
         if MASKED:
@@ -139,15 +137,15 @@ def _attn_fwd_loop(acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p_mma = _mma(p, DTYPE, MMA_F32)
+        p_mma = _dot_operand(p, DTYPE, INTERPRETER)
         acc = tl.dot(p_mma, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         if JVP:
             tk = _load_rows(tk0_ptrs + rows64 * stride_tkn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM,
                             MASKED, EVEN_D)
             tv = _load_rows(tv0_ptrs + rows64 * stride_tvn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM,
                             MASKED, EVEN_D)
-            tk = _mma(tk, DTYPE, MMA_F32)
-            tv = _mma(tv, DTYPE, MMA_F32)
+            tk = _dot_operand(tk, DTYPE, INTERPRETER)
+            tv = _dot_operand(tv, DTYPE, INTERPRETER)
             sd = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
             sd = tl.dot(tq0, kt, sd, input_precision=DOT_PRECISION)
             # P~ o S' from the rounded P~ (the fp32 P~ is dead by now: fewer live registers);
@@ -155,20 +153,20 @@ def _attn_fwd_loop(acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
             ps = p_mma.to(tl.float32) * (sd * sm_scale)
             r_0 = r_0 * alpha + tl.sum(ps, 1)
             acc_t0 = tl.dot(p_mma, tv, acc_t0 * alpha[:, None], input_precision=DOT_PRECISION)
-            acc_t0 = tl.dot(_mma(ps, DTYPE, MMA_F32), v, acc_t0, input_precision=DOT_PRECISION)
+            acc_t0 = tl.dot(_dot_operand(ps, DTYPE, INTERPRETER), v, acc_t0, input_precision=DOT_PRECISION)
             if TWO_PROBES:
                 tk = _load_rows(tk1_ptrs + rows64 * stride_tkn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM,
                                 MASKED, EVEN_D)
                 tv = _load_rows(tv1_ptrs + rows64 * stride_tvn + offs_d[None, :], cols, n_k, offs_d, HEAD_DIM,
                                 MASKED, EVEN_D)
-                tk = _mma(tk, DTYPE, MMA_F32)
-                tv = _mma(tv, DTYPE, MMA_F32)
+                tk = _dot_operand(tk, DTYPE, INTERPRETER)
+                tv = _dot_operand(tv, DTYPE, INTERPRETER)
                 sd = tl.dot(q, tl.trans(tk), input_precision=DOT_PRECISION)
                 sd = tl.dot(tq1, kt, sd, input_precision=DOT_PRECISION)
                 ps = p_mma.to(tl.float32) * (sd * sm_scale)
                 r_1 = r_1 * alpha + tl.sum(ps, 1)
                 acc_t1 = tl.dot(p_mma, tv, acc_t1 * alpha[:, None], input_precision=DOT_PRECISION)
-                acc_t1 = tl.dot(_mma(ps, DTYPE, MMA_F32), v, acc_t1, input_precision=DOT_PRECISION)
+                acc_t1 = tl.dot(_dot_operand(ps, DTYPE, INTERPRETER), v, acc_t1, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1
 
@@ -187,7 +185,7 @@ def _attn_fwd_kernel(
     stride_top, stride_tob, stride_toh, stride_tom,
     n_heads, n_q, n_k, n_probes, kv_group, qk_scale, sm_scale, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    CAUSAL: tl.constexpr, JVP: tl.constexpr, MMA_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, JVP: tl.constexpr, INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROBES_PER_PROGRAM: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head), for PROBES_PER_PROGRAM probes (JVP)."""
@@ -218,7 +216,7 @@ def _attn_fwd_kernel(
     # the key loop, so no loop-invariant tile of 64-bit pointers occupies registers.
     k_ptrs = K + off_b * stride_kb + off_hkv * stride_kh
     v_ptrs = V + off_b * stride_vb + off_hkv * stride_vh
-    q = _mma(_load_rows(q_ptrs, rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
+    q = _dot_operand(_load_rows(q_ptrs, rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -238,18 +236,18 @@ def _attn_fwd_kernel(
     p1 = p0
     if JVP:
         p0_off = p0.to(tl.int64)
-        tq0 = _mma(_load_rows(TQ + p0_off * stride_tqp + off_b * stride_tqb + off_h * stride_tqh
+        tq0 = _dot_operand(_load_rows(TQ + p0_off * stride_tqp + off_b * stride_tqb + off_h * stride_tqh
                               + row_off[:, None] * stride_tqm + offs_d[None, :],
-                              rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
+                              rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
         tk0_ptrs = TK + p0_off * stride_tkp + off_b * stride_tkb + off_hkv * stride_tkh
         tv0_ptrs = TV + p0_off * stride_tvp + off_b * stride_tvb + off_hkv * stride_tvh
         if TWO_PROBES:
             # An odd P: the last group's second probe repeats probe P-1 and is not stored.
             p1 = tl.minimum(p0 + 1, n_probes - 1)
             p1_off = p1.to(tl.int64)
-            tq1 = _mma(_load_rows(TQ + p1_off * stride_tqp + off_b * stride_tqb + off_h * stride_tqh
+            tq1 = _dot_operand(_load_rows(TQ + p1_off * stride_tqp + off_b * stride_tqb + off_h * stride_tqh
                                   + row_off[:, None] * stride_tqm + offs_d[None, :],
-                                  rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
+                                  rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
             tk1_ptrs = TK + p1_off * stride_tkp + off_b * stride_tkb + off_hkv * stride_tkh
             tv1_ptrs = TV + p1_off * stride_tvp + off_b * stride_tvb + off_hkv * stride_tvh
 
@@ -269,13 +267,13 @@ def _attn_fwd_kernel(
         k_ptrs, v_ptrs, tk0_ptrs, tv0_ptrs, tk1_ptrs, tv1_ptrs,
         stride_kn, stride_vn, stride_tkn, stride_tvn,
         0, full, rows_m, offs_n, offs_d, n_k, causal_shift, qk_scale, sm_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, EVEN_D, JVP, TWO_PROBES, DTYPE, MMA_F32, DOT_PRECISION)
+        HEAD_DIM, BLOCK_N, False, CAUSAL, EVEN_D, JVP, TWO_PROBES, DTYPE, INTERPRETER, DOT_PRECISION)
     acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1 = _attn_fwd_loop(
         acc, m_i, l_i, acc_t0, r_0, acc_t1, r_1, q, tq0, tq1,
         k_ptrs, v_ptrs, tk0_ptrs, tv0_ptrs, tk1_ptrs, tv1_ptrs,
         stride_kn, stride_vn, stride_tkn, stride_tvn,
         full, hi, rows_m, offs_n, offs_d, n_k, causal_shift, qk_scale, sm_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, EVEN_D, JVP, TWO_PROBES, DTYPE, MMA_F32, DOT_PRECISION)
+        HEAD_DIM, BLOCK_N, True, CAUSAL, EVEN_D, JVP, TWO_PROBES, DTYPE, INTERPRETER, DOT_PRECISION)
 
     # Epilogue. l = 0 exactly when the row saw no key (otherwise its max contributes exp2(0) = 1).
     empty = l_i == 0.0
@@ -325,16 +323,16 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, str
                         lo, hi, cols_n, offs_m, offs_d, n_q, causal_shift, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                         CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DTYPE: tl.constexpr,
-                        MMA_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Query tiles [lo, hi) of one head against one key tile, transposed orientation [BN, BM]."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
         m_off = start_m.to(tl.int64)
-        q = _mma(_load_rows(q_ptrs + m_off * stride_qm, rows, n_q, offs_d, HEAD_DIM, MASKED, EVEN_D),
-                 DTYPE, MMA_F32)
-        do = _mma(_load_rows(do_ptrs + m_off * stride_dom, rows, n_q, offs_d, HEAD_DIM, MASKED, EVEN_D),
-                  DTYPE, MMA_F32)
+        q = _dot_operand(_load_rows(q_ptrs + m_off * stride_qm, rows, n_q, offs_d, HEAD_DIM, MASKED, EVEN_D),
+                 DTYPE, INTERPRETER)
+        do = _dot_operand(_load_rows(do_ptrs + m_off * stride_dom, rows, n_q, offs_d, HEAD_DIM, MASKED, EVEN_D),
+                  DTYPE, INTERPRETER)
         if MASKED:
             lse = tl.load(lse_ptrs + start_m + offs_m, mask=rows < n_q, other=float("inf"))
             delta = tl.load(delta_ptrs + start_m + offs_m, mask=rows < n_q, other=0.0)
@@ -347,10 +345,10 @@ def _attn_bwd_dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, str
         if MASKED:
             if CAUSAL:
                 pt = tl.where(cols_n[:, None] <= rows[None, :] + causal_shift, pt, 0.0)
-        dv = tl.dot(_mma(pt, DTYPE, MMA_F32), do, dv, input_precision=DOT_PRECISION)
+        dv = tl.dot(_dot_operand(pt, DTYPE, INTERPRETER), do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(_mma(dst, DTYPE, MMA_F32), q, dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(_dot_operand(dst, DTYPE, INTERPRETER), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -365,7 +363,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     n_heads_kv, n_q, n_k, kv_group, qk_scale, sm_scale, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
-    MMA_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: one key tile of one KV head; dK, dV summed over the group's query heads."""
     DTYPE: tl.constexpr = Q.dtype.element_ty
@@ -381,10 +379,10 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     col_off = cols_n.to(tl.int64)
 
-    k = _mma(_load_rows(K + off_b * stride_kb + off_hkv * stride_kh + col_off[:, None] * stride_kn
-                        + offs_d[None, :], cols_n, n_k, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
-    v = _mma(_load_rows(V + off_b * stride_vb + off_hkv * stride_vh + col_off[:, None] * stride_vn
-                        + offs_d[None, :], cols_n, n_k, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
+    k = _dot_operand(_load_rows(K + off_b * stride_kb + off_hkv * stride_kh + col_off[:, None] * stride_kn
+                        + offs_d[None, :], cols_n, n_k, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
+    v = _dot_operand(_load_rows(V + off_b * stride_vb + off_hkv * stride_vh + col_off[:, None] * stride_vn
+                        + offs_d[None, :], cols_n, n_k, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -410,15 +408,15 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
             lo, tl.minimum(full, n_q), cols_n, offs_m, offs_d, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_M, True, CAUSAL, EVEN_D, DTYPE, MMA_F32, DOT_PRECISION)
+            HEAD_DIM, BLOCK_M, True, CAUSAL, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
             full, n_q_even, cols_n, offs_m, offs_d, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_M, False, CAUSAL, EVEN_D, DTYPE, MMA_F32, DOT_PRECISION)
+            HEAD_DIM, BLOCK_M, False, CAUSAL, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
             mid_hi, n_q, cols_n, offs_m, offs_d, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_M, True, CAUSAL, EVEN_D, DTYPE, MMA_F32, DOT_PRECISION)
+            HEAD_DIM, BLOCK_M, True, CAUSAL, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
 
     mask = (cols_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
     tl.store(DK + off_b * stride_dkb + off_hkv * stride_dkh + col_off[:, None] * stride_dkn + offs_d[None, :],
@@ -432,16 +430,16 @@ def _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_
                       lo, hi, rows_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, DTYPE: tl.constexpr,
-                      MMA_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Key tiles [lo, hi) for one query tile: dQ += dS K (keys past n_k read as 0 add nothing)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         kv_off = start_n.to(tl.int64)
-        k = _mma(_load_rows(k_ptrs + kv_off * stride_kn, cols, n_k, offs_d, HEAD_DIM, MASKED, EVEN_D),
-                 DTYPE, MMA_F32)
-        v = _mma(_load_rows(v_ptrs + kv_off * stride_vn, cols, n_k, offs_d, HEAD_DIM, MASKED, EVEN_D),
-                 DTYPE, MMA_F32)
+        k = _dot_operand(_load_rows(k_ptrs + kv_off * stride_kn, cols, n_k, offs_d, HEAD_DIM, MASKED, EVEN_D),
+                 DTYPE, INTERPRETER)
+        v = _dot_operand(_load_rows(v_ptrs + kv_off * stride_vn, cols, n_k, offs_d, HEAD_DIM, MASKED, EVEN_D),
+                 DTYPE, INTERPRETER)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < n_k
@@ -450,7 +448,7 @@ def _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(_mma(ds, DTYPE, MMA_F32), k, dq, input_precision=DOT_PRECISION)
+        dq = tl.dot(_dot_operand(ds, DTYPE, INTERPRETER), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -464,7 +462,7 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     n_heads, n_q, n_k, kv_group, qk_scale, sm_scale, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
-    MMA_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: dQ of one query tile of one (batch, head)."""
     DTYPE: tl.constexpr = Q.dtype.element_ty
@@ -483,10 +481,10 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_off = rows_m.to(tl.int64)
 
-    q = _mma(_load_rows(Q + off_b * stride_qb + off_h * stride_qh + row_off[:, None] * stride_qm + offs_d[None, :],
-                        rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
-    do = _mma(_load_rows(DOut + off_b * stride_dob + off_h * stride_doh + row_off[:, None] * stride_dom
-                         + offs_d[None, :], rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, MMA_F32)
+    q = _dot_operand(_load_rows(Q + off_b * stride_qb + off_h * stride_qh + row_off[:, None] * stride_qm + offs_d[None, :],
+                        rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
+    do = _dot_operand(_load_rows(DOut + off_b * stride_dob + off_h * stride_doh + row_off[:, None] * stride_dom
+                         + offs_d[None, :], rows_m, n_q, offs_d, HEAD_DIM, True, EVEN_D), DTYPE, INTERPRETER)
     row_base = pid_bh.to(tl.int64) * n_q
     lse = tl.load(Lse + row_base + rows_m, mask=rows_m < n_q, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -504,10 +502,10 @@ def _attn_bwd_dq_kernel(
         full = (n_k // BLOCK_N) * BLOCK_N
     dq = _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
                            0, full, rows_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                           HEAD_DIM, BLOCK_N, False, CAUSAL, EVEN_D, DTYPE, MMA_F32, DOT_PRECISION)
+                           HEAD_DIM, BLOCK_N, False, CAUSAL, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
     dq = _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
                            full, hi, rows_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                           HEAD_DIM, BLOCK_N, True, CAUSAL, EVEN_D, DTYPE, MMA_F32, DOT_PRECISION)
+                           HEAD_DIM, BLOCK_N, True, CAUSAL, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + row_off[:, None] * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(DTYPE), mask=(rows_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
 
@@ -614,8 +612,7 @@ def _common_meta(q: torch.Tensor) -> dict:
     interp = _interpret()
     return dict(
         HEAD_DIM=d, BLOCK_D=block_d, EVEN_D=d == block_d,
-        # The interpreter has no bf16 arithmetic: round to the input dtype, multiply in fp32.
-        MMA_F32=interp,
+        INTERPRETER=interp,
         DOT_PRECISION="ieee",  # fp32 inputs: IEEE products (no TF32); ignored for fp16 / bf16
     )
 
@@ -645,70 +642,17 @@ def _launch(kind, grid_fn, args, meta, *, jvp=False, multi_probe=False, probes_p
 # --------------------------------------------------------------------------------------------
 
 
-def supports(*, q=None, k=None, v=None, head_dim=None, dtype=None, device=None, **_ignored):
-    """None when these kernels can run the call, else a short reason.
-
-    Accepts tensors (``q``, ``k``, ``v``) or plain facts (``head_dim``, ``dtype``, ``device``);
-    other keys are ignored. Head dims up to 256 run (padded to a power of two; the tuned and
-    tested ones are :data:`SUPPORTED_HEAD_DIMS`); dtypes fp32 / fp16 / bf16; CUDA tensors, or
-    CPU tensors under ``TRITON_INTERPRET=1``.
-    """
-    if q is not None:
-        head_dim = q.shape[-1] if head_dim is None else head_dim
-        dtype = q.dtype if dtype is None else dtype
-        device = q.device if device is None else device
-    if head_dim is not None and not 1 <= int(head_dim) <= _MAX_HEAD_DIM:
-        return f"head_dim {head_dim} not in [1, {_MAX_HEAD_DIM}]"
-    if dtype is not None and dtype not in _DTYPES:
-        return f"dtype {dtype} not one of float32, float16, bfloat16"
-    for t in (q, k, v):
-        if t is not None and (t.dtype != dtype or t.device != torch.device(device)):
-            return "q, k, v must share one dtype and device"
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cpu" and not _interpret():
-            return "CPU tensors need TRITON_INTERPRET=1"
-        if dev.type not in ("cpu", "cuda"):
-            return f"device type {dev.type!r} not supported"
-    return None
-
-
-def _check_qkv(q, k, v, causal, scale):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, heads, N, d], got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    try:
-        scale_value = float(scale)
-    except (TypeError, ValueError, RuntimeError):
-        scale_value = math.nan
-    if isinstance(scale, bool) or not math.isfinite(scale_value):
-        raise TypeError(f"scale must be a finite float, got {scale!r}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+def _check_layout(q, k, v, *tensors_like_q):
+    """The shape facts the kernels index by (memory safety only; the public op validates)."""
     B, H, Nq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    Bk, Hkv, Nk, dk = k.shape
-    if Bk != B or dk != d:
-        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} "
-                         "(expected [B, Hkv, Nk, d] with q's B and d)")
-    if Hkv < 1 or H % Hkv != 0:
-        raise ValueError(f"the number of k/v heads ({Hkv}) must divide the number of q heads ({H})")
-    if Nq < 1 or Nk < 1 or B < 1 or H < 1:
-        raise ValueError(f"empty attention: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
-    if not 1 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(f"head dim d must be in [1, {_MAX_HEAD_DIM}], got {d}")
-    why = supports(device=q.device)
-    if why is not None:
-        raise ValueError(f"q: {why}")
+    if not (k.dim() == v.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[3] == d
+            and H % k.shape[1] == 0 and 1 <= d <= 256):
+        raise ValueError(f"attention kernel: bad layout q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    for t in tensors_like_q:
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"attention kernel: expected a tensor shaped like q {tuple(q.shape)}, "
+                             f"got {tuple(t.shape)}")
 
 
 def _rowmajor(t):
@@ -761,7 +705,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     ``[B, H, Nq]``, the natural log of ``sum_j exp(scale q_i . k_j)`` over visible keys (``-inf``
     for a row that sees none, whose output is 0). q ``[B, H, Nq, d]``, k/v ``[B, Hkv, Nk, d]``.
     """
-    _check_qkv(q, k, v, causal, scale)
+    _check_layout(q, k, v)
     out, lse, _ = _forward(q, k, v, causal, scale)
     return out, lse
 
@@ -774,23 +718,13 @@ def attention_jvp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.T
     and give a 4-D ``tout``); ``tout[p] = P' V + P tV[p]`` with ``P' = P o (S' - rowsum(P o S'))``,
     ``S' = scale (tQ K^T + Q tK^T)``, in q's dtype.
     """
-    _check_qkv(q, k, v, causal, scale)
-    single = isinstance(tq, torch.Tensor) and tq.dim() == 4
-    for name, t, like in (("tq", tq, q), ("tk", tk, k), ("tv", tv, k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != (4 if single else 5):
-            raise ValueError(f"{name} must be [P, *{tuple(like.shape)}] (or 4-D like tq), got {tuple(t.shape)}")
-        shape = t.shape if single else t.shape[1:]
-        if tuple(shape) != tuple(like.shape):
-            raise ValueError(f"{name} must have shape [P, {', '.join(map(str, like.shape))}], got {tuple(t.shape)}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(f"{name} must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    single = tq.dim() == 4
     if single:
         tq, tk, tv = tq[None], tk[None], tv[None]
-    if not (tq.shape[0] == tk.shape[0] == tv.shape[0] >= 1):
-        raise ValueError("tq, tk, tv must have one probe count P >= 1, got "
-                         f"{tq.shape[0]}, {tk.shape[0]}, {tv.shape[0]}")
+    _check_layout(q, k, v, *tq)
+    if not (tq.shape[0] == tk.shape[0] == tv.shape[0]) or tk.shape[1:] != k.shape or tv.shape[1:] != v.shape:
+        raise ValueError(f"attention kernel: bad tangent layout tq {tuple(tq.shape)}, "
+                         f"tk {tuple(tk.shape)}, tv {tuple(tv.shape)}")
     out, lse, tout = _forward(q, k, v, causal, scale, tq, tk, tv)
     return out, (tout[0] if single else tout), lse
 
@@ -804,16 +738,10 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     summed over the query heads of each KV group. ``out`` and ``lse`` come from
     :func:`attention_fwd` with the same arguments.
     """
-    _check_qkv(q, k, v, causal, scale)
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(q.shape) or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must be {q.dtype} {tuple(q.shape)} on {q.device}, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]) or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be float32 {tuple(q.shape[:3])}, got "
-                         f"{getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    _check_layout(q, k, v, dout, out)
+    if tuple(lse.shape) != tuple(q.shape[:3]) or lse.dtype != torch.float32:
+        raise ValueError(f"attention kernel: lse must be float32 {tuple(q.shape[:3])}, got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
     q, k, v, dout, out = (_rowmajor(t) for t in (q, k, v, dout, out))
     lse = lse.contiguous()
     B, H, Nq, d = q.shape
@@ -850,108 +778,3 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
              dq.stride(0), dq.stride(1), dq.stride(2),
              H, Nq, Nk, H // Hkv, qk_scale, float(scale), *tune), meta)
     return dq, dk, dv
-
-
-# --------------------------------------------------------------------------------------------
-# GPU self-check: python -m condinit.kernels.attention [--full] [--autotune]
-# --------------------------------------------------------------------------------------------
-
-
-def _gpu_check(full: bool = False, autotune: bool = False) -> None:  # pragma: no cover - needs a GPU
-    """Correctness against a float32 PyTorch reference at small shapes, then bf16 timings at
-    B=4, H=16, N=8192, d=128: forward, JVP (counted as 3x the forward FLOPs), backward (2.5x),
-    and P=8 probes in one launch against 8 single-probe launches.
-
-    Every (dtype, head dim, causal, mode) compiles its own kernels, so by default the check runs
-    a few combinations with the first (pre-screened) config of each list; ``--full`` covers all
-    dtypes and head dims, ``--autotune`` times with the autotuner (minutes of compiling)."""
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "0"
-
-    def ref(q, k, v, causal, scale):
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        s = scale * q @ k.transpose(-1, -2)
-        if causal:
-            n_q, n_k = q.shape[2], k.shape[2]
-            i = torch.arange(n_q, device=q.device)[:, None]
-            j = torch.arange(n_k, device=q.device)[None, :]
-            s = s.masked_fill(j > i + n_k - n_q, float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-        return p @ v
-
-    if full:
-        combos = [(dt, d) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in SUPPORTED_HEAD_DIMS]
-    else:
-        combos = [(torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float16, 80), (torch.float32, 32),
-                  (torch.bfloat16, 256)]
-    worst = 0.0
-    for dtype, d in combos:
-        shapes = [(77, 300, True, 4, 2), (300, 77, True, 4, 4)]
-        if full or (dtype, d) == (torch.bfloat16, 128):
-            shapes.append((129, 129, False, 4, 1))
-        for n_q, n_k, causal, h, hkv in shapes:
-            q = torch.randn(2, h, n_q, d, device=dev, dtype=dtype)
-            k, v = (torch.randn(2, hkv, n_k, d, device=dev, dtype=dtype) for _ in range(2))
-            tq = torch.randn(2, *q.shape, device=dev, dtype=dtype)
-            tk, tv = (torch.randn(2, *k.shape, device=dev, dtype=dtype) for _ in range(2))
-            do = torch.randn_like(q)
-            sc = d ** -0.5
-            out, tout, lse = attention_jvp(q, k, v, tq, tk, tv, causal, sc)
-            dq, dk, dv = attention_bwd(do, q, k, v, out, lse, causal, sc)
-            f = [t.float() for t in (q, k, v)]
-            r_out, r_t = torch.func.jvp(lambda a, b, c: ref(a, b, c, causal, sc), tuple(f),
-                                        (tq[1].float(), tk[1].float(), tv[1].float()))
-            _, vjp = torch.func.vjp(lambda a, b, c: ref(a, b, c, causal, sc), *f)
-            pairs = zip((out, tout[1], dq, dk, dv), (r_out, r_t, *vjp(do.float())))
-            err = max(((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in pairs)
-            bad = any(torch.isnan(t).any().item() for t in (out, tout, dq, dk, dv))
-            worst = max(worst, err)
-            print(f"check {str(dtype)[6:]:8s} d={d:3d} Nq={n_q:3d} Nk={n_k:3d} causal={causal!s:5s} "
-                  f"H={h}/{hkv}: max rel. RMS error {err:.2e}{'  NaN!' if bad else ''}", flush=True)
-    print(f"worst relative RMS error {worst:.2e}", flush=True)
-    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "1" if autotune else "0"
-
-    def bench(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps * 1e-3
-
-    B, H, N, d = 4, 16, 8192, 128
-    q, k, v = (torch.randn(B, H, N, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    do = torch.randn_like(q)
-    for causal in (False, True):
-        fl = 4 * B * H * N * N * d / (2 if causal else 1)
-        out, lse = attention_fwd(q, k, v, causal, d ** -0.5)
-        t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
-        t_f = bench(lambda: attention_fwd(q, k, v, causal, d ** -0.5))
-        t_b = bench(lambda: attention_bwd(do, q, k, v, out, lse, causal, d ** -0.5))
-        print(f"bf16 B={B} H={H} N={N} d={d} causal={causal}: fwd {t_f * 1e3:.2f} ms "
-              f"{fl / t_f / 1e12:.0f} TFLOP/s (SDPA {t_sdpa * 1e3:.2f} ms); "
-              f"bwd {t_b * 1e3:.2f} ms {2.5 * fl / t_b / 1e12:.0f} TFLOP/s", flush=True)
-        for n_probes in (1, 8):
-            tq = torch.randn(n_probes, *q.shape, device=dev, dtype=torch.bfloat16)
-            tk, tv = torch.randn_like(tq), torch.randn_like(tq)
-            t_j = bench(lambda: attention_jvp(q, k, v, tq, tk, tv, causal, d ** -0.5), reps=3)
-            line = (f"  JVP P={n_probes}: {t_j * 1e3:.2f} ms, {3 * n_probes * fl / t_j / 1e12:.0f} TFLOP/s "
-                    f"(3x fwd FLOPs per probe)")
-            if n_probes > 1:
-                t_sep = bench(lambda: [attention_jvp(q, k, v, tq[p], tk[p], tv[p], causal, d ** -0.5)
-                                       for p in range(n_probes)], reps=3)
-                line += f"; {n_probes} separate launches {t_sep * 1e3:.2f} ms ({t_sep / t_j:.2f}x)"
-            print(line, flush=True)
-            del tq, tk, tv
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    _gpu_check(full="--full" in sys.argv, autotune="--autotune" in sys.argv)

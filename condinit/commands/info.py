@@ -8,8 +8,8 @@ import platform
 NAME = "info"
 HELP = "show versions and which backends (cuda, triton, cpp-cpu, torch) each op can use, and why not"
 
-# Modules whose import registers ops with condinit._backends.
-OP_MODULES = ("condinit.init.random", "condinit.init.orthogonalize", "condinit.ops.attention")
+# Modules whose import defines the ops' backend tables (condinit._backends.Op).
+OP_MODULES = ("condinit.init", "condinit.ops.attention")
 
 
 def add_arguments(p):
@@ -48,6 +48,11 @@ def collect() -> dict:
     }
 
 
+def _backends_env() -> str:
+    from condinit import _backends
+    return _backends.ENV_VAR
+
+
 def run(args) -> int:
     data = collect()
     if args.json:
@@ -66,11 +71,14 @@ def run(args) -> int:
                  if ext["loaded"] else ""))
     for mod, err in data["import_errors"].items():
         con.print(f"[red]{mod} failed to import: {err}[/red]")
-    table = Table(title="backends per op (first available in order cuda > triton > cpp-cpu > torch is used)")
-    for col in ("op", "device", "backend", "available", "why / why not"):
+    table = Table(title="backends per op, in the order the automatic choice tries them: the first "
+                        "available, deterministic row that supports the call runs "
+                        f"(force one with backend= or {_backends_env()})")
+    for col in ("op", "device", "backend", "available", "supports", "why not"):
         table.add_column(col)
     for row in data["backends"]:
         table.add_row(row["op"], row["device"], row["backend"],
-                      "[green]yes[/green]" if row["available"] else "[red]no[/red]", row["reason"])
+                      "[green]yes[/green]" if row["available"] else "[red]no[/red]", row["supports"],
+                      "" if row["available"] else row["reason"])
     con.print(table)
     return 0

@@ -317,7 +317,11 @@ _METHOD_FNS = {"householder": _householder_, "cholqr2": _cholqr2_, "polar": _pol
 # ---------------------------------------------------------------------------------------------------
 # backend registry: op "orthogonalize", args (A, method, out, scratch)
 
-@_backends.register("orthogonalize", "torch")
+# What each backend runs (one table: the choice and `condinit info` read it).
+ORTHOGONALIZE = _backends.Op("orthogonalize")
+
+
+@ORTHOGONALIZE.register("torch", devices=(_backends.ANY_DEVICE,))
 def _orthogonalize_torch(A: torch.Tensor, method: str, out: torch.Tensor, scratch=None) -> torch.Tensor:
     fn = _METHOD_FNS[method]
     if method in ("cholqr2", "polar"):
@@ -325,11 +329,7 @@ def _orthogonalize_torch(A: torch.Tensor, method: str, out: torch.Tensor, scratc
     return fn(A, out)
 
 
-def _triton_supports(method=None, **_):
-    return None if method == "polar" else f"only method='polar' (got {method!r})"
-
-
-@_backends.register("orthogonalize", "triton", supports=_triton_supports)
+@ORTHOGONALIZE.register("triton", devices=("cuda", "cpu"), limits={"method": ("polar",)})
 def _orthogonalize_triton(A: torch.Tensor, method: str, out: torch.Tensor, scratch=None) -> torch.Tensor:
     from condinit.kernels import polar as kpolar
     return polar_iterate_(A, out, kpolar.gram, kpolar.step, scratch)
@@ -339,8 +339,7 @@ def orthogonalize_wide_(A: torch.Tensor, method: str, out: torch.Tensor, *, scra
                         backend: Optional[str] = None) -> torch.Tensor:
     """Orthonormalize the rows of the contiguous fp32 chunk ``A`` [C, m, n] (m <= n, C >= 2) into
     ``out``; ``A`` (and ``scratch``, like ``A``) may be clobbered. ``method`` is concrete (not auto)."""
-    return _backends.dispatch("orthogonalize", A.device, (A, method, out, scratch), backend=backend,
-                              call_info={"method": method, "m": A.shape[1], "n": A.shape[2]})
+    return ORTHOGONALIZE(ORTHOGONALIZE.choose(A.device, backend, method=method), A, method, out, scratch)
 
 
 def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
@@ -404,7 +403,7 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     precision = torch.get_float32_matmul_precision()
     threads = torch.get_num_threads()
     workers = min(threads, len(chunks)) if cpu and not lapack else 1
-    if workers > 1 and _backends.select("orthogonalize", device, backend=backend, method=method)[0].backend != "torch":
+    if workers > 1 and ORTHOGONALIZE.choose(device, backend, method=method) != "torch":
         workers = 1   # the Triton interpreter is not thread-safe
     torch.set_float32_matmul_precision("highest")
     if cpu and not lapack:

@@ -227,8 +227,7 @@ def block_randn(seed: int, stream: int, block_ids: BlockIds, block_shape: tuple[
     if out.numel() == 0:
         return out
     with torch.no_grad():  # `out` may be a view of a parameter
-        _backends.dispatch("randn", device, (seed, stream, ids, m, n, out), backend=backend,
-                           call_info={"m": m, "n": n})
+        RANDN(RANDN.choose(device, backend), seed, stream, ids, m, n, out)
     return out
 
 
@@ -316,7 +315,12 @@ def philox_normals(x: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out, dim=-1)
 
 
-@_backends.register("randn", "torch")
+# What each backend runs (one table: the choice above and `condinit info` read it). All three give
+# the same bits.
+RANDN = _backends.Op("randn")
+
+
+@RANDN.register("torch", devices=(_backends.ANY_DEVICE,))
 def _randn_torch(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, out: torch.Tensor):
     key = (seed & _MASK32, seed >> 32)
     device = out.device
@@ -351,13 +355,13 @@ def _native_args(seed, stream, block_ids, m, n, out):
     return (seed & _MASK32, seed >> 32, stream, block_ids, m, n, out)
 
 
-@_backends.register("randn", "cpp-cpu", native_op="philox_randn")
+@RANDN.register("cpp-cpu", devices=("cpu",), native_op="philox_randn")
 def _randn_cpp(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, out: torch.Tensor):
     torch.ops.condinit_C.philox_randn(*_native_args(seed, stream, block_ids, m, n, out))
     return out
 
 
-@_backends.register("randn", "cuda", native_op="philox_randn")
+@RANDN.register("cuda", devices=("cuda",), native_op="philox_randn")
 def _randn_cuda(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, out: torch.Tensor):
     torch.ops.condinit_C.philox_randn(*_native_args(seed, stream, block_ids, m, n, out))
     return out

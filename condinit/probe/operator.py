@@ -1,4 +1,6 @@
-"""The Jacobian of one attention layer as a matrix-free linear operator (DESIGN.md sections 3 and 4).
+"""The Jacobian of one attention layer as a matrix-free linear operator.
+
+The math (operators, known null directions) is in ``docs/design.md``, "The attention Jacobian".
 
 For an attention layer with input ``X`` ``[B, N, D]`` and, per head ``h`` (key/value head ``g(h)``
 under grouped-query attention)::
@@ -26,8 +28,8 @@ attention masks other than causal, dropout) are not part of this operator: it is
 :func:`condinit.attention`, called on the saved log-sum-exp; probes are folded into the batch) and
 then ``X^T dQ`` (weights) or ``dQ W_Q`` (input).
 
-Known null directions (DESIGN.md section 4), exposed as orthogonal projectors so the estimators can
-work on their orthogonal complement:
+Known null directions, exposed as orthogonal projectors so the estimators can work on their
+orthogonal complement:
 
 * input side (``t`` with ``J t = 0`` exactly):
   ``"qkv"``: the key shifts ``K'_{b,g} = 1 c^T`` (``B Hkv d`` directions; a row-constant shift of

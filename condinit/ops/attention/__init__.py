@@ -1,4 +1,4 @@
-"""Fused attention with forward- and reverse-mode AD (issue 4; math in DESIGN.md section 3).
+"""Fused attention with forward- and reverse-mode AD (the math: docs/design.md, "Attention").
 
 * :func:`attention` — ``softmax(scale Q K^T) V`` as a differentiable op: reverse mode through the
   flash VJP from the saved log-sum-exp, forward mode through the fused JVP kernel; works under

@@ -1,11 +1,20 @@
-"""The public fused-attention ops, their torch.library registration and backend dispatch.
+"""The public fused-attention ops: validation, backend tables, torch.library registration.
 
-Three custom ops in the ``condinit`` namespace, each dispatched through :mod:`condinit._backends`
-to the best available implementation (cuda, triton, cpp-cpu, or the tiled PyTorch reference):
+Call path (one per op): :func:`attention` / :func:`attention_jvp` validate their arguments
+(here, once), pick a backend from the op's table below (:meth:`condinit._backends.Op.choose`,
+once per call), and call the custom op ``condinit::attention_fwd`` / ``attention_jvp`` with the
+chosen name; the op's body runs that table row, which calls the kernel: the tiled PyTorch
+reference (:mod:`condinit.ops.attention.reference`), the Triton kernels
+(``condinit.kernels.attention``), or the C++ CPU / CUDA kernels of the native extension
+(``torch.ops.condinit_C.attention_*``, from ``csrc/attention/``). Gradients go through
+``condinit::attention_bwd`` the same way. Kernels check only the layout facts they index by.
 
-* ``condinit::attention_fwd(q, k, v, causal, scale, backend) -> (out, lse)``
-* ``condinit::attention_bwd(dout, q, k, v, out, lse, causal, scale, backend) -> (dq, dk, dv)``
-* ``condinit::attention_jvp(q, k, v, tq?, tk?, tv?, causal, scale, backend) -> (out, tout, lse)``
+Custom ops in the ``condinit`` namespace (``impl`` is the chosen backend's name, so a traced
+graph or a saved autograd context replays the same kernel):
+
+* ``condinit::attention_fwd(q, k, v, causal, scale, impl) -> (out, lse)``
+* ``condinit::attention_bwd(dout, q, k, v, out, lse, causal, scale, impl) -> (dq, dk, dv)``
+* ``condinit::attention_jvp(q, k, v, tq?, tk?, tv?, causal, scale, impl) -> (out, tout, lse)``
 
 Each has a fake (meta) kernel, so ``torch.compile`` traces them, and a vmap rule that folds the
 vmapped dimension into the batch dimension, so ``torch.vmap`` / ``jacfwd`` / ``jacrev`` work.
@@ -13,40 +22,35 @@ On top of them, :func:`attention` (a ``torch.autograd.Function``: backward = fla
 saved log-sum-exp, ``jvp`` = the fused JVP op) and :func:`attention_jvp` (the single-pass JVP
 with several probes, differentiable in all six inputs).
 
-Math and conventions: DESIGN.md section 3 and :mod:`condinit.ops.attention.reference`.
+The math: ``docs/design.md``, "Attention".
 """
-
-import math
-import numbers
-from typing import Optional
 
 import torch
 from torch import Tensor
+from typing import Optional
 
 from condinit import _backends
+from condinit._validate import check_bool, check_real, check_tensor
 from condinit.ops.attention import reference
 
-__all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES"]
+__all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "ATTENTION_FWD",
+           "ATTENTION_BWD", "ATTENTION_JVP"]
 
-# What the Triton / C++ / CUDA kernels are built for; the torch reference takes anything.
+# --------------------------------------------------------------------------------------------
+# Backend tables: what each implementation runs. The choice and `condinit info` read these rows;
+# the kernels do not repeat them.
+# --------------------------------------------------------------------------------------------
+
+# Head dims the Triton and CUDA kernels are compiled, tuned and tested for.
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CPU_DTYPES = KERNEL_DTYPES + (torch.float64,)
+_GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": KERNEL_HEAD_DIMS}
+_ANY = (_backends.ANY_DEVICE,)
 
-
-# --------------------------------------------------------------------------------------------
-# Backends
-# --------------------------------------------------------------------------------------------
-
-def _kernel_supports(head_dim: int, dtype: torch.dtype, **_) -> Optional[str]:
-    if dtype not in KERNEL_DTYPES:
-        return f"dtype {dtype} not supported (float32, float16, bfloat16)"
-    if head_dim not in KERNEL_HEAD_DIMS:
-        return f"head_dim {head_dim} not in {KERNEL_HEAD_DIMS}"
-    return None
-
-
-def _call_info(q: Tensor) -> dict:
-    return {"head_dim": q.shape[-1], "dtype": q.dtype}
+ATTENTION_FWD = _backends.Op("attention_fwd")
+ATTENTION_BWD = _backends.Op("attention_bwd")
+ATTENTION_JVP = _backends.Op("attention_jvp")
 
 
 def _zeros_tangents(q, k, v, tq, tk, tv):
@@ -57,43 +61,33 @@ def _zeros_tangents(q, k, v, tq, tk, tv):
             tv if tv is not None else z(v))
 
 
-# torch: the tiled reference
-@_backends.register("attention_fwd", "torch")
-def _fwd_torch(q, k, v, causal, scale):
-    return reference.attention_fwd(q, k, v, causal, scale)
+def _triton():
+    from condinit.kernels import attention as kernels  # imports triton: only when a row runs
+    return kernels
 
 
-@_backends.register("attention_bwd", "torch")
-def _bwd_torch(dout, q, k, v, out, lse, causal, scale):
-    return reference.attention_bwd(dout, q, k, v, out, lse, causal, scale)
+# torch: the tiled reference, any device, dtype and head dim
+ATTENTION_FWD.register("torch", devices=_ANY)(reference.attention_fwd)
+ATTENTION_BWD.register("torch", devices=_ANY)(reference.attention_bwd)
+ATTENTION_JVP.register("torch", devices=_ANY)(reference.attention_jvp)
 
 
-@_backends.register("attention_jvp", "torch")
-def _jvp_torch(q, k, v, tq, tk, tv, causal, scale):
-    return reference.attention_jvp(q, k, v, tq, tk, tv, causal, scale)
-
-
-# triton (imported lazily: the module imports triton)
-@_backends.register("attention_fwd", "triton", supports=_kernel_supports)
+@ATTENTION_FWD.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
 def _fwd_triton(q, k, v, causal, scale):
-    from condinit.kernels import attention as kernels
-    return kernels.attention_fwd(q, k, v, causal, scale)
+    return _triton().attention_fwd(q, k, v, causal, scale)
 
 
-@_backends.register("attention_bwd", "triton", supports=_kernel_supports)
+@ATTENTION_BWD.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
 def _bwd_triton(dout, q, k, v, out, lse, causal, scale):
-    from condinit.kernels import attention as kernels
-    return kernels.attention_bwd(dout, q, k, v, out, lse, causal, scale)
+    return _triton().attention_bwd(dout, q, k, v, out, lse, causal, scale)
 
 
-@_backends.register("attention_jvp", "triton", supports=_kernel_supports)
+@ATTENTION_JVP.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
 def _jvp_triton(q, k, v, tq, tk, tv, causal, scale):
-    from condinit.kernels import attention as kernels
-    tq, tk, tv = _zeros_tangents(q, k, v, tq, tk, tv)
-    return kernels.attention_jvp(q, k, v, tq, tk, tv, causal, scale)
+    return _triton().attention_jvp(q, k, v, *_zeros_tangents(q, k, v, tq, tk, tv), causal, scale)
 
 
-# native: the same condinit_C schema has CPU (cpp-cpu) and CUDA (cuda) kernels
+# native: one condinit_C schema with a CPU kernel (cpp-cpu, any head dim) and a CUDA kernel
 def _fwd_native(q, k, v, causal, scale):
     return tuple(torch.ops.condinit_C.attention_fwd(q, k, v, causal, scale))
 
@@ -107,10 +101,16 @@ def _jvp_native(q, k, v, tq, tk, tv, causal, scale):
     return tuple(torch.ops.condinit_C.attention_jvp(q, k, v, tq, tk, tv, causal, scale))
 
 
-for _backend in ("cpp-cpu", "cuda"):
-    _backends.register("attention_fwd", _backend, native_op="attention_fwd", supports=_kernel_supports)(_fwd_native)
-    _backends.register("attention_bwd", _backend, native_op="attention_bwd", supports=_kernel_supports)(_bwd_native)
-    _backends.register("attention_jvp", _backend, native_op="attention_jvp", supports=_kernel_supports)(_jvp_native)
+for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (ATTENTION_JVP, _jvp_native)):
+    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": _CPU_DTYPES}, native_op=_op.name)(_fn)
+    # The CUDA backward accumulates dQ with atomicAdd: its bits depend on the thread schedule,
+    # so the automatic choice never takes it (Triton's backward is deterministic).
+    _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name,
+                 deterministic=_op is not ATTENTION_BWD)(_fn)
+
+
+def _choose(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
+    return op.choose(q.device, backend, dtype=q.dtype, head_dim=q.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,38 +127,33 @@ def _c(x: Optional[Tensor]) -> Optional[Tensor]:
 
 @torch.library.custom_op("condinit::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                      backend: Optional[str]) -> tuple[Tensor, Tensor]:
-    """Fused attention forward on the chosen backend: ``(out, lse)``."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse = _backends.dispatch("attention_fwd", q.device, (q, k, v, causal, scale),
-                                  backend=backend, call_info=_call_info(q))
+                      impl: str) -> tuple[Tensor, Tensor]:
+    """Fused attention forward on backend ``impl``: ``(out, lse)``."""
+    out, lse = ATTENTION_FWD(impl, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
     return out, lse
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale, backend):
+def _(q, k, v, causal, scale, impl):
     B, H, Nq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Nq), dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("condinit::attention_bwd", mutates_args=())
 def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      causal: bool, scale: float, backend: Optional[str]
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-    """Flash VJP from the saved ``lse`` on the chosen backend: ``(dq, dk, dv)``."""
-    args = tuple(x.contiguous() for x in (dout, q, k, v, out, lse)) + (causal, scale)
-    dq, dk, dv = _backends.dispatch("attention_bwd", q.device, args, backend=backend,
-                                    call_info=_call_info(q))
+                      causal: bool, scale: float, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Flash VJP from the saved ``lse`` on backend ``impl``: ``(dq, dk, dv)``."""
+    dq, dk, dv = ATTENTION_BWD(impl, *(x.contiguous() for x in (dout, q, k, v, out, lse)), causal, scale)
     return dq, dk, dv
 
 
 @_attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, backend):
+def _(dout, q, k, v, out, lse, causal, scale, impl):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _bwd_setup_context(ctx, inputs, output):
-    dout, q, k, v, out, lse, causal, scale, backend = inputs
+    dout, q, k, v, out, lse, causal, scale, impl = inputs
     ctx.save_for_backward(dout, q, k, v)
     ctx.causal, ctx.scale = causal, scale
 
@@ -184,18 +179,17 @@ torch.library.register_autograd("condinit::attention_bwd", _bwd_backward, setup_
 
 @torch.library.custom_op("condinit::attention_jvp", mutates_args=())
 def _attention_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], causal: bool, scale: float, backend: Optional[str]
+                      tv: Optional[Tensor], causal: bool, scale: float, impl: str
                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused single-pass JVP on the chosen backend: ``(out, tout, lse)``; tangents ``[P, ...]``,
+    """Fused single-pass JVP on backend ``impl``: ``(out, tout, lse)``; tangents ``[P, ...]``,
     at least one not None (a None tangent is zero)."""
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), _c(tq), _c(tk), _c(tv), causal, scale)
-    out, tout, lse = _backends.dispatch("attention_jvp", q.device, args, backend=backend,
-                                        call_info=_call_info(q))
+    out, tout, lse = ATTENTION_JVP(impl, q.contiguous(), k.contiguous(), v.contiguous(),
+                                   _c(tq), _c(tk), _c(tv), causal, scale)
     return out, tout, lse
 
 
 @_attention_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, causal, scale, backend):
+def _(q, k, v, tq, tk, tv, causal, scale, impl):
     B, H, Nq, _ = q.shape
     P = next(t.shape[0] for t in (tq, tk, tv) if t is not None)
     return (torch.empty_like(q), q.new_empty((P,) + tuple(q.shape)),
@@ -227,45 +221,37 @@ def _unfold(x: Tensor, size: int, lead: int = 0) -> Tensor:
 
 
 @torch.library.register_vmap("condinit::attention_fwd")
-def _(info, in_dims, q, k, v, causal, scale, backend):
+def _(info, in_dims, q, k, v, causal, scale, impl):
     n = info.batch_size
     qd, kd, vd = in_dims[:3]
-    out, lse = _attention_fwd_op(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), causal, scale, backend)
+    out, lse = _attention_fwd_op(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), causal, scale, impl)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap("condinit::attention_bwd")
-def _(info, in_dims, dout, q, k, v, out, lse, causal, scale, backend):
+def _(info, in_dims, dout, q, k, v, out, lse, causal, scale, impl):
     n = info.batch_size
     args = [_fold(x, d, n) for x, d in zip((dout, q, k, v, out, lse), in_dims[:6])]
-    dq, dk, dv = _attention_bwd_op(*args, causal, scale, backend)
+    dq, dk, dv = _attention_bwd_op(*args, causal, scale, impl)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
 @torch.library.register_vmap("condinit::attention_jvp")
-def _(info, in_dims, q, k, v, tq, tk, tv, causal, scale, backend):
+def _(info, in_dims, q, k, v, tq, tk, tv, causal, scale, impl):
     n = info.batch_size
     primals = [_fold(x, d, n) for x, d in zip((q, k, v), in_dims[:3])]
     tangents = [_fold_tangent(x, d, n) for x, d in zip((tq, tk, tv), in_dims[3:6])]
-    out, tout, lse = _attention_jvp_op(*primals, *tangents, causal, scale, backend)
+    out, tout, lse = _attention_jvp_op(*primals, *tangents, causal, scale, impl)
     return (_unfold(out, n), _unfold(tout, n, lead=1), _unfold(lse, n)), (0, 1, 0)
 
 
 # --------------------------------------------------------------------------------------------
-# Validation
+# Validation: once, here, before any kernel runs
 # --------------------------------------------------------------------------------------------
-
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or "
-                        f"float64), got {t.dtype}")
-
 
 def _check_primals(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        check_tensor(name, t, floating=True)
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, H, N, d], got shape {tuple(t.shape)}")
         if any(s == 0 for s in t.shape):
@@ -289,21 +275,13 @@ def _check_primals(q, k, v) -> None:
 
 
 def _check_options(causal, scale, backend, d: int) -> tuple[float, Optional[str]]:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale}")
+    check_bool("causal", causal)
+    scale = 1.0 / d ** 0.5 if scale is None else check_real("scale", scale)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
-    if backend == "auto":
-        backend = None
-    if backend is not None and backend not in _backends.BACKENDS:
+    if backend is not None and backend != "auto" and backend not in _backends.BACKENDS:
         raise ValueError(f"backend must be one of {_backends.BACKENDS}, 'auto' or None, got {backend!r}")
-    return float(scale), backend
+    return scale, backend
 
 
 def _check_tangents(primals, tangents) -> tuple[bool, int]:
@@ -312,7 +290,7 @@ def _check_tangents(primals, tangents) -> tuple[bool, int]:
     for (pname, x), (tname, t) in zip(primals, tangents):
         if t is None:
             continue
-        _check_tensor(tname, t)
+        check_tensor(tname, t, floating=True)
         if t.dtype != x.dtype:
             raise TypeError(f"{tname} must have {pname}'s dtype {x.dtype}, got {t.dtype}")
         if t.device != x.device:
@@ -342,28 +320,29 @@ def _check_tangents(primals, tangents) -> tuple[bool, int]:
 class _Attention(torch.autograd.Function):
     """``(out, lse) = attention(q, k, v)``; backward is the flash VJP from the saved ``lse``.
 
-    This class has no ``jvp`` so that ``torch.compile`` (Dynamo) can trace it; :class:`_AttentionAD`
-    adds the forward-mode rule for eager / ``torch.func`` use.
+    ``impls`` holds the backends chosen for the forward, backward and JVP ops. This class has no
+    ``jvp`` so that ``torch.compile`` (Dynamo) can trace it; :class:`_AttentionAD` adds the
+    forward-mode rule for eager / ``torch.func`` use.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, causal, scale, backend):
-        return _attention_fwd_op(q, k, v, causal, scale, backend)
+    def forward(q, k, v, causal, scale, impls):
+        return _attention_fwd_op(q, k, v, causal, scale, impls[0])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, backend = inputs
+        q, k, v, causal, scale, impls = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend)
+        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.impls[1])
         return dq, dk, dv, None, None, None
 
 
@@ -386,7 +365,7 @@ class _AttentionAD(_Attention):
         if tq is None and tk is None and tv is None:
             return torch.zeros_like(q), None
         tangents = [t.unsqueeze(0) if t is not None else None for t in (tq, tk, tv)]
-        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, ctx.causal, ctx.scale, ctx.backend)
+        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, ctx.causal, ctx.scale, ctx.impls[2])
         return tout.squeeze(0), None
 
 
@@ -402,7 +381,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             A query with no key gets 0 (and zero gradients).
         scale: defaults to ``1 / sqrt(d)``.
         backend: ``"cuda"``, ``"triton"``, ``"cpp-cpu"``, ``"torch"``, or None / ``"auto"``
-            (best available; see ``python -m condinit info``).
+            (the first deterministic backend that supports the call; ``condinit info`` shows the
+            table). A forced backend that cannot run the call raises
+            :class:`condinit.BackendUnavailableError`.
 
     Returns ``out`` ``[B, H, Nq, d]`` in the input dtype (fp32 accumulation).
 
@@ -411,12 +392,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     under ``torch.func.vmap`` / ``jacfwd`` / ``jacrev`` and ``torch.compile``. Forward mode runs
     the primal and then the fused JVP; :func:`attention_jvp` does both in one pass, with several
     probes at once.
+
+    Examples:
+        >>> q, k, v = torch.randn(2, 8, 128, 64), torch.randn(2, 2, 128, 64), torch.randn(2, 2, 128, 64)
+        >>> out = condinit.attention(q, k, v, causal=True)            # GQA: 8 query, 2 kv heads
+        >>> out, tangent = torch.func.jvp(condinit.attention, (q, k, v), (q, k, v))
     """
     _check_primals(q, k, v)
     scale, backend = _check_options(causal, scale, backend, q.shape[-1])
+    impls = tuple(_choose(op, q, backend) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
-    out, _ = fn.apply(q, k, v, causal, scale, backend)
+    out, _ = fn.apply(q, k, v, causal, scale, impls)
     return out
 
 
@@ -441,12 +428,12 @@ class _AttentionJVP(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, backend):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, backend)
+    def forward(q, k, v, tq, tk, tv, causal, scale, impl):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, backend = inputs
+        q, k, v, tq, tk, tv, causal, scale, impl = inputs
         ctx.mark_non_differentiable(output[2])
         ctx.present = tuple(t is not None for t in (tq, tk, tv))
         ctx.save_for_backward(q, k, v, *(t for t in (tq, tk, tv) if t is not None))
@@ -473,7 +460,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
 
         S' = scale (Q' K^T + Q K'^T),   P' = P * (S' - rowsum(P * S')),   O' = P' V + P V'
 
-    computed without any N x N matrix (online softmax; DESIGN.md section 3).
+    computed without any N x N matrix (online softmax; ``docs/design.md``, "Attention").
 
     Args:
         q, k, v: as in :func:`attention`.
@@ -488,10 +475,16 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
     Differentiable: gradients reach q, k, v, tq, tk, tv through both outputs (e.g. to train on a
     JVP-based loss). The backward recomputes through the tiled PyTorch reference with autograd,
     whatever backend ran the forward (it holds the block intermediates: O(N^2 / block) memory).
+
+    Examples:
+        >>> q, k, v = (torch.randn(1, 4, 256, 64) for _ in range(3))
+        >>> out, tout = condinit.attention_jvp(q, k, v, tq=torch.randn_like(q))       # one probe
+        >>> out, touts = condinit.attention_jvp(q, k, v, tk=torch.randn(8, 1, 4, 256, 64))  # 8 probes
     """
     _check_primals(q, k, v)
     scale, backend = _check_options(causal, scale, backend, q.shape[-1])
     has_p, P = _check_tangents((("q", q), ("k", k), ("v", v)), (("tq", tq), ("tk", tk), ("tv", tv)))
+    impl = _choose(ATTENTION_JVP, q, backend)
     if tq is None and tk is None and tv is None:
         tv = torch.zeros_like(v)  # all-zero tangent: keep one code path (out is still needed)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -503,7 +496,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, *tangents))
     if needs_grad:
-        out, tout, _ = _AttentionJVP.apply(q, k, v, *tangents, causal, scale, backend)
+        out, tout, _ = _AttentionJVP.apply(q, k, v, *tangents, causal, scale, impl)
     else:
-        out, tout, _ = _attention_jvp_op(q, k, v, *tangents, causal, scale, backend)
+        out, tout, _ = _attention_jvp_op(q, k, v, *tangents, causal, scale, impl)
     return out, (tout if has_p else tout.squeeze(0))

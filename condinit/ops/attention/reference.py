@@ -1,7 +1,7 @@
 """Tiled PyTorch reference of fused attention: forward (with log-sum-exp), VJP and fused JVP.
 
 This is the ``torch`` backend of the ``attention_fwd`` / ``attention_bwd`` / ``attention_jvp`` ops
-and the readable statement of what the Triton and C++ kernels compute (DESIGN.md section 3). It
+and the readable statement of what the Triton and C++ kernels compute (docs/design.md, "Attention"). It
 walks blocks of queries x blocks of keys with an online softmax, so besides the inputs and outputs
 it holds O(block_q * block_k) scores at a time, never an N x N matrix. Accumulation is in float32
 (float64 when the inputs are float64); outputs are cast back to the input dtype.
@@ -97,18 +97,18 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
     """
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    acc_t = _acc_dtype(q.dtype)
+    acc_dtype = _acc_dtype(q.dtype)
     with_tangent = tq is not None or tk is not None or tv is not None
     P = next(t.shape[0] for t in (tq, tk, tv) if t is not None) if with_tangent else 0
 
     # The scale is folded into Q and Q' (S = (s Q) K^T, S' = (s Q') K^T + (s Q) K'^T): no
     # elementwise pass over the score blocks for it.
-    qg = _grouped(q, Hkv).to(acc_t) * scale              # [B, Hkv, G, Nq, d]
-    kg = k.to(acc_t).unsqueeze(2)                        # [B, Hkv, 1, Nk, d]
-    vg = v.to(acc_t).unsqueeze(2)
-    tqg = _grouped(tq, Hkv).to(acc_t) * scale if tq is not None else None   # [P, B, Hkv, G, Nq, d]
-    tkg = tk.to(acc_t).unsqueeze(3) if tk is not None else None              # [P, B, Hkv, 1, Nk, d]
-    tvg = tv.to(acc_t).unsqueeze(3) if tv is not None else None
+    qg = _grouped(q, Hkv).to(acc_dtype) * scale              # [B, Hkv, G, Nq, d]
+    kg = k.to(acc_dtype).unsqueeze(2)                        # [B, Hkv, 1, Nk, d]
+    vg = v.to(acc_dtype).unsqueeze(2)
+    tqg = _grouped(tq, Hkv).to(acc_dtype) * scale if tq is not None else None   # [P, B, Hkv, G, Nq, d]
+    tkg = tk.to(acc_dtype).unsqueeze(3) if tk is not None else None              # [P, B, Hkv, 1, Nk, d]
+    tvg = tv.to(acc_dtype).unsqueeze(3) if tv is not None else None
     # With both Q' and K', S' = [s Q', s Q] [K, K']^T: one product with inner dim 2d.
     both = tqg is not None and tkg is not None
     if both:
@@ -126,7 +126,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
         l = qb.new_zeros(rows)
         acc = qb.new_zeros(qb.shape)
         if with_tangent:
-            acc_t_ = qb.new_zeros((P,) + qb.shape)                      # accA + accB, summed as we go
+            acc_tangent = qb.new_zeros((P,) + qb.shape)                      # accA + accB, summed as we go
             r = qb.new_zeros((P,) + rows)
         for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
             j1 = min(Nk, j0 + block_k)
@@ -153,7 +153,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
                 else:
                     ds = None
                 a = alpha[..., None]
-                upd = acc_t_ * a
+                upd = acc_tangent * a
                 if ds is not None:
                     ps = p * ds                                         # P~ * S' (0 where masked)
                     r = alpha * r + ps.sum(-1)
@@ -162,7 +162,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
                     r = alpha * r
                 if tvg is not None:
                     upd = upd + p @ tvg[..., j0:j1, :]                  # accA
-                acc_t_ = upd
+                acc_tangent = upd
             m = m_new
         nonempty = l > 0
         l_safe = torch.where(nonempty, l, torch.ones_like(l))
@@ -170,7 +170,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
         outs.append(o)
         lses.append(torch.where(nonempty, m + torch.log(l_safe), torch.full_like(l, _NEG_INF)))
         if with_tangent:
-            to = acc_t_ / l_safe[..., None] - (r / l_safe)[..., None] * o
+            to = acc_tangent / l_safe[..., None] - (r / l_safe)[..., None] * o
             touts.append(torch.where(nonempty[..., None], to, torch.zeros_like(to)))
     out = _ungrouped(torch.cat(outs, dim=-2)).to(q.dtype)
     lse = torch.cat(lses, dim=-1).reshape(B, H, Nq)
@@ -189,16 +189,16 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     """
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    acc_t = _acc_dtype(q.dtype)
-    qg = _grouped(q, Hkv).to(acc_t) * scale              # s Q: S = (s Q) K^T, dK = dS^T (s Q)
-    dog = _grouped(dout, Hkv).to(acc_t)
-    og = _grouped(out, Hkv).to(acc_t)
-    kg = k.to(acc_t).unsqueeze(2)
-    vg = v.to(acc_t).unsqueeze(2)
-    lseg = lse.to(acc_t).reshape(B, Hkv, H // Hkv, Nq)
+    acc_dtype = _acc_dtype(q.dtype)
+    qg = _grouped(q, Hkv).to(acc_dtype) * scale              # s Q: S = (s Q) K^T, dK = dS^T (s Q)
+    dog = _grouped(dout, Hkv).to(acc_dtype)
+    og = _grouped(out, Hkv).to(acc_dtype)
+    kg = k.to(acc_dtype).unsqueeze(2)
+    vg = v.to(acc_dtype).unsqueeze(2)
+    lseg = lse.to(acc_dtype).reshape(B, Hkv, H // Hkv, Nq)
     # Empty rows (lse = -inf) have P = exp(-inf - 0) = 0 everywhere.
     lseg = torch.where(lseg == _NEG_INF, torch.zeros_like(lseg), lseg)
-    dk = torch.zeros(B, Hkv, Nk, d, dtype=acc_t, device=q.device)
+    dk = torch.zeros(B, Hkv, Nk, d, dtype=acc_dtype, device=q.device)
     dv = torch.zeros_like(dk)
     dqs = []
     for i0 in range(0, Nq, block_q):

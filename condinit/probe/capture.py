@@ -1,0 +1,87 @@
+"""Capturing the input hidden states of attention layers with forward pre-hooks.
+
+The probe CLI, the training-time monitor and the demo all need the tensor an attention layer reads
+(its ``X``), as it is during a real forward pass. :class:`InputCapture` registers one forward
+pre-hook per module; each hook finds the input with :func:`layer_input` and either keeps the first
+one it sees (``inputs[i]``, a detached copy) or hands it to a callback. The hooks return None, so
+they never change the forward pass.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["InputCapture", "layer_input"]
+
+# keyword names under which attention modules receive their input
+_INPUT_KEYWORDS = ("hidden_states", "query", "x", "input")
+
+
+def layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The attention input of one call as a detached ``[B, N, D]`` view (batch first), or None.
+
+    The input is the first positional tensor, else the first of the keywords ``hidden_states``,
+    ``query``, ``x``, ``input``. ``nn.MultiheadAttention`` without ``batch_first`` takes
+    ``[N, B, D]`` (transposed here); an unbatched ``[N, D]`` input becomes ``[1, N, D]``. None when
+    no tensor is found or it is not 2-D or 3-D.
+    """
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if x is None:
+        x = next((kwargs[k] for k in _INPUT_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor)), None)
+    if x is None or x.dim() not in (2, 3):
+        return None
+    x = x.detach()
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    if isinstance(module, nn.MultiheadAttention) and not module.batch_first:
+        return x.transpose(0, 1)
+    return x
+
+
+class InputCapture:
+    """Forward pre-hooks on ``modules`` that capture each one's input (see :func:`layer_input`).
+
+    Without ``on_input``, ``inputs[i]`` holds a detached copy of the first input module ``i`` reads
+    (None until it runs, or when its input is not a 2-D/3-D tensor). With ``on_input``, every call
+    of module ``i`` runs ``on_input(i, module, x)`` instead, with ``x`` the detached view or None;
+    the callback copies what it keeps. Use as a context manager, or call :meth:`remove`.
+
+    Examples:
+        >>> mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> x = torch.randn(2, 5, 16)
+        >>> with InputCapture([mha]) as cap:
+        ...     _ = mha(x, x, x)
+        >>> torch.equal(cap.inputs[0], x)
+        True
+    """
+
+    def __init__(self, modules: Sequence[nn.Module],
+                 on_input: Optional[Callable[[int, nn.Module, Optional[torch.Tensor]], None]] = None):
+        self.inputs: list = [None] * len(modules)
+        self._on_input = on_input
+        self._handles = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(modules)]
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            x = layer_input(module, args, kwargs)
+            if self._on_input is not None:
+                self._on_input(i, module, x)
+            elif x is not None and self.inputs[i] is None:
+                self.inputs[i] = x.clone()
+            return None
+        return hook
+
+    def remove(self) -> None:
+        """Remove the hooks (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "InputCapture":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.remove()
+        return False
