@@ -17,7 +17,7 @@ the timed calls minus the resident set size just before them (inputs already all
 kernel resets the high-water mark (``/proc/self/clear_refs`` = 5) and ``VmHWM`` is read after;
 where that is unavailable a sampling thread polls ``VmRSS`` every millisecond.
 
-Bars (issue 4): >= 10x faster than MATH and <= 5 % of its peak extra memory.
+Targets: >= 10x faster than MATH and <= 5 % of its peak extra memory.
 """
 from __future__ import annotations
 
@@ -123,10 +123,8 @@ def _method(name: str, causal: bool):
 
 
 def _chosen_backend(q, backend):
-    from condinit import _backends
-    import condinit.ops.attention  # noqa: F401  (registers the ops)
-    return _backends.select("attention_jvp", q.device, backend=backend, head_dim=q.shape[-1],
-                            dtype=q.dtype)[0].backend
+    from condinit.ops.attention.op import ATTENTION_JVP
+    return ATTENTION_JVP.choose(q.device, backend, head_dim=q.shape[-1], dtype=q.dtype)
 
 
 def child(cfg: dict) -> dict:

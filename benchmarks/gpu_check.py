@@ -29,7 +29,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --cpu-dry-run runs the same code on the CPU at toy sizes with the CPU backends, so the script's
-# own logic is checked before a GPU session spends its budget on it.
+# own logic is checked on every CI run, before any GPU time is spent on it.
 DRY = False
 DEV = "cuda"
 GPU_BACKENDS = ("triton", "cuda")

@@ -11,7 +11,7 @@ fails because triton or the native extension is missing):
 * real models (``condinit.models``): :func:`apply`, :func:`register_adapter`, :func:`find_attention`;
 * attention Jacobian probes (``condinit.probe``): :class:`JacobianOperator`, :class:`JacobianMonitor`,
   :func:`lanczos_svd`, :func:`power_sigma_max`, :func:`condition_number`,
-  :func:`frobenius_hutchinson`, :func:`theorem31_bound`;
+  :func:`frobenius_hutchinson`, :func:`condition_number_bound`;
 
 ``python -m condinit info`` lists which backends (cuda, triton, cpp-cpu, torch) each op can use.
 """
@@ -42,7 +42,7 @@ _LAZY = {
     "power_sigma_max": "condinit.probe",
     "condition_number": "condinit.probe",
     "frobenius_hutchinson": "condinit.probe",
-    "theorem31_bound": "condinit.probe",
+    "condition_number_bound": "condinit.probe",
     "BackendUnavailableError": "condinit._backends",
 }
 

@@ -1,10 +1,11 @@
-"""Estimators (Lanczos, power, Hutchinson) and the Theorem 3.1 bound against float64 dense references."""
+"""Estimators (Lanczos, power, Hutchinson) and the condition-number bound against float64 dense references."""
 import math
 
 import pytest
 import torch
 
-from condinit.probe import (condition_number, frobenius_hutchinson, lanczos_svd, power_sigma_max, theorem31_bound)
+from condinit.probe import (condition_number, condition_number_bound, frobenius_hutchinson, lanczos_svd,
+                            power_sigma_max)
 from condinit.probe.bound import softmax_jacobian_kappa
 
 from test_probe_operator import F64, _adapter, make, reference_jacobian  # noqa: F401 (fixtures)
@@ -109,9 +110,9 @@ def test_softmax_jacobian_kappa_matches_eigvalsh():
     torch.testing.assert_close(softmax_jacobian_kappa(P), torch.tensor(ref, dtype=F64), rtol=1e-9, atol=0)
 
 
-def test_theorem31_bound_terms():
+def test_condition_number_bound_terms():
     m, x, op = make("weights", False, B=2, N=8, D=16, H=2, Hkv=2, d=8, seed=9)
-    res = theorem31_bound(m, x, steps=op.n, seed=0)
+    res = condition_number_bound(m, x, steps=op.n, seed=0)
     kX = max(float(torch.linalg.cond(x[b])) for b in range(2))
     assert res.kappa_X == pytest.approx(kX, rel=1e-9)
     wq = m.q_proj.weight.detach().reshape(2, 8, 16)
@@ -130,7 +131,7 @@ def test_cli_probe_bad_input(tmp_path, capsys):
     assert main(["probe", str(ckpt), "--preset", "nope"]) == 2
     assert "unknown preset 'nope'" in capsys.readouterr().err
     assert main(["probe", str(ckpt), "--preset", "tiny-llama", "--steps", "0"]) == 2
-    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert "--steps must be an int in [1, inf], got 0" in capsys.readouterr().err
     assert main(["probe", str(ckpt), "--preset", "tiny-llama", "--json", str(tmp_path / "o.json")]) == 2
     assert "not safetensors" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()

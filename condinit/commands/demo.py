@@ -40,26 +40,21 @@ def add_arguments(p):
 
 
 def _validate(args):
+    from condinit._validate import check_choice, check_int
     from condinit.demo.inits import INITS
     from condinit.demo.report import check_output_dir
 
-    if args.task not in TASK_CHOICES:
-        raise ValueError(f"--task must be one of {', '.join(TASK_CHOICES)}, got {args.task!r}")
+    check_choice("--task", args.task, TASK_CHOICES)
     tasks = ("vision", "text") if args.task == "all" else (args.task,)
-    seeds = args.seeds if args.seeds is not None else (2 if args.quick else 3)
-    if seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    seeds = check_int("--seeds", args.seeds if args.seeds is not None else (2 if args.quick else 3), min=1)
+    check_int("--steps", args.steps, min=1, allow_none=True)
     inits = INITS if args.inits is None else tuple(s.strip() for s in args.inits.split(",") if s.strip())
     bad = [i for i in inits if i not in INITS]
     if bad or not inits:
         raise ValueError(f"--inits must be a comma-separated subset of {','.join(INITS)}, got {args.inits!r}")
     if len(set(inits)) != len(inits):
         raise ValueError(f"--inits lists an init twice: {args.inits!r}")
-    jobs = args.jobs if args.jobs is not None else max(1, min(2, os.cpu_count() or 1))
-    if jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    jobs = check_int("--jobs", args.jobs if args.jobs is not None else max(1, min(2, os.cpu_count() or 1)), min=1)
     out = check_output_dir(args.out)
     plots = not args.no_plots
     if plots:

@@ -8,7 +8,8 @@ Loads the safetensors checkpoint (never unpickles) into a preset model of
 pixels for ViT) to capture each attention layer's input, and prints per layer: sigma_max and
 sigma_min of the weight Jacobian (sigma_min on the complement of its known null directions:
 :mod:`condinit.probe.estimators`), kappa(J), ``||J||_F`` (Hutchinson, with its 95 % interval) and the
-paper's Theorem 3.1 bound (:mod:`condinit.probe.bound`). Decoder presets use the causal mask.
+upper bound on kappa(J) of :func:`condinit.probe.condition_number_bound`. Decoder presets use the
+causal mask.
 ``--plot`` and ``--json`` are written atomically.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import math
 
 NAME = "probe"
-HELP = "attention-Jacobian conditioning per layer of a .safetensors checkpoint (sigma, kappa, Thm 3.1 bound)"
+HELP = "attention-Jacobian conditioning per layer of a .safetensors checkpoint (sigma, kappa and its bound)"
 
 
 def add_arguments(p):
@@ -96,47 +97,39 @@ def _batch(model, family, batch, seq_len, seed):
 
 
 def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", max_layers=None):
-    """One record per attention layer: Lanczos sigma/kappa, Hutchinson Frobenius, Theorem 3.1 bound."""
+    """One record per attention layer: Lanczos sigma/kappa, Hutchinson Frobenius, the kappa bound.
+
+    Layer ``i``'s estimators are seeded with ``(seed + i) mod 2**64``.
+    """
     import time
 
     import torch
 
+    from condinit._validate import SEED_MAX
     from condinit.models import find_attention
-    from condinit.probe import JacobianOperator, frobenius_hutchinson, lanczos_svd, theorem31_bound
-    from condinit.probe.monitor import _hidden_states
+    from condinit.probe import (InputCapture, JacobianOperator, condition_number_bound, frobenius_hutchinson,
+                                lanczos_svd)
 
     layers = find_attention(model)
     if not layers:
         raise ValueError(f"no attention layer found in {type(model).__name__}")
     if max_layers is not None:
         layers = layers[:max_layers]
-    captured = {}
-
-    def hook_for(i):
-        def hook(mod, args, kwargs):
-            x = _hidden_states(mod, args, kwargs)
-            if x is not None and i not in captured:
-                captured[i] = x.detach().clone()
-        return hook
-
-    handles = [l.module.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, l in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    with InputCapture([l.module for l in layers]) as capture, torch.no_grad():
+        model(**inputs)
     rows = []
     for i, l in enumerate(layers):
-        x = captured.get(i)
+        x = capture.inputs[i]
         if x is None:
-            raise ValueError(f"layer {l.name} was not run by the model's forward")
+            raise ValueError(f"layer {l.name}: no [B, N, D] input captured (the model's forward did not run it, "
+                             f"or its input is not a 2-D or 3-D tensor)")
         causal = bool(getattr(l.module, "is_causal", False))
         t0 = time.perf_counter()
+        layer_seed = (seed + i) % SEED_MAX
         op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32)
-        est = lanczos_svd(op, steps=steps, seed=seed + i)
-        fro = frobenius_hutchinson(op, samples=samples, seed=seed + i)
-        bnd = theorem31_bound(l.module, x, causal=causal, measure=False)
+        est = lanczos_svd(op, steps=steps, seed=layer_seed)
+        fro = frobenius_hutchinson(op, samples=samples, seed=layer_seed)
+        bnd = condition_number_bound(l.module, x, causal=causal, measure=False)
         rows.append({"layer": l.index, "name": l.name, "causal": causal, "shape": list(op.shape),
                      "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                      "rank_deficient": est.rank_deficient, "converged": est.converged,
@@ -158,7 +151,7 @@ def _plot(rows, out, title):
     idx = [r["layer"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("sigma_max", "sigma_max"), ("sigma_min", "sigma_min (complement)"), ("kappa", "kappa(J)"),
-                       ("bound", "Thm 3.1 bound")):
+                       ("bound", "bound on kappa(J)")):
         ys = [r[key] if r[key] is not None and r[key] > 0 else float("nan") for r in rows]
         ax.semilogy(idx, ys, marker="o", label=label)
     from matplotlib.ticker import MaxNLocator
@@ -173,6 +166,7 @@ def _plot(rows, out, title):
 
 
 def run(args) -> int:
+    from condinit._validate import check_int, check_seed
     from condinit.models.checkpoint import atomic_output, check_output_path
     from condinit.models.presets import PRESETS
 
@@ -180,14 +174,10 @@ def run(args) -> int:
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     for name, val in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--steps", args.steps)):
-        if val < 1:
-            raise ValueError(f"{name} must be >= 1, got {val}")
-    if args.samples < 2:
-        raise ValueError(f"--samples must be >= 2, got {args.samples}")
-    if args.layers is not None and args.layers < 1:
-        raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    if not 0 <= args.seed < 2 ** 62:
-        raise ValueError(f"--seed must be in [0, 2**62), got {args.seed}")
+        check_int(name, val, min=1)
+    check_int("--samples", args.samples, min=2)
+    check_int("--layers", args.layers, min=1, allow_none=True)
+    check_seed("--seed", args.seed)
     plot = check_output_path(args.plot) if args.plot else None
     out_json = check_output_path(args.json) if args.json else None
     if plot and not plot.lower().endswith(".png"):
@@ -200,7 +190,7 @@ def run(args) -> int:
     rows = probe_model(model, inputs, steps=args.steps, samples=args.samples, seed=args.seed, wrt=args.wrt,
                        max_layers=args.layers)
     head = f"{'layer':>5}  {'name':<34} {'sigma_max':>10} {'sigma_min*':>10} {'kappa(J)':>10} {'||J||_F':>10} " \
-           f"{'Thm3.1':>10}"
+           f"{'bound':>10}"
     print(f"{args.file}: preset {args.preset}, wrt={args.wrt}, batch {args.batch} x "
           f"{inputs['input_ids'].shape[1] if 'input_ids' in inputs else 'image'} tokens, {args.steps} Lanczos steps")
     print(head)
@@ -209,8 +199,10 @@ def run(args) -> int:
         flag = "" if r["converged"] else " (not converged: sigma_min is an upper bound, kappa a lower bound)"
         print(f"{r['layer']:>5}  {r['name'][-34:]:<34} {_fmt(r['sigma_max']):>10} {_fmt(r['sigma_min']):>10} "
               f"{kappa:>10} {_fmt(r['frobenius']):>10} {_fmt(r['bound']):>10}{flag}")
+    print("bound: upper bound on kappa(J) of each head and sequence, the largest shown "
+          "(condinit.probe.condition_number_bound)")
     if any(r["bound"] is None for r in rows):
-        print("Thm3.1 '-': vacuous for that layer (kappa(X) or a weight block's kappa is infinite, e.g. repeated "
+        print("bound '-': vacuous for that layer (kappa(X) or a weight block's kappa is infinite, e.g. repeated "
               "tokens give a rank-deficient X)")
     print("* sigma_min on the orthogonal complement of the known null directions: " + rows[0]["subspace"])
     if out_json:

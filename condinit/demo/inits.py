@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from condinit._validate import SEED_MAX, check_choice, check_real, check_seed
+
 __all__ = ["INITS", "base_init_", "mimetic_init_", "spectral_condition_", "SpectralShift", "initialize_"]
 
 INITS = ("default", "mimetic", "conditioned", "spectral")
@@ -78,6 +80,8 @@ def mimetic_init_(mha: nn.MultiheadAttention, *, alpha1: float = 0.7, beta1: flo
                   beta2: float = 0.4, generator: torch.Generator | None = None) -> nn.MultiheadAttention:
     """Mimetic init of one ``nn.MultiheadAttention`` in place (see module doc); float64 SVDs."""
     _check_mha(mha)
+    alpha1, beta1, alpha2, beta2 = (check_real(name, v) for name, v in (("alpha1", alpha1), ("beta1", beta1),
+                                                                       ("alpha2", alpha2), ("beta2", beta2)))
     e, h, d = mha.embed_dim, mha.num_heads, mha.head_dim
     w = mha.in_proj_weight                     # [3E, E] = [W_Q; W_K; W_V] in [out, in] layout
     eye = torch.eye(e, dtype=torch.float64)
@@ -117,25 +121,30 @@ class SpectralShift(nn.Module):
 def spectral_condition_(mha: nn.MultiheadAttention, *, lam: float = 10.0) -> nn.MultiheadAttention:
     """Add the fixed ``lam * I`` correction to W_Q, W_K, W_V of one MHA (see module doc)."""
     _check_mha(mha)
-    if not math.isfinite(lam):
-        raise ValueError(f"lam must be finite, got {lam!r}")
+    lam = check_real("lam", lam)
     w = mha.in_proj_weight
     parametrize.register_parametrization(mha, "in_proj_weight", SpectralShift(w.shape[0], w.shape[1], lam))
     return mha
 
 
 def initialize_(model: nn.Module, init: str, *, seed: int) -> nn.Module:
-    """Base init, then ``init`` on every ``nn.MultiheadAttention``; seeds the global RNG with ``seed``.
+    """Base init, then ``init`` on every ``nn.MultiheadAttention``; seeds the global RNG with ``seed``
+    (in ``[0, 2**64)``).
 
     The base init's draws come first, so the non-attention weights are identical across inits.
     """
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    check_choice("init", init, INITS)
+    check_seed("seed", seed)
+    return _initialize(model, init, seed=seed)
+
+
+def _initialize(model: nn.Module, init: str, *, seed: int) -> nn.Module:
+    """:func:`initialize_` on validated arguments."""
     torch.manual_seed(seed)
     base_init_(model)
     mhas = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
     if init == "mimetic":
-        g = torch.Generator().manual_seed(seed + 7919)
+        g = torch.Generator().manual_seed((seed + 7919) % SEED_MAX)
         for m in mhas:
             mimetic_init_(m, generator=g)
     elif init == "conditioned":

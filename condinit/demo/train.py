@@ -12,10 +12,9 @@ the condition number of each attention layer's Jacobian with respect to its weig
 layer's actual input ``X`` (the LayerNorm'd residual stream) for fixed test examples: exactly the
 function the ``nn.MultiheadAttention`` computes before ``W_O``. ``kappa(J) = sigma_max / sigma_min``
 with ``sigma_min`` the smallest of the ``N * H * d`` singular values (``J`` is wide: ``N * d`` rows
-per head against ``3 * d * D`` columns). Head ``h``'s outputs depend only on head ``h``'s rows of
-``W_Q, W_K, W_V``, so ``J`` is block diagonal over heads and its singular values are the union of
-the per-head blocks' (computed per head, dense, in float64). With several probe examples the
-per-layer kappa is their geometric mean.
+per head against ``3 * d * D`` columns). ``J`` is :class:`condinit.probe.JacobianOperator`
+(``wrt="weights"``, float64) made dense with its ``dense()``; the singular values are exact. With
+several probe examples the per-layer kappa is their geometric mean.
 
 Reproducibility: every random draw comes from ``torch.manual_seed(seed)`` (model) or a
 :class:`torch.Generator` seeded from ``seed`` (data order); :func:`run_demo` fixes the thread count
@@ -33,7 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .inits import INITS, initialize_
+from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_seed
+from condinit.probe import InputCapture, JacobianOperator
+from condinit.probe.estimators import default_rank_rtol
+
+from .inits import INITS, _initialize
 from .models import TinyCausalLM, TinyViT, attention_modules
 from .tasks import TASKS, Task, make_task
 
@@ -71,12 +74,13 @@ QUICK_CONFIGS = {
 
 
 def task_config(task: str, *, quick: bool = False, steps: Optional[int] = None) -> TaskConfig:
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    """The hyper-parameters of ``task``'s runs (``quick``: the smoke-run ones; ``steps`` overrides
+    the step count)."""
+    check_choice("task", task, TASKS)
+    check_bool("quick", quick)
+    steps = check_int("steps", steps, min=1, allow_none=True)
     cfg = (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)[task]
     if steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         cfg = replace(cfg, steps=steps, eval_every=min(cfg.eval_every, steps),
                       probe_every=min(cfg.probe_every, steps))
     return cfg
@@ -94,75 +98,31 @@ def build_model(task: Task, cfg: TaskConfig) -> nn.Module:
 def attention_jacobian_sigma(mha: nn.MultiheadAttention, x: torch.Tensor, *, causal: bool = False):
     """``(sigma_max, sigma_min)`` of ``J = [dA/dW_Q, dA/dW_K, dA/dW_V]`` at input ``x`` (``[N, D]``).
 
-    Dense per-head Jacobians by ``torch.func.jacrev`` in float64 (see module doc).
+    The dense float64 ``J`` of :class:`condinit.probe.JacobianOperator` (see module doc);
+    ``sigma_min`` is the smallest of its ``min(m, n)`` singular values.
     """
-    from torch.func import jacrev
-
-    e, h, d = mha.embed_dim, mha.num_heads, mha.head_dim
-    w = mha.in_proj_weight.detach().double()
-    b = mha.in_proj_bias.detach().double() if mha.in_proj_bias is not None else torch.zeros(3 * e, dtype=torch.float64)
-    x = x.detach().double()
-    n = x.shape[0]
-    mask = torch.ones(n, n, dtype=torch.bool).triu_(1) if causal else None
-    scale = 1.0 / math.sqrt(d)
-    sig = []
-    for head in range(h):
-        r = slice(head * d, (head + 1) * d)
-        bq, bk, bv = b[:e][r], b[e:2 * e][r], b[2 * e:][r]
-
-        def a_head(wq, wk, wv):
-            s = ((x @ wq.T + bq) @ (x @ wk.T + bk).T) * scale
-            if mask is not None:
-                s = s.masked_fill(mask, float("-inf"))
-            return (torch.softmax(s, dim=-1) @ (x @ wv.T + bv)).reshape(-1)
-
-        jq, jk, jv = jacrev(a_head, argnums=(0, 1, 2))(w[:e][r], w[e:2 * e][r], w[2 * e:][r])
-        jac = torch.cat([j.reshape(n * d, -1) for j in (jq, jk, jv)], dim=1)   # [N d, 3 d D]
-        # J is wide ([N d, 3 d D]); J^T = Q R has the singular values of R (square, N d): far cheaper
-        # than an SVD of the wide matrix and as accurate (no squaring of the condition number).
-        sig.append(torch.linalg.svdvals(torch.linalg.qr(jac.T, mode="r")[1]))
-    s = torch.cat(sig)
-    return float(s.max()), float(s.min())
+    J = JacobianOperator(mha, x, wrt="weights", causal=causal, dtype=torch.float64).dense()
+    s = torch.linalg.svdvals(J)                 # descending
+    return float(s[0]), float(s[-1])
 
 
-class _CaptureInputs:
-    """Forward pre-hooks that keep the query input of every attention module."""
-
-    def __init__(self, mhas):
-        self.inputs = [None] * len(mhas)
-        self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(mhas)]
-
-    def _hook(self, i):
-        def hook(_module, args):
-            self.inputs[i] = args[0].detach()
-        return hook
-
-    def remove(self):
-        for hd in self.handles:
-            hd.remove()
-
-
-RANK_RTOL = 1e-10   # sigma_min / sigma_max below this (float64): rank-deficient, as condinit.probe says
+RANK_RTOL = default_rank_rtol(torch.float64)   # sigma_min / sigma_max at or below this: rank-deficient
 
 
 @torch.no_grad()
 def probe_kappa(model: nn.Module, x_probe: torch.Tensor, *, causal: bool) -> list[dict]:
     """Per attention layer: sigma_max, sigma_min and kappa of its weight Jacobian, geometric means
     over the examples in ``x_probe``. ``kappa`` is ``inf`` (and ``rank_deficient`` True) when
-    ``sigma_min <= 1e-10 sigma_max`` for some example: ``J`` then has a null direction (e.g. two
+    ``sigma_min <= RANK_RTOL sigma_max`` for some example: ``J`` then has a null direction (e.g. two
     identical input rows), where ``condinit.probe`` reports ``kappa=None``."""
     mhas = attention_modules(model)
-    cap = _CaptureInputs(mhas)
-    try:
+    with InputCapture(mhas) as cap:
         model(x_probe)
-    finally:
-        cap.remove()
     out = []
     for i, m in enumerate(mhas):
         lmax, lmin, deficient = 0.0, 0.0, False
         for ex in range(x_probe.shape[0]):
-            with torch.enable_grad():
-                smax, smin = attention_jacobian_sigma(m, cap.inputs[i][ex], causal=causal)
+            smax, smin = attention_jacobian_sigma(m, cap.inputs[i][ex], causal=causal)
             deficient |= not smin > RANK_RTOL * smax
             lmax += math.log(smax) / x_probe.shape[0]
             lmin += (math.log(smin) if smin > 0 else -745.0) / x_probe.shape[0]
@@ -217,16 +177,17 @@ def _lr_factor(step: int, cfg: TaskConfig) -> float:
 
 def train_run(task: Task, cfg: TaskConfig, init: str, seed: int, *,
               on_step: Optional[Callable[[], None]] = None) -> dict:
-    """Train one model; returns its curves (plain lists, JSON-ready)."""
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    """Train one model from ``init`` and ``seed`` (in ``[0, 2**64)``); returns its curves (plain
+    lists, JSON-ready)."""
+    check_choice("init", init, INITS)
+    seed = check_seed("seed", seed)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model = build_model(task, cfg)
-    initialize_(model, init, seed=seed)
+    _initialize(model, init, seed=seed)
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
-    data_gen = torch.Generator().manual_seed(1_000_003 * seed + 17)
+    data_gen = torch.Generator().manual_seed((1_000_003 * seed + 17) % SEED_MAX)
     causal = task.name == "text"
     x_probe = task.x_test[: cfg.probe_examples]
     rec = {"task": task.name, "init": init, "seed": seed, "train_step": [], "train_loss": [], "train_acc": [],
@@ -314,15 +275,12 @@ def run_demo(tasks=TASKS, *, seeds: int = 3, steps: Optional[int] = None, quick:
     that many in separate (spawned) processes, so the numbers do not depend on ``jobs``.
     """
     for t in tasks:
-        if t not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {t!r}")
+        check_choice("task", t, TASKS)
     for i in inits:
-        if i not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {i!r}")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+        check_choice("init", i, INITS)
+    seeds = check_int("seeds", seeds, min=1)
+    jobs = check_int("jobs", jobs, min=1)
+    check_bool("progress", progress)
     configs = {t: task_config(t, quick=quick, steps=steps) for t in tasks}
     for t in tasks:   # fails early (e.g. scikit-learn missing); also warms the in-process cache
         _TASK_CACHE.setdefault(t, make_task(t))

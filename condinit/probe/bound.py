@@ -1,6 +1,7 @@
-"""The paper's Theorem 3.1 bound on kappa(J) of the weight Jacobian (DESIGN.md section 2).
+"""An upper bound on kappa(J), the condition number of the attention weight Jacobian.
 
-For one head and one sequence ``X`` (``N x D``), with ``S`` the scores and ``P = softmax(S)``::
+The bound is Theorem 3.1 of Conditioned Initialization for Attention (2026); its derivation is in
+``docs/design.md``, "The attention Jacobian". For one head and one sequence ``X`` (``N x D``), with ``S`` the scores and ``P = softmax(S)``::
 
     kappa(J) <= kappa(X)^3 kappa(Lambda(P)) kappa(W_V) (kappa(W_Q) + kappa(W_K)) + kappa(X) kappa(P)
 
@@ -18,11 +19,11 @@ Definitions used here (each value is float64):
   secular equation ``1 = sum_j p_j^2 / (p_j - lambda)`` (rank-one downdate of ``Diag(p)``; they
   interlace the sorted ``p``), solved by bisection: O(N^2) per head, no ``N x N x N`` tensor.
 
-The theorem bounds one head on one sequence; the layer's value is the maximum over heads and batch
+The bound covers one head on one sequence; the layer's value is the maximum over heads and batch
 elements (``per_head`` holds them all). The measured kappa(J) beside it (``measured``) is the whole
 layer's weight Jacobian (all heads, the whole batch, on the complement of its known nulls; see
 :mod:`condinit.probe.estimators`), which is not itself covered by a per-head bound: read the two as
-the paper's prediction and the observed quantity side by side. A rank-deficient ``X`` makes the bound
+the predicted and the observed quantity side by side. A rank-deficient ``X`` makes the bound
 vacuous (reported as None; so does a rank-deficient weight block, reported with kappa None).
 """
 from __future__ import annotations
@@ -34,12 +35,14 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Theorem31Bound", "theorem31_bound", "softmax_jacobian_kappa"]
+from condinit._validate import check_bool, check_int, check_seed
+
+__all__ = ["ConditionNumberBound", "condition_number_bound", "softmax_jacobian_kappa"]
 
 
 @dataclass
-class Theorem31Bound:
-    """Theorem 3.1 terms for one layer (max over heads / batch) and the measured kappa(J)."""
+class ConditionNumberBound:
+    """The bound's terms for one layer (max over heads / batch) and the measured kappa(J)."""
 
     bound: Optional[float]
     kappa_X: Optional[float]
@@ -108,15 +111,29 @@ def _fin(x) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
-def theorem31_bound(layer: nn.Module, x: Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                    measure: bool = True, steps: int = 20, seed: int = 0, dtype=torch.float64) -> Theorem31Bound:
-    """The Theorem 3.1 bound for ``layer`` on the batch ``x`` ``[B, N, D]``, beside the measured kappa(J).
+def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                           measure: bool = True, steps: int = 20, seed: int = 0,
+                           dtype=torch.float64) -> ConditionNumberBound:
+    """Upper bound on kappa(J) of ``layer``'s weight Jacobian on the batch ``x`` ``[B, N, D]``.
 
-    ``measure=True`` also runs :func:`condinit.probe.lanczos_svd` (``steps``, ``seed``) on the layer's
-    weight Jacobian (before ``W_O``) and fills ``measured_kappa`` / ``measured``.
+    The bound is Theorem 3.1 of Conditioned Initialization for Attention (2026), evaluated per
+    (sequence, head) and maximized (see the module doc for the definitions). ``measure=True`` also
+    runs :func:`condinit.probe.lanczos_svd` (``steps``, ``seed``) on the layer's weight Jacobian
+    (before ``W_O``) and fills ``measured_kappa`` / ``measured``, to read beside the bound.
+    ``causal``, ``scale`` and ``dtype`` are as for :class:`~condinit.probe.JacobianOperator`.
+
+    Examples:
+        >>> layer = nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> x = torch.randn(1, 32, 16)
+        >>> res = condition_number_bound(layer, x, steps=20, seed=0)
+        >>> res.bound, res.measured_kappa      # the bound beside the measured kappa(J)
     """
+    from .estimators import lanczos_svd
     from .operator import JacobianOperator
 
+    check_bool("measure", measure)
+    check_int("steps", steps, min=1)
+    check_seed("seed", seed)
     op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale)
     B, N, H, Hkv, d, G = op.B, op.N, op.H, op.Hkv, op.d, op.G
     f64 = torch.float64
@@ -140,13 +157,11 @@ def theorem31_bound(layer: nn.Module, x: Tensor, *, causal: bool = False, scale:
     per_head = [[_fin(v) for v in row] for row in bound.tolist()]
     finite = [v for row in per_head for v in row if v is not None]
     vacuous = any(v is None for row in per_head for v in row)
-    res = Theorem31Bound(
+    res = ConditionNumberBound(
         bound=None if vacuous or not finite else max(finite), kappa_X=_fin(kX.max()), kappa_WQ=_fin(kQ.max()),
         kappa_WK=_fin(kK.max()), kappa_WV=_fin(kV.max()), kappa_Lambda=_fin(kL.max()),
         kappa_softmax=_fin(kP.max()), per_head=per_head)
     if measure:
-        from .estimators import lanczos_svd
-
         est = lanczos_svd(op, steps=steps, seed=seed)
         res.measured, res.measured_kappa = est, est.kappa
     return res

@@ -1,4 +1,6 @@
-"""Spectrum estimators for attention Jacobians (DESIGN.md section 4), matrix-free and seeded.
+"""Spectrum estimators for attention Jacobians, matrix-free and seeded.
+
+Derivations: ``docs/design.md``, "The attention Jacobian".
 
 * :func:`lanczos_svd` -- Golub-Kahan-Lanczos bidiagonalization (one JVP and one VJP per step, full
   reorthogonalization): ``sigma_max`` and ``sigma_min`` together from the singular values of the
@@ -33,10 +35,14 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from condinit._validate import check_choice, check_int, check_real, check_seed
+
 from .operator import JacobianOperator
 
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "default_rank_rtol"]
+
+_LANCZOS_TOL = 1e-2   # relative residual below which a Lanczos estimate counts as converged
 
 
 def default_rank_rtol(dtype: torch.dtype) -> float:
@@ -113,25 +119,22 @@ class FrobeniusEstimate:
 # ------------------------------------------------------------------------------------------------
 # helpers
 
-def _many(op, fn, **kw):
+def _check_operators(op) -> list:
+    """``op`` as a list of operators (a single operator or a non-empty sequence of them)."""
     if isinstance(op, JacobianOperator):
-        return fn(op, **kw)
+        return [op]
     if isinstance(op, Sequence) and not isinstance(op, (str, bytes)):
         ops = list(op)
-        if not ops or not all(isinstance(o, JacobianOperator) for o in ops):
-            raise TypeError("op must be a JacobianOperator or a non-empty sequence of them")
-        return [fn(o, **kw) for o in ops]
+        if ops and all(isinstance(o, JacobianOperator) for o in ops):
+            return ops
+        raise TypeError("op must be a JacobianOperator or a non-empty sequence of them")
     raise TypeError(f"op must be a JacobianOperator or a sequence of them, got {type(op).__name__}")
 
 
-def _check_int(name, val, lo):
-    if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
-
-
-def _check_seed(seed):
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+def _many(op, ops: list, fn, **kw):
+    """``fn`` on each operator: one result for a single operator, a list for a sequence."""
+    results = [fn(o, **kw) for o in ops]
+    return results[0] if isinstance(op, JacobianOperator) else results
 
 
 def _generator(op: JacobianOperator, seed: int) -> torch.Generator:
@@ -264,34 +267,55 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
 
 
 def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
-                rank_rtol: Optional[float] = None, tol: float = 1e-2):
+                rank_rtol: Optional[float] = None, tol: float = _LANCZOS_TOL):
     """sigma_max and sigma_min (on the complement of the known nulls) by Golub-Kahan-Lanczos.
 
     ``steps`` bidiagonalization steps (each one JVP and one VJP; at most ``r``, where the Krylov
     space is the whole complement and the values are exact), full reorthogonalization in the
     operator's dtype, singular values of the ``k x k`` bidiagonal in float64. ``converged`` when the
     relative residuals are below ``tol`` (sigma_min converges more slowly than sigma_max).
-    Returns a :class:`SpectrumEstimate` (a list for a sequence of operators).
+    ``sigma_min <= rank_rtol * sigma_max`` is reported as rank-deficient (default
+    :func:`default_rank_rtol` of the operator's dtype). ``seed`` (in ``[0, 2**64)``) seeds the
+    private generator of the start vector. Returns a :class:`SpectrumEstimate` (a list for a
+    sequence of operators).
+
+    Examples:
+        >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
+        >>> est = lanczos_svd(op, steps=20, seed=0)
+        >>> est.sigma_max, est.sigma_min, est.kappa, est.converged
     """
-    _check_int("steps", steps, 1)
-    _check_seed(seed)
-    if rank_rtol is not None and not (0 <= rank_rtol < 1):
-        raise ValueError(f"rank_rtol must be in [0, 1), got {rank_rtol!r}")
-    return _many(op, _lanczos_one, steps=steps, seed=seed, rank_rtol=rank_rtol, tol=tol)
+    ops = _check_operators(op)
+    check_int("steps", steps, min=1)
+    check_seed("seed", seed)
+    rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
+    tol = check_real("tol", tol, min=0.0)
+    return _many(op, ops, _lanczos_one, steps=steps, seed=seed, rank_rtol=rank_rtol, tol=tol)
 
 
 def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
                      method: str = "lanczos", rank_rtol: Optional[float] = None):
     """kappa(J) = sigma_max / sigma_min on the complement of the known nulls (see the module doc).
 
-    ``method="lanczos"``: :func:`lanczos_svd`; ``"dense"``: exact, from ``op.dense()`` projected on
-    the complements and ``torch.linalg.svdvals`` (tiny layers only). Returns a :class:`SpectrumEstimate`.
+    ``method="lanczos"``: :func:`lanczos_svd` (``steps``, ``seed``); ``"dense"``: exact, from
+    ``op.dense()`` projected on the complements and ``torch.linalg.svdvals`` (tiny layers only;
+    ``steps`` and ``seed`` unused). Returns a :class:`SpectrumEstimate` (a list for a sequence of
+    operators); its ``kappa`` is None when ``J`` is rank-deficient beyond the known nulls.
+
+    Examples:
+        >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
+        >>> condition_number(op, steps=20, seed=0).kappa                 # Lanczos estimate
+        >>> condition_number(op, method="dense").kappa                   # exact (tiny layers)
     """
-    if method == "lanczos":
-        return lanczos_svd(op, steps=steps, seed=seed, rank_rtol=rank_rtol)
+    ops = _check_operators(op)
+    check_int("steps", steps, min=1)
+    check_seed("seed", seed)
+    check_choice("method", method, ("lanczos", "dense"))
+    rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
     if method == "dense":
-        return _many(op, _dense_one, rank_rtol=rank_rtol)
-    raise ValueError(f"method must be 'lanczos' or 'dense', got {method!r}")
+        return _many(op, ops, _dense_one, rank_rtol=rank_rtol)
+    return _many(op, ops, _lanczos_one, steps=steps, seed=seed, rank_rtol=rank_rtol, tol=_LANCZOS_TOL)
 
 
 def _dense_one(op: JacobianOperator, *, rank_rtol):
@@ -338,10 +362,19 @@ def _power_one(op: JacobianOperator, *, iters: int, seed: int, tol: float):
 def power_sigma_max(op: Union[JacobianOperator, Sequence[JacobianOperator]], iters: int = 50, seed: int = 0, *,
                     tol: float = 1e-6):
     """sigma_max by power iteration on ``J^T J`` (one JVP + one VJP per iteration), stopping when the
-    relative eigen-residual ``||J^T J v - s^2 v|| / s^2`` is below ``tol``. Returns a :class:`SpectrumEstimate`."""
-    _check_int("iters", iters, 1)
-    _check_seed(seed)
-    return _many(op, _power_one, iters=iters, seed=seed, tol=tol)
+    relative eigen-residual ``||J^T J v - s^2 v|| / s^2`` is below ``tol``. Returns a
+    :class:`SpectrumEstimate` (a list for a sequence of operators) with ``sigma_min`` None.
+
+    Examples:
+        >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
+        >>> power_sigma_max(op, iters=100, seed=0).sigma_max
+    """
+    ops = _check_operators(op)
+    check_int("iters", iters, min=1)
+    check_seed("seed", seed)
+    tol = check_real("tol", tol, min=0.0)
+    return _many(op, ops, _power_one, iters=iters, seed=seed, tol=tol)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,11 +413,21 @@ def frobenius_hutchinson(op: Union[JacobianOperator, Sequence[JacobianOperator]]
                          *, probes_per_launch: int = 8, confidence: float = 0.95):
     """``||J||_F^2 = E ||J z||^2`` over Rademacher ``z``, ``samples`` probes sent ``probes_per_launch``
     at a time through one multi-probe JVP; the interval is a Student t interval on the mean of
-    ``||J z||^2`` at ``confidence``, square-rooted. Returns a :class:`FrobeniusEstimate`."""
-    _check_int("samples", samples, 2)
-    _check_int("probes_per_launch", probes_per_launch, 1)
-    _check_seed(seed)
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    return _many(op, _hutch_one, samples=samples, seed=seed, probes_per_launch=probes_per_launch,
+    ``||J z||^2`` at ``confidence`` (in ``(0, 1)``), square-rooted. Returns a
+    :class:`FrobeniusEstimate` (a list for a sequence of operators).
+
+    Examples:
+        >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
+        >>> fro = frobenius_hutchinson(op, samples=32, seed=0)
+        >>> fro.frobenius, (fro.ci_low, fro.ci_high)
+    """
+    ops = _check_operators(op)
+    check_int("samples", samples, min=2)
+    check_int("probes_per_launch", probes_per_launch, min=1)
+    check_seed("seed", seed)
+    confidence = check_real("confidence", confidence, min=0.0, min_open=True, max=1.0)
+    if confidence == 1.0:   # a 100 % interval is unbounded
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    return _many(op, ops, _hutch_one, samples=samples, seed=seed, probes_per_launch=probes_per_launch,
                  confidence=confidence)

@@ -40,23 +40,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_real, check_seed
+
+from .capture import InputCapture
+
 __all__ = ["JacobianMonitor"]
 
 _CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged",
                "residual_max", "residual_min", "lanczos_steps", "frobenius", "frobenius_ci_low", "frobenius_ci_high",
                "batch", "tokens", "time_s", "skipped")
-
-
-def _hidden_states(module, args, kwargs):
-    """The attention input: first positional tensor, or ``hidden_states`` / ``query`` / ``x`` keyword."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-    for key in ("hidden_states", "query", "x", "input"):
-        t = kwargs.get(key)
-        if isinstance(t, torch.Tensor):
-            return t
-    return None
 
 
 class JacobianMonitor:
@@ -69,7 +61,8 @@ class JacobianMonitor:
         steps: Golub-Kahan-Lanczos steps per layer.
         log_dir: directory for ``jacobian.jsonl``, ``jacobian.csv`` and TensorBoard events.
         path: explicit JSONL path (CSV beside it with ``.csv``); default ``log_dir/jacobian.jsonl``.
-        seed: seed of the private generator (each sampled step and layer derive their own).
+        seed: seed of the private generator, in ``[0, 2**64)`` (each sampled step and layer derive
+            their own from it, modulo ``2**64``).
         wrt: ``"weights"`` (the paper's J), ``"input"`` or ``"qkv"``.
         causal: None = the module's own ``is_causal`` attribute (HF decoders), else a bool for all layers.
         max_layers: at most this many layers per sampled step (round-robin).
@@ -79,6 +72,18 @@ class JacobianMonitor:
         frobenius_samples: Hutchinson probes per layer (0: skip).
         dtype: compute dtype (default: the layer's, float32 for half types).
         include, exclude: fnmatch patterns on module names (as in :func:`condinit.apply`).
+        tensorboard: also write TensorBoard scalars to ``log_dir`` when ``torch.utils.tensorboard``
+            imports.
+
+    Examples:
+        >>> model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with condinit.JacobianMonitor(model, every=2, steps=10, log_dir="runs/jac") as monitor:
+        ...     for _ in range(4):
+        ...         loss = model(torch.randn(2, 8, 16)).square().mean()
+        ...         loss.backward(); opt.step(); opt.zero_grad()
+        ...         records = monitor.step()          # one record per layer on steps 0 and 2
+        >>> monitor.history[0]["kappa"]
     """
 
     def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 20, *,
@@ -87,29 +92,25 @@ class JacobianMonitor:
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
                  exclude=None, tensorboard: bool = True):
         from condinit.models.apply import _no_attention_error, find_attention
-        from .operator import WRT
+        from .operator import WRT, check_dtype
 
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, val, lo in (("every", every, 1), ("steps", steps, 1), ("frobenius_samples", frobenius_samples, 0)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+        every = check_int("every", every, min=1)
+        steps = check_int("steps", steps, min=1)
+        frobenius_samples = check_int("frobenius_samples", frobenius_samples, min=0)
         if frobenius_samples == 1:
             raise ValueError("frobenius_samples must be 0 (off) or >= 2 (a confidence interval needs 2 probes)")
-        for name, val in (("max_layers", max_layers), ("max_batch", max_batch), ("max_tokens", max_tokens)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {val!r}")
-        if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
-                raise ValueError(f"budget must be None or a number of seconds > 0, got {budget!r}")
-            if budget <= 0:
-                raise ValueError(f"budget must be > 0 seconds per sampled step (None for no limit), got {budget!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 62:
-            raise ValueError(f"seed must be an int in [0, 2**62), got {seed!r}")
-        if wrt not in WRT:
-            raise ValueError(f"wrt must be one of {WRT}, got {wrt!r}")
-        if causal is not None and not isinstance(causal, bool):
-            raise TypeError(f"causal must be None or a bool, got {type(causal).__name__}")
+        max_layers = check_int("max_layers", max_layers, min=1, allow_none=True)
+        max_batch = check_int("max_batch", max_batch, min=1, allow_none=True)
+        max_tokens = check_int("max_tokens", max_tokens, min=1, allow_none=True)
+        # seconds of estimation per sampled step; None for no limit
+        budget = check_real("budget", budget, min=0.0, min_open=True, allow_none=True)
+        seed = check_seed("seed", seed)
+        check_choice("wrt", wrt, WRT)
+        check_bool("causal", causal, allow_none=True)
+        check_dtype("dtype", dtype)
+        check_bool("tensorboard", tensorboard)
         self.layers = find_attention(model, include=include, exclude=exclude)
         if not self.layers:
             raise _no_attention_error(model, include, exclude)
@@ -146,10 +147,9 @@ class JacobianMonitor:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(log_dir=os.fspath(log_dir))
-            except Exception:        # tensorboard is optional
+            except ImportError:      # tensorboard is optional
                 self._tb = None
-        self._handles = [l.module.register_forward_pre_hook(self._make_hook(i), with_kwargs=True)
-                         for i, l in enumerate(self.layers)]
+        self._capture = InputCapture([l.module for l in self.layers], on_input=self._on_input)
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -158,42 +158,35 @@ class JacobianMonitor:
         """Whether the current step (:attr:`step_count`) is a sampled one."""
         return self.step_count % self.every == 0
 
-    def _make_hook(self, idx: int):
-        def hook(module, args, kwargs):
-            if not self.sampling or idx in self._captured or idx in self._errors:
-                return None
-            x = _hidden_states(module, args, kwargs)
-            if x is None or x.dim() not in (2, 3):
-                self._errors[idx] = "could not find a [B, N, D] input tensor"
-                return None
-            with torch.no_grad():
-                x = x.detach()
-                if isinstance(module, nn.MultiheadAttention) and not module.batch_first and x.dim() == 3:
-                    x = x.transpose(0, 1)          # MHA's default layout is [N, B, D]
-                if x.dim() == 2:
-                    x = x.unsqueeze(0)
-                if self.max_batch is not None:
-                    x = x[: self.max_batch]
-                if self.max_tokens is not None:
-                    x = x[:, : self.max_tokens]
-                causal = self.causal if self.causal is not None else bool(getattr(module, "is_causal", False))
-                try:
-                    from .operator import JacobianOperator
-                    # copies x and the weights now: the estimate refers to this forward's weights
-                    self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype)
-                except (ValueError, TypeError) as exc:
-                    self._errors[idx] = str(exc)
-            return None
-        return hook
+    def _on_input(self, idx: int, module: nn.Module, x) -> None:
+        """Pre-hook callback: on a sampled step, snapshot layer ``idx``'s first forward as an operator."""
+        if not self.sampling or idx in self._captured or idx in self._errors:
+            return
+        if x is None:
+            self._errors[idx] = "could not find a [B, N, D] input tensor"
+            return
+        if self.max_batch is not None:
+            x = x[: self.max_batch]
+        if self.max_tokens is not None:
+            x = x[:, : self.max_tokens]
+        causal = self.causal if self.causal is not None else bool(getattr(module, "is_causal", False))
+        from .operator import JacobianOperator
+        try:
+            # copies x and the weights now: the estimate refers to this forward's weights
+            self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype)
+        except (ValueError, TypeError) as exc:
+            # a layer the operator cannot read is logged as skipped with the reason; training goes on
+            self._errors[idx] = str(exc)
 
     # -- estimation -----------------------------------------------------------------------------
 
     def step(self, step: Optional[int] = None) -> list[dict]:
         """End of a training step: estimate what was captured (if this step was sampled), log it,
         advance the step counter (or set it to ``step + 1``). Returns this step's records."""
-        if self._handles is None:
+        if self._capture is None:
             raise RuntimeError("JacobianMonitor is closed")
-        cur = self.step_count if step is None else int(step)
+        step = check_int("step", step, min=0, allow_none=True)
+        cur = self.step_count if step is None else step
         records = []
         if self._captured or self._errors:
             records = self._estimate(cur)
@@ -228,10 +221,10 @@ class JacobianMonitor:
                 records.append({**base, "skipped": "budget" if over_time else "max_layers"})
                 continue
             t0 = time.perf_counter()
-            seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % (2 ** 62)
+            seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
             with torch.no_grad():
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
-                fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=seed + 1) \
+                fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                     if self.frobenius_samples else None
             rec = {**base, "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                    "rank_deficient": est.rank_deficient, "converged": est.converged,
@@ -270,10 +263,9 @@ class JacobianMonitor:
 
     def close(self):
         """Remove the hooks and close the log files (idempotent)."""
-        if self._handles is not None:
-            for h in self._handles:
-                h.remove()
-            self._handles = None
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
         self._captured = {}
         for fh in (self._jsonl, self._csv_fh):
             if fh is not None and not fh.closed:

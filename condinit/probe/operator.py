@@ -1,6 +1,6 @@
 """The Jacobian of one attention layer as a matrix-free linear operator.
 
-The math (operators, known null directions) is in ``docs/design.md``, "The attention Jacobian".
+Derivations: ``docs/design.md``, "The attention Jacobian".
 
 For an attention layer with input ``X`` ``[B, N, D]`` and, per head ``h`` (key/value head ``g(h)``
 under grouped-query attention)::
@@ -62,10 +62,23 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from condinit import _backends
+from condinit._validate import check_bool, check_choice, check_real, check_tensor
+
 __all__ = ["JacobianOperator", "WRT", "DENSE_MAX_ENTRIES"]
 
 WRT = ("weights", "input", "qkv")
 DENSE_MAX_ENTRIES = 4_000_000   # .dense(): 32 MB of float64
+
+
+def check_dtype(name: str, dtype, *, allow_none: bool = True) -> Optional[torch.dtype]:
+    """``dtype`` is a floating-point ``torch.dtype`` (or None)."""
+    if dtype is None and allow_none:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        what = "a floating-point torch.dtype" + (" or None" if allow_none else "")
+        raise TypeError(f"{name} must be {what}, got {dtype!r}")
+    return dtype
 
 
 def _null_rtol(dtype: torch.dtype) -> float:
@@ -151,20 +164,29 @@ class JacobianOperator:
 
     ``shape = (m, n)``: ``m`` outputs (``B H N d``, or ``B N D_out``), ``n`` inputs.
     Vectors are 1-D tensors (``[n]`` / ``[m]``); ``matmat`` takes ``[n, P]`` and returns ``[m, P]``.
+
+    Examples:
+        >>> layer = nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> x = torch.randn(1, 8, 16)
+        >>> op = JacobianOperator(layer, x, wrt="weights")
+        >>> op.shape
+        (128, 768)
+        >>> y = op.mv(torch.randn(op.n))          # J t, one fused JVP
+        >>> g = op.rmv(torch.randn(op.m))         # J^T u, one flash VJP
     """
 
     def __init__(self, layer_or_qkv, x: Optional[Tensor] = None, wrt: str = "weights", *,
                  causal: bool = False, include_output_proj: bool = False,
                  dtype: Optional[torch.dtype] = None, scale: Optional[float] = None,
                  backend: Optional[str] = None):
-        if wrt not in WRT:
-            raise ValueError(f"wrt must be one of {WRT}, got {wrt!r}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        check_choice("wrt", wrt, WRT)
+        check_bool("causal", causal)
+        check_bool("include_output_proj", include_output_proj)
+        check_dtype("dtype", dtype)
+        scale = check_real("scale", scale, min=0.0, min_open=True, allow_none=True)
+        check_choice("backend", backend, _backends.BACKENDS, allow_none=True)
         self.wrt, self.causal, self.backend = wrt, causal, backend
-        self.include_output_proj = bool(include_output_proj)
+        self.include_output_proj = include_output_proj
         self._wo = None
         if isinstance(layer_or_qkv, nn.Module):
             self._init_module(layer_or_qkv, x, dtype, scale)
@@ -219,15 +241,12 @@ class JacobianOperator:
                 raise ValueError(f"include_output_proj=True: output projection is {tuple(wo.shape)}, expected "
                                  f"[*, {self.H * self.d}] (num_heads * head_dim)")
             self._wo = wo.to(self.device, cdt).clone()
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor [B, N, D], got {type(x).__name__}")
+        check_tensor("x", x, floating=True)
         if x.dim() == 2:
             x = x.unsqueeze(0)
         if x.dim() != 3 or x.shape[-1] != self.D or x.shape[0] < 1 or x.shape[1] < 1:
             raise ValueError(f"x must be [B, N, D] (or [N, D]) with D = {self.D}, the layer's input width; got "
                              f"shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         self._x_src_dtype = x.dtype
         self.X = x.detach().to(self.device, cdt).clone()
         self.B, self.N = x.shape[0], x.shape[1]
@@ -242,9 +261,7 @@ class JacobianOperator:
             raise ValueError("include_output_proj=True needs a module (a (q, k, v) triple has no W_O)")
         q, k, v = qkv
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 4:
-                raise ValueError(f"{name} must be a floating 4-D tensor [B, H, N, d], got "
-                                 f"{getattr(t, 'shape', type(t).__name__)}")
+            check_tensor(name, t, floating=True, dim=4)
         if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:] or q.shape[1] % k.shape[1]:
             raise ValueError(f"expected q [B, H, N, d], k and v [B, Hkv, N, d] with Hkv | H, got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}, v {tuple(v.shape)}")

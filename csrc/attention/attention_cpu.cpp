@@ -1,5 +1,5 @@
 // Fused attention with forward-mode (JVP) and reverse-mode (VJP) derivatives: the torch.library
-// schema of condinit_C::attention_{fwd,bwd,jvp} and their C++ CPU kernels (DESIGN.md section 3).
+// schema of condinit_C::attention_{fwd,bwd,jvp} and their C++ CPU kernels (math: docs/design.md, "Attention").
 //
 // Per head, S = s Q K^T (+ causal mask), P = softmax(S), O = P V, lse = log rowsum exp(S).
 //   fwd: online softmax over key tiles (flash attention), O(N) memory.
@@ -345,7 +345,9 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
 }
 
 // ------------------------------------------------------------------------------------------------
-// Argument checks (shared with the CUDA registration through the same messages).
+// Layout checks (shared with the CUDA registration). These guard memory safety only: the kernels
+// index raw pointers by these shapes. Argument validation for users (with messages naming the
+// argument) happens once, in condinit.attention / attention_jvp, before these ops are called.
 
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
   TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D [B, H, Nq, d], got ", q.dim(), "-D");

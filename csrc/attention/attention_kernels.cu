@@ -1,5 +1,5 @@
 // CUDA kernels of the fused attention op (forward, multi-probe JVP, flash backward); the math is in
-// attention_cpu.cpp's header comment and DESIGN.md section 3.
+// attention_cpu.cpp's header comment and docs/design.md, "Attention".
 //
 // Design (correctness first, then tensor cores):
 // * One CTA per (batch, head, tile of BM queries) for fwd/jvp, per (batch, kv head, tile of BN keys)
