@@ -14,6 +14,10 @@
 
 namespace py = pybind11;
 
+namespace condinit {
+void bind_parallel_chunks(py::module_& m);  // orthogonalize/parallel_chunks.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "condinit native kernels (C++ CPU and, when built with nvcc, CUDA)";
   py::dict info;
@@ -29,4 +33,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   info["openmp"] = py::none();
 #endif
   m.attr("build_info") = info;
+  condinit::bind_parallel_chunks(m);
 }

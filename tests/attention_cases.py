@@ -70,7 +70,7 @@ def make_tangents(q, k, v, P, rng):
 
 
 def f64(*xs):
-    return [x.detach().to(F64) for x in xs]
+    return tuple(x.detach().to(F64) for x in xs)
 
 
 def joint_floor(refs):

@@ -1,13 +1,15 @@
-"""Conditioned initialization engine (issue 2; DESIGN.md sections 2 and 5).
+"""Conditioned initialization (``docs/design.md``, "The method" and "Orthogonalization").
 
 * :func:`orthogonalize`: batched orthonormalization of ``[B, m, n]`` blocks (Householder,
   CholeskyQR2, polar iterations with a Triton kernel on CUDA, SVD);
 * :func:`semi_orthogonal_`, :func:`rect_identity_`: ``torch.nn.init``-style in-place initializers;
 * :func:`conditioned_init_`, :func:`conditioned_init_layers_`: the paper's Algorithm 1 for one layer
-  or a whole stack of layers in one batched pass; :func:`conditioned_blocks` for sharded callers;
+  or a whole stack of layers in one batched pass; :func:`conditioned_blocks`: any blocks of a
+  stream, as an initialization writes them;
 * :func:`spectrum`, :func:`recondition_`: per-block singular-value extremes and spectral clamping.
 
-Randomness comes from :mod:`condinit.init.random` (counter-based, chunking-independent).
+Randomness comes from :mod:`condinit.init.random` (counter-based, chunking-independent;
+``docs/design.md``, "Random streams").
 """
 from condinit.init.functional import (conditioned_blocks, conditioned_init_, conditioned_init_layers_,
                                       rect_identity_, semi_orthogonal_)

@@ -1,20 +1,34 @@
-"""Conditioned initialization of attention weights (the paper's Algorithm 1, DESIGN.md section 2).
+"""Conditioned initialization of attention weights: the paper's Algorithm 1 (``docs/design.md``,
+"The method").
 
 ``W_Q`` and ``W_K``: every head's ``[head_dim, D]`` row block (``nn.Linear`` ``[out, in]`` layout)
 gets Haar-distributed orthonormal rows; ``W_V``: the rectangular identity; biases: zero. No gain:
 every singular value is exactly 1 (entries ~ 1/sqrt(D)).
 
-Randomness is counter based (:mod:`condinit.init.random`): block ``g`` of stream ``s`` is
-``orthogonalize(block_randn(seed, s, [g], shape))`` and depends on nothing else. Q blocks of layer
-``L``, head ``h`` use stream ``stream_id("q")`` and block id ``L * 2**32 + h``; K blocks
-``stream_id("k")`` and the same ``L * 2**32 + h`` (layer in the counter's high word, head in the
-low word: distinct for any mix of head counts across layers). Initializing layers one by one, all at once, in
-chunks or sharded (:func:`conditioned_blocks` on the blocks a rank owns) gives bit-identical weights
-(for a given device type and memory budget).
+Randomness is counter based (``docs/design.md``, "Random streams"): block ``g`` of stream ``s`` is
+the orthonormalized Gaussian block ``g`` of ``s`` and depends on nothing else. Head ``h`` of layer
+``L`` is block ``L * 2**32 + h`` of stream ``stream_id("q")`` (Q) or ``stream_id("k")`` (K): the
+layer sits in the high 32 bits of the block counter, the head in the low 32, so blocks never
+collide, whatever the head counts. Initializing layers one by one, all at once, in chunks or
+sharded gives bit-identical weights (for a given device type and memory budget).
 
-All same-shaped blocks of all layers are stacked and processed in fixed-size chunks: one batched
-generate + orthogonalize per chunk, each chunk's result written once (fp32 compute, rounded once
-into the weight's dtype) into the weights' own memory.
+Call path. Every initializer takes the same route to the kernels. The public function
+(:func:`semi_orthogonal_`, :func:`conditioned_init_`, :func:`conditioned_init_layers_` here,
+``condinit.apply`` in ``condinit/models/apply.py``) validates its arguments with the helpers of
+``condinit/_validate.py``, draws the seed when none is given (``seed_from``, ``condinit/init/random.py``)
+and describes what it writes as an :class:`InitPlan`: ``add_heads`` for the Q/K head blocks,
+``add_identity`` for V, ``add_zero`` for biases (``apply`` hands over the local region of each
+projection, which is all a sharded parameter needs). :func:`run_plan` is the one executor: per
+group of same-shaped blocks, ``_execute`` drives ``run_chunks`` (``condinit/init/orthogonalize.py``),
+which per chunk calls back ``_execute``'s ``fill`` (Gaussians from the ``RANDN`` table of
+``random.py``, backend chosen once by ``RANDN.choose``), orthonormalizes the chunk through the
+``ORTHOGONALIZE`` table (``ORTHOGONALIZE.choose``) and hands the result to ``sink``, which rounds it
+once into each weight's dtype and writes it in place. V goes through ``_rect_identity_region_``, the
+helper behind :func:`rect_identity_`.
+
+All same-shaped blocks of all layers are processed in chunks of ``memory_budget`` bytes of fp32
+scratch: one batched generate + orthogonalize per chunk, each result written once (fp32 compute,
+rounded once into the weight's dtype) into the weights' own memory.
 
 Meta tensors: like ``torch.nn.init``, initializing a meta tensor is a no-op (arguments are still
 validated). Bad input raises ``TypeError``/``ValueError`` naming the argument before anything is
@@ -22,17 +36,19 @@ written.
 """
 from __future__ import annotations
 
-import numbers
-import operator
+import threading
+import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 import torch
 
-from condinit.init.orthogonalize import _check_floating, check_method, resolve_method, run_chunks
+from condinit._validate import check_bool, check_choice, check_int, check_real, check_seed, check_tensor
+from condinit.init.orthogonalize import METHODS, resolve_method, run_chunks
+from condinit.init.random import RANDN, seed_from, stream_id
 
 __all__ = ["semi_orthogonal_", "rect_identity_", "conditioned_init_", "conditioned_init_layers_",
-           "conditioned_blocks", "Q_STREAM", "K_STREAM"]
+           "conditioned_blocks", "Q_STREAM", "K_STREAM", "V_MODES", "LAYER_STRIDE"]
 
 Q_STREAM = "q"
 K_STREAM = "k"
@@ -40,65 +56,119 @@ V_MODES = ("identity", "identity_per_head")
 
 # Head h of layer L is block L * LAYER_STRIDE + h of its stream (Q or K): the layer sits in the high
 # 32 bits of Philox's block counter, the head in the low 32, so blocks never collide across layers,
-# whatever their head counts.
+# whatever their head counts. Block ids are int64: layers below 2**31, at most 2**32 heads.
 LAYER_STRIDE = 1 << 32
-
-
-def _random():
-    from condinit.init import random as _r  # sibling module, imported on first use
-    return _r
+MAX_LAYER_INDEX = (1 << 31) - 1
+MAX_HEADS = LAYER_STRIDE
+STREAM_MAX = (1 << 32) - 1
 
 
 # ---------------------------------------------------------------------------------------------------
-# validation helpers
+# argument checks shared by the public functions (each public function calls them once)
 
-def _check_weight(w, name: str, *, min_dim: int = 2, max_dim: Optional[int] = None) -> torch.Tensor:
-    _check_floating(w, name)
-    if w.dim() < min_dim or (max_dim is not None and w.dim() > max_dim):
-        want = f"{min_dim}" if max_dim == min_dim else f">= {min_dim}"
-        raise ValueError(f"{name} must have {want} dims, got shape {tuple(w.shape)}")
+def _check_weight(w, name: str, *, dim: Optional[int] = None, min_dim: Optional[int] = None) -> torch.Tensor:
+    check_tensor(name, w, floating=True, dim=dim, min_dim=min_dim)
     if any(s == 0 for s in w.shape):
         raise ValueError(f"{name} must not have a zero-size dim, got shape {tuple(w.shape)}")
     return w
 
 
-def _check_pos_int(v, name: str, *, allow_none=False) -> Optional[int]:
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool):
-        raise TypeError(f"{name} must be a positive int, got a bool")
-    try:
-        v = operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name} must be a positive int, got {type(v).__name__}") from None
-    if v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v}")
-    return v
-
-
-def _check_index(v, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < 0:
-        raise TypeError(f"{name} must be ints >= 0, got {v!r}")
-    return int(v)
-
-
 def _check_head_dim(head_dim, rows: int, name: str) -> int:
+    """``head_dim`` (default: all rows, one block) dividing the ``rows`` of ``name``."""
+    head_dim = check_int("head_dim", head_dim, min=1, allow_none=True)
     if head_dim is None:
         return rows
-    head_dim = _check_pos_int(head_dim, "head_dim")
     if rows % head_dim:
         raise ValueError(f"head_dim={head_dim} must divide the rows of {name} ({rows})")
     return head_dim
 
 
-def _stream(stream, default: str) -> int:
+def _check_stream(stream, default: str) -> int:
+    """A stream id in [0, 2**32): an int, or a name hashed with ``stream_id``."""
     if stream is None:
-        return _random().stream_id(default)
+        return stream_id(default)
     if isinstance(stream, str):
-        return _random().stream_id(stream)
-    if isinstance(stream, bool) or not isinstance(stream, numbers.Integral) or not 0 <= int(stream) < 2 ** 32:
-        raise TypeError(f"stream must be a str or an int in [0, 2**32), got {stream!r}")
-    return int(stream)
+        return stream_id(stream)
+    return check_int("stream", stream, min=0, max=STREAM_MAX)
+
+
+def check_seed_source(seed, generator) -> Optional[int]:
+    """``seed`` (validated) or None when it is to be drawn from ``generator``. Shared with
+    ``condinit.apply``, which takes the same ``seed`` / ``generator`` pair."""
+    seed = check_seed("seed", seed, allow_none=True)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if seed is not None:
+            raise ValueError("give either seed or generator, not both")
+    return seed
+
+
+def draw_seed(seed: Optional[int], generator: Optional[torch.Generator]) -> int:
+    """``seed``, or one 64-bit draw from ``generator`` (torch's default generator when None), as
+    ``torch.nn.init`` draws: ``torch.manual_seed`` controls it."""
+    return seed if seed is not None else seed_from(generator)
+
+
+def _check_heads(num_heads, num_kv_heads) -> tuple[int, int]:
+    num_heads = check_int("num_heads", num_heads, min=1, max=MAX_HEADS)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, min=1, max=MAX_HEADS, allow_none=True)
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    return num_heads, num_kv_heads
+
+
+_LAYER_KEYS = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
+
+
+def _check_layer(tensors: dict, names: dict, num_heads: int, num_kv_heads: int, v_mode: str, where: str):
+    """(q, k, v, [q_bias, k_bias, v_bias]) of one layer, every tensor checked; None entries skipped."""
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    d = D = None
+    for key, w, heads, heads_name in (("q", q, num_heads, "num_heads"), ("k", k, num_kv_heads, "num_kv_heads")):
+        if w is None:
+            continue
+        _check_weight(w, names[key], dim=2)
+        if w.shape[0] % heads:
+            raise ValueError(f"{names[key]} has {w.shape[0]} rows, not a multiple of {heads_name}={heads}")
+        hd = w.shape[0] // heads
+        if d is not None and hd != d:
+            raise ValueError(f"{where}: q and k head dims differ ({d} vs {hd})")
+        if D is not None and w.shape[1] != D:
+            raise ValueError(f"{where}: q and k in-features differ ({D} vs {w.shape[1]})")
+        d, D = hd, w.shape[1]
+    if v is not None:
+        _check_weight(v, names["v"], dim=2)
+        if v_mode == "identity_per_head" and v.shape[0] % num_kv_heads:
+            raise ValueError(f"{names['v']} has {v.shape[0]} rows, not a multiple of num_kv_heads={num_kv_heads} "
+                             f"(v_mode='identity_per_head')")
+    biases = []
+    for key, w in (("q_bias", q), ("k_bias", k), ("v_bias", v)):
+        b = tensors[key]
+        if b is not None:
+            _check_weight(b, names[key], dim=1)
+            if w is not None and b.shape[0] != w.shape[0]:
+                raise ValueError(f"{names[key]} has {b.shape[0]} entries, expected {w.shape[0]}")
+        biases.append(b)
+    return q, k, v, biases
+
+
+def _layer_entry(layer, i: int) -> dict:
+    """``layers[i]`` (a dict or a tuple) as a dict with every key of ``_LAYER_KEYS``."""
+    if isinstance(layer, dict):
+        unknown = set(layer) - set(_LAYER_KEYS)
+        if unknown:
+            raise ValueError(f"layers[{i}] has unknown keys {sorted(unknown)}; expected q, k, v, "
+                             f"q_bias, k_bias, v_bias")
+        return {key: layer.get(key) for key in _LAYER_KEYS}
+    if isinstance(layer, (tuple, list)):
+        if len(layer) not in (3, 6):
+            raise ValueError(f"layers[{i}] must be (q, k, v) or (q, k, v, q_bias, k_bias, v_bias), "
+                             f"got a sequence of {len(layer)}")
+        return {key: layer[pos] if pos < len(layer) else None for pos, key in enumerate(_LAYER_KEYS)}
+    raise TypeError(f"layers[{i}] must be a dict or a tuple, got {type(layer).__name__}")
 
 
 def _rows_cols(w: torch.Tensor) -> tuple[int, int]:
@@ -116,30 +186,134 @@ def _as_matrix(w: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# the engine
+# the plan and its executor
 
 @dataclass
 class _Run:
-    """Consecutive blocks of one stream written to one destination: blocks ``ids`` of stream
-    ``stream``; ``dest`` [k, m, n] (wide orientation; a transposed view for tall blocks) or None."""
+    """Consecutive blocks ``ids`` of ``stream`` and where their results go.
+
+    Blocks have the logical shape ``[d, n]``; ``tall`` (``d > n``) blocks are generated as their
+    wide transpose. Without ``window``, ``dest`` is a ``[k, wm, wn]`` view in the wide orientation
+    (a transposed view for tall blocks) that receives every block whole. With ``window = (row_lo,
+    row_hi, col_lo, col_hi)``, ``dest`` is a ``[row_hi - row_lo, col_hi - col_lo]`` view receiving
+    those rows and columns of the run's logical ``[k * d, n]`` matrix (its blocks stacked): the
+    local part of a sharded projection.
+    """
     stream: int
     ids: torch.Tensor
-    dest: Optional[torch.Tensor]
+    dest: torch.Tensor
+    tall: bool
     gain: float = 1.0
+    window: Optional[tuple[int, int, int, int]] = None
+    owner: Optional[Hashable] = None
+
+
+class InitPlan:
+    """What one initialization call writes: random head blocks, rectangular identities and zeros.
+
+    Built by the public functions (and ``condinit.apply``) after validation, run by :func:`run_plan`.
+    ``owner`` (any hashable, e.g. a layer number) attributes execution time. Meta tensors are
+    skipped. Not part of the public API.
+    """
+
+    def __init__(self):
+        self.groups: dict[tuple, list[_Run]] = {}     # (device, wide block shape) -> runs
+        self.identities: list[tuple] = []             # (region, row_lo, col_lo, head_dim, owner)
+        self.zeros: list[tuple] = []                  # (tensor, owner)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(r.ids.numel() for runs in self.groups.values() for r in runs)
+
+    def add_heads(self, stream: int, first_id: int, region: torch.Tensor, head_dim: int, in_features: int, *,
+                  row_lo: int = 0, col_lo: int = 0, gain: float = 1.0, owner: Optional[Hashable] = None) -> None:
+        """Head ``h`` of a logical ``[heads * head_dim, in_features]`` matrix is block
+        ``first_id + h`` of ``stream``; ``region`` aliases its rows ``row_lo:row_lo + region.shape[0]``
+        and columns ``col_lo:col_lo + region.shape[1]`` (the whole matrix by default)."""
+        if region.device.type == "meta":
+            return
+        d, n = head_dim, in_features
+        rows, cols = region.shape
+        h0, h1 = row_lo // d, (row_lo + rows + d - 1) // d
+        tall = d > n
+        wide = (n, d) if tall else (d, n)
+        ids = torch.arange(first_id + h0, first_id + h1, dtype=torch.int64, device=region.device)
+        if col_lo == 0 and cols == n and row_lo % d == 0 and rows % d == 0:
+            blocks = region.unflatten(0, (h1 - h0, d))
+            run = _Run(stream, ids, blocks.transpose(1, 2) if tall else blocks, tall, gain, None, owner)
+        else:
+            lo = row_lo - h0 * d
+            run = _Run(stream, ids, region, tall, gain, (lo, lo + rows, col_lo, col_lo + cols), owner)
+        self.groups.setdefault((region.device, wide), []).append(run)
+
+    def add_identity(self, region: torch.Tensor, *, row_lo: int = 0, col_lo: int = 0,
+                     head_dim: Optional[int] = None, owner: Optional[Hashable] = None) -> None:
+        """``region`` aliases rows ``row_lo:`` and columns ``col_lo:`` of a rectangular identity
+        (per head of ``head_dim`` rows when given; see :func:`rect_identity_`)."""
+        if region.device.type != "meta":
+            self.identities.append((region, row_lo, col_lo, head_dim, owner))
+
+    def add_zero(self, tensor: torch.Tensor, *, owner: Optional[Hashable] = None) -> None:
+        if tensor.device.type != "meta":
+            self.zeros.append((tensor, owner))
+
+
+# observe(run, first, stop, blocks): the fp32 results (wide orientation) of blocks first:stop of run
+Observer = Callable[[_Run, int, int, torch.Tensor], None]
+
+
+def run_plan(plan: InitPlan, seed: int, method: str, *, memory_budget: Optional[int] = None,
+             backend: Optional[str] = None, observe: Optional[Observer] = None,
+             on_chunk: Optional[Callable[[int], None]] = None) -> tuple[int, dict]:
+    """Execute ``plan`` under ``seed``: every group of same-shaped blocks in chunks (see
+    :func:`_execute`), then the identities and zeros. Arguments are not validated (the public
+    functions did). Returns ``(chunks run, seconds per owner)``; a group's time is shared among its
+    runs' owners by block count."""
+    launches = 0
+    seconds: dict = {}
+
+    def credit(owner, dt):
+        if owner is not None:
+            seconds[owner] = seconds.get(owner, 0.0) + dt
+
+    for (device, wide), runs in plan.groups.items():
+        t0 = time.perf_counter()
+        launches += _execute(seed, runs, wide, resolve_method(*wide, method), device, memory_budget=memory_budget,
+                             backend=backend, observe=observe, on_chunk=on_chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        total = sum(r.ids.numel() for r in runs)
+        for r in runs:
+            credit(r.owner, dt * r.ids.numel() / total)
+    for region, row_lo, col_lo, head_dim, owner in plan.identities:
+        t0 = time.perf_counter()
+        _rect_identity_region_(region, row_lo, col_lo, head_dim)
+        credit(owner, time.perf_counter() - t0)
+    for tensor, owner in plan.zeros:
+        t0 = time.perf_counter()
+        tensor.zero_()
+        credit(owner, time.perf_counter() - t0)
+    return launches, seconds
 
 
 def _execute(seed: int, runs: Sequence[_Run], wide_shape, method: str, device, *, memory_budget=None,
-             backend=None, rng_backend=None, collect: Optional[torch.Tensor] = None) -> None:
+             backend=None, collect: Optional[torch.Tensor] = None, observe: Optional[Observer] = None,
+             on_chunk: Optional[Callable[[int], None]] = None) -> int:
     """Generate + orthogonalize every block of ``runs`` (all of wide shape ``wide_shape``) in chunks
-    and write each result to its run's ``dest`` (or into ``collect`` [total, m, n] fp32)."""
+    and write each result to its run's ``dest`` (or into ``collect`` [total, m, n] fp32). Returns
+    the number of chunks. ``on_chunk(blocks)`` is called once per chunk, ``observe`` once per run
+    segment of a chunk (both possibly from CPU worker threads, one at a time)."""
     m, n = wide_shape
-    rnd = _random()
     offsets = [0]
     for r in runs:
         offsets.append(offsets[-1] + r.ids.numel())
     total = offsets[-1]
     if total == 0:
-        return
+        return 0
+    rng_backend = RANDN.choose(device)
+    lock = threading.Lock()
+    chunks = [0]
 
     def segments(start, stop):
         # (run, first index in run, last index in run, first index in chunk)
@@ -150,7 +324,11 @@ def _execute(seed: int, runs: Sequence[_Run], wide_shape, method: str, device, *
 
     def fill(start, stop, A):
         for r, a, b, c in segments(start, stop):
-            rnd.block_randn(seed, r.stream, r.ids[a:b], (m, n), out=A[c:c + b - a], backend=rng_backend)
+            RANDN(rng_backend, seed, r.stream, r.ids[a:b], m, n, A[c:c + b - a])
+        with lock:
+            chunks[0] += 1
+            if on_chunk is not None:
+                on_chunk(stop - start)
 
     def sink(start, stop, R):
         if collect is not None:
@@ -160,25 +338,55 @@ def _execute(seed: int, runs: Sequence[_Run], wide_shape, method: str, device, *
             src = R[c:c + b - a]
             if r.gain != 1.0:
                 src = src * r.gain
-            r.dest[a:b].copy_(src)
+            if observe is not None:
+                with lock:
+                    observe(r, a, b, src)
+            if r.window is None:
+                r.dest[a:b].copy_(src)
+            else:
+                _write_window(r, a, b, src)
 
     def direct(start, stop):
         if collect is not None:
             return collect[start:stop]
         segs = list(segments(start, stop))
-        if len(segs) != 1:
+        if observe is not None or len(segs) != 1:
             return None
         r, a, b, _ = segs[0]
+        if r.window is not None or r.gain != 1.0:
+            return None
         d = r.dest[a:b]
-        if r.gain == 1.0 and d.dtype == torch.float32 and d.is_contiguous():
-            return d
-        return None
+        return d if d.dtype == torch.float32 and d.is_contiguous() else None
 
     run_chunks(total, (m, n), method, device, fill, sink, memory_budget=memory_budget,
                backend=backend, direct=direct, breaks=offsets if collect is None else ())
+    return chunks[0]
 
 
-def _ids(block_ids, device) -> torch.Tensor:
+def _write_window(r: _Run, a: int, b: int, src: torch.Tensor) -> None:
+    """Copy the part of blocks ``a:b`` of ``r`` (``src``, wide orientation) inside ``r.window``."""
+    logical = src.transpose(1, 2) if r.tall else src
+    d, n = logical.shape[1:]
+    row_lo, row_hi, col_lo, col_hi = r.window
+    lo, hi = max(row_lo, a * d), min(row_hi, b * d)
+    if lo < hi:
+        rows = logical.reshape((b - a) * d, n)[lo - a * d:hi - a * d, col_lo:col_hi]
+        r.dest[lo - row_lo:hi - row_lo].copy_(rows)
+
+
+def _rect_identity_region_(region: torch.Tensor, row_lo: int = 0, col_lo: int = 0,
+                           head_dim: Optional[int] = None) -> None:
+    """Write rows ``row_lo:`` and columns ``col_lo:`` of the rectangular identity into ``region``:
+    ``W[r, c] = 1`` where ``c == r`` (``c == r % head_dim`` with ``head_dim``), else 0."""
+    region.zero_()
+    rows, cols = region.shape
+    r = torch.arange(row_lo, row_lo + rows, device=region.device)
+    c = r if head_dim is None else r % head_dim
+    keep = (c >= col_lo) & (c < col_lo + cols)
+    region[(r - row_lo)[keep], (c - col_lo)[keep]] = 1
+
+
+def _block_ids(block_ids, device) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
             raise TypeError(f"block_ids must be a 1-D int64 tensor, range or sequence of ints, got a "
@@ -187,15 +395,17 @@ def _ids(block_ids, device) -> torch.Tensor:
     elif isinstance(block_ids, range):
         ids = torch.arange(block_ids.start, block_ids.stop, block_ids.step, dtype=torch.int64)
     else:
-        try:
-            ids = torch.tensor([operator.index(v) for v in block_ids], dtype=torch.int64)
-        except TypeError:
+        if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__iter__"):
             raise TypeError(f"block_ids must be a 1-D int64 tensor, range or sequence of ints, got "
-                            f"{type(block_ids).__name__}") from None
+                            f"{type(block_ids).__name__}")
+        ids = torch.tensor([check_int("block_ids entries", v) for v in block_ids], dtype=torch.int64)
     if ids.numel() and bool((ids < 0).any()):
         raise ValueError("block_ids must be >= 0")
-    return ids.to(device)
+    return ids.to(device).contiguous()
 
+
+# ---------------------------------------------------------------------------------------------------
+# public functions
 
 @torch.no_grad()
 def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int], method: str = "auto",
@@ -203,30 +413,39 @@ def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int
                        memory_budget: Optional[int] = None, backend: Optional[str] = None) -> torch.Tensor:
     """The orthonormalized Gaussian blocks ``block_ids`` of ``stream``: float32 ``[len, m, n]``.
 
-    Block ``g`` is ``orthogonalize(block_randn(seed, stream, [g], (min, max)))`` (transposed when
-    ``m > n``) and does not depend on which other blocks are asked for: a sharded caller asks for
-    the blocks it owns and gets exactly the bits a single-device initialization writes there.
-    ``rows`` / ``cols`` slice every block (a rank that owns part of a block still computes all of
-    it: orthonormality couples its rows).
+    Block ``g`` does not depend on which other blocks are asked for: a caller that owns part of a
+    weight asks for its blocks and gets exactly the bits an initialization writes there. ``rows`` /
+    ``cols`` slice every block (the whole block is still computed: orthonormality couples its rows).
 
     Args:
-        seed: 64-bit seed (:func:`condinit.init.random.seed_from`).
-        stream: int stream id or a name (hashed with ``stream_id``), e.g. ``"q"``.
+        seed: ``0 <= seed < 2**64``.
+        stream: int stream id in ``[0, 2**32)`` or a name (hashed with ``stream_id``), e.g. ``"q"``.
         block_ids: 1-D int64 tensor, range or sequence of ints >= 0.
         block_shape: ``(m, n)``: orthonormal rows if ``m <= n``, else orthonormal columns.
         method: see :func:`condinit.init.orthogonalize.orthogonalize`.
         device: where to compute (default CPU).
+        memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU).
+        backend: force a backend of the ``orthogonalize`` op.
+
+    Examples:
+        >>> q = conditioned_blocks(0, "q", range(4), (8, 64))   # Q heads 0..3 of layer 0
+        >>> q.shape
+        torch.Size([4, 8, 64])
     """
-    m, n = (_check_pos_int(v, "block_shape") for v in block_shape)
-    check_method(method)
+    seed = check_seed("seed", seed)
+    stream = _check_stream(stream, "default")
+    if not isinstance(block_shape, (tuple, list, torch.Size)) or len(block_shape) != 2:
+        raise TypeError(f"block_shape must be a pair (m, n), got {block_shape!r}")
+    m, n = (check_int("block_shape", v, min=1) for v in block_shape)
+    check_choice("method", method, METHODS)
+    check_int("memory_budget", memory_budget, min=1, allow_none=True)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    stream = _stream(stream, "default")
-    ids = _ids(block_ids, device)
+    ids = _block_ids(block_ids, device)
     tall = m > n
     wm, wn = (n, m) if tall else (m, n)
     res = torch.empty((ids.numel(), wm, wn), dtype=torch.float32, device=device)
     if device.type != "meta" and ids.numel():
-        _execute(seed, [_Run(stream, ids, None)], (wm, wn), resolve_method(wm, wn, method), device,
+        _execute(seed, [_Run(stream, ids, res, False)], (wm, wn), resolve_method(wm, wn, method), device,
                  memory_budget=memory_budget, backend=backend, collect=res)
     if tall:
         res = res.transpose(1, 2)
@@ -234,9 +453,6 @@ def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int
         res = res[:, rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
     return res if not tall else res.contiguous()
 
-
-# ---------------------------------------------------------------------------------------------------
-# public init functions
 
 @torch.no_grad()
 def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, gain: float = 1.0,
@@ -248,32 +464,31 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
     With ``head_dim``, every head's ``[head_dim, cols]`` row block gets orthonormal rows (orthonormal
     columns if ``head_dim > cols``); without, the whole matrix does. Block ``h`` is block id ``h`` of
     ``stream`` (an int, a name hashed by ``stream_id``, default ``"semi_orthogonal"``) under ``seed``
-    (default: drawn from ``generator`` / torch's default generator, so ``torch.manual_seed``
-    controls it). Returns ``weight``.
+    (default None: one draw from ``generator``, or torch's default generator, as ``torch.nn.init``
+    does, so ``torch.manual_seed`` controls it). Returns ``weight``.
+
+    Examples:
+        >>> w = torch.empty(4 * 16, 64)
+        >>> semi_orthogonal_(w, head_dim=16, seed=0)            # 4 heads, each [16, 64] orthonormal rows
+        >>> semi_orthogonal_(w, generator=torch.Generator().manual_seed(1))
     """
-    _check_weight(weight, "weight")
+    _check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
     hd = _check_head_dim(head_dim, rows, "weight")
-    if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not gain > 0 or gain != gain \
-            or gain == float("inf"):
-        raise ValueError(f"gain must be a finite number > 0, got {gain!r}")
-    check_method(method)
-    stream = _stream(stream, "semi_orthogonal")
+    gain = check_real("gain", gain, min=0.0, min_open=True)
+    check_choice("method", method, METHODS)
+    stream = _check_stream(stream, "semi_orthogonal")
+    seed = check_seed_source(seed, generator)
     if weight.device.type == "meta":
         return weight
-    seed = _random().seed_from(generator, seed)
-    H = rows // hd
+    seed = draw_seed(seed, generator)
     mat = _as_matrix(weight)
     target = mat if mat is not None else torch.empty((rows, cols), dtype=weight.dtype, device=weight.device)
-    blocks = target.unflatten(0, (H, hd))            # [H, hd, cols], a view of target
-    tall = hd > cols
-    dest = blocks.transpose(1, 2) if tall else blocks
-    wide = (cols, hd) if tall else (hd, cols)
-    with torch.no_grad():
-        _execute(seed, [_Run(stream, torch.arange(H, device=weight.device), dest, float(gain))], wide,
-                 resolve_method(*wide, method), weight.device)
-        if mat is None:
-            weight.copy_(target.view(weight.shape))
+    plan = InitPlan()
+    plan.add_heads(stream, 0, target, hd, cols, gain=gain)
+    run_plan(plan, seed, method)
+    if mat is None:
+        weight.copy_(target.view(weight.shape))
     return weight
 
 
@@ -285,11 +500,15 @@ def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_
     projection passes coordinates ``h*head_dim ...`` through). ``per_head=True`` (needs
     ``head_dim``): every head's ``[head_dim, cols]`` block is ``I`` (the paper's literal reading:
     every head sees the same first ``head_dim`` coordinates). Returns ``weight``.
+
+    Examples:
+        >>> w = torch.empty(128, 256)
+        >>> rect_identity_(w)                                  # torch.eye(128, 256)
+        >>> rect_identity_(w, head_dim=32, per_head=True)      # torch.eye(32, 256).repeat(4, 1)
     """
-    _check_weight(weight, "weight")
+    _check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
-    if not isinstance(per_head, bool):
-        raise TypeError(f"per_head must be a bool, got {type(per_head).__name__}")
+    per_head = check_bool("per_head", per_head)
     if per_head and head_dim is None:
         raise ValueError("per_head=True needs head_dim")
     hd = _check_head_dim(head_dim, rows, "weight")
@@ -297,30 +516,24 @@ def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_
         return weight
     mat = _as_matrix(weight)
     target = mat if mat is not None else torch.empty((rows, cols), dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():
-        target.zero_()
-        if per_head:
-            target.unflatten(0, (rows // hd, hd)).diagonal(dim1=1, dim2=2).fill_(1)
-        else:
-            target.diagonal().fill_(1)
-        if mat is None:
-            weight.copy_(target.view(weight.shape))
+    _rect_identity_region_(target, head_dim=hd if per_head else None)
+    if mat is None:
+        weight.copy_(target.view(weight.shape))
     return weight
 
 
-def _get(layer, i: int, key: str, pos: int):
-    if isinstance(layer, dict):
-        unknown = set(layer) - {"q", "k", "v", "q_bias", "k_bias", "v_bias"}
-        if unknown:
-            raise ValueError(f"layers[{i}] has unknown keys {sorted(unknown)}; expected q, k, v, "
-                             f"q_bias, k_bias, v_bias")
-        return layer.get(key)
-    if isinstance(layer, (tuple, list)):
-        if len(layer) not in (3, 6):
-            raise ValueError(f"layers[{i}] must be (q, k, v) or (q, k, v, q_bias, k_bias, v_bias), "
-                             f"got a sequence of {len(layer)}")
-        return layer[pos] if pos < len(layer) else None
-    raise TypeError(f"layers[{i}] must be a dict or a tuple, got {type(layer).__name__}")
+def _plan_layers(plan: InitPlan, checked, layer_indices, num_heads: int, num_kv_heads: int, v_mode: str) -> None:
+    """Add checked layers ``(q, k, v, biases)`` (layer ``layer_indices[i]``) to ``plan``."""
+    sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
+    for L, (q, k, v, biases) in zip(layer_indices, checked):
+        for w, heads, stream in ((q, num_heads, sq), (k, num_kv_heads, sk)):
+            if w is not None:
+                plan.add_heads(stream, L * LAYER_STRIDE, w, w.shape[0] // heads, w.shape[1])
+        if v is not None:
+            plan.add_identity(v, head_dim=v.shape[0] // num_kv_heads if v_mode == "identity_per_head" else None)
+        for b in biases:
+            if b is not None:
+                plan.add_zero(b)
 
 
 @torch.no_grad()
@@ -340,88 +553,42 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
     Q head ``h`` of layer ``L = layer_indices[i]`` (default ``i``) gets block
     ``L * 2**32 + h`` of stream ``stream_id("q")``; K head ``h`` block ``L * 2**32 + h``
     of ``stream_id("k")``, so calls per layer, all at once or in chunks give bit-identical weights
-    for the same ``seed`` (default: one draw from ``generator`` / torch's default generator per
-    call). V: :func:`rect_identity_` (``v_mode="identity"``: whole matrix, the default;
-    ``"identity_per_head"``: each head's block). Biases are zeroed.
+    for the same ``seed`` (default None: one draw from ``generator``, or torch's default
+    generator, per call). V: the rectangular identity (:func:`rect_identity_`;
+    ``v_mode="identity"``: whole matrix, the default; ``"identity_per_head"``: each head's block).
+    Biases are zeroed.
 
     ``memory_budget``: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU;
     two or three such buffers are used). ``method``/``backend``: of :func:`orthogonalize`.
+
+    Examples:
+        >>> layers = [{"q": torch.empty(256, 256), "k": torch.empty(64, 256), "v": torch.empty(64, 256)}
+        ...           for _ in range(4)]
+        >>> conditioned_init_layers_(layers, num_heads=8, num_kv_heads=2, seed=0)
+        >>> conditioned_init_layers_(layers[2:], num_heads=8, num_kv_heads=2, seed=0,
+        ...                          layer_indices=[2, 3])        # the same bits for layers 2 and 3
     """
     if isinstance(layers, (dict, torch.Tensor)) or not hasattr(layers, "__len__"):
         raise TypeError(f"layers must be a sequence of dicts or tuples, got {type(layers).__name__}")
-    num_heads = _check_pos_int(num_heads, "num_heads")
-    num_kv_heads = _check_pos_int(num_kv_heads, "num_kv_heads", allow_none=True) or num_heads
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-    if v_mode not in V_MODES:
-        raise ValueError(f"v_mode must be one of {V_MODES}, got {v_mode!r}")
-    check_method(method)
+    num_heads, num_kv_heads = _check_heads(num_heads, num_kv_heads)
+    check_choice("v_mode", v_mode, V_MODES)
+    check_choice("method", method, METHODS)
+    check_int("memory_budget", memory_budget, min=1, allow_none=True)
+    seed = check_seed_source(seed, generator)
     if layer_indices is None:
         layer_indices = list(range(len(layers)))
     else:
-        layer_indices = [_check_index(L, "layer_indices entries") for L in layer_indices]
+        layer_indices = [check_int(f"layer_indices[{i}]", L, min=0, max=MAX_LAYER_INDEX)
+                         for i, L in enumerate(layer_indices)]
         if len(layer_indices) != len(layers):
             raise ValueError(f"layer_indices must have one entry per layer ({len(layers)}), got {len(layer_indices)}")
-    if memory_budget is not None:
-        _check_pos_int(memory_budget, "memory_budget")
-
-    # -- validate everything before the first write
-    plan = []  # (L, q, k, v, biases)
-    for i, layer in enumerate(layers):
-        q, k, v = (_get(layer, i, key, pos) for pos, key in enumerate(("q", "k", "v")))
-        biases = [_get(layer, i, key, pos + 3) for pos, key in enumerate(("q_bias", "k_bias", "v_bias"))]
-        d = None
-        D = None
-        for name, w, heads in (("q", q, num_heads), ("k", k, num_kv_heads)):
-            if w is None:
-                continue
-            _check_weight(w, f"layers[{i}].{name}", min_dim=2, max_dim=2)
-            if w.shape[0] % heads:
-                raise ValueError(f"layers[{i}].{name} has {w.shape[0]} rows, not a multiple of "
-                                 f"{'num_heads' if name == 'q' else 'num_kv_heads'}={heads}")
-            hd = w.shape[0] // heads
-            if d is not None and hd != d:
-                raise ValueError(f"layers[{i}]: q and k head dims differ ({d} vs {hd})")
-            if D is not None and w.shape[1] != D:
-                raise ValueError(f"layers[{i}]: q and k in-features differ ({D} vs {w.shape[1]})")
-            d, D = hd, w.shape[1]
-        if v is not None:
-            _check_weight(v, f"layers[{i}].v", min_dim=2, max_dim=2)
-            if v_mode == "identity_per_head" and v.shape[0] % num_kv_heads:
-                raise ValueError(f"layers[{i}].v has {v.shape[0]} rows, not a multiple of "
-                                 f"num_kv_heads={num_kv_heads} (v_mode='identity_per_head')")
-        for name, b, w in zip(("q_bias", "k_bias", "v_bias"), biases, (q, k, v)):
-            if b is None:
-                continue
-            _check_weight(b, f"layers[{i}].{name}", min_dim=1, max_dim=1)
-            if w is not None and b.shape[0] != w.shape[0]:
-                raise ValueError(f"layers[{i}].{name} has {b.shape[0]} entries, expected {w.shape[0]}")
-        plan.append((layer_indices[i], q, k, v, biases))
-
-    seed = _random().seed_from(generator, seed)
-    sq, sk = _random().stream_id(Q_STREAM), _random().stream_id(K_STREAM)
-    groups: dict = {}  # (device, wide shape) -> runs
-    with torch.no_grad():
-        for L, q, k, v, biases in plan:
-            for w, heads, stream in ((q, num_heads, sq), (k, num_kv_heads, sk)):
-                if w is None or w.device.type == "meta":
-                    continue
-                hd, D = w.shape[0] // heads, w.shape[1]
-                blocks = w.unflatten(0, (heads, hd))
-                tall = hd > D
-                wide = (D, hd) if tall else (hd, D)
-                ids = torch.arange(L * LAYER_STRIDE, L * LAYER_STRIDE + heads, dtype=torch.int64, device=w.device)
-                groups.setdefault((w.device, wide), []).append(
-                    _Run(stream, ids, blocks.transpose(1, 2) if tall else blocks))
-            if v is not None and v.device.type != "meta":
-                hd_v = v.shape[0] // num_kv_heads if v_mode == "identity_per_head" else None
-                rect_identity_(v, head_dim=hd_v, per_head=v_mode == "identity_per_head")
-            for b in biases:
-                if b is not None and b.device.type != "meta":
-                    b.zero_()
-        for (device, wide), runs in groups.items():
-            _execute(seed, runs, wide, resolve_method(*wide, method), device,
-                     memory_budget=memory_budget, backend=backend)
+    checked = []
+    for i, layer in enumerate(layers):   # every layer checked before the first write
+        names = {key: f"layers[{i}].{key}" for key in _LAYER_KEYS}
+        checked.append(_check_layer(_layer_entry(layer, i), names, num_heads, num_kv_heads, v_mode, f"layers[{i}]"))
+    plan = InitPlan()
+    _plan_layers(plan, checked, layer_indices, num_heads, num_kv_heads, v_mode)
+    run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)
 
 
 @torch.no_grad()
@@ -436,11 +603,23 @@ def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: 
     Q and K per-head Haar semi-orthogonal, V the rectangular identity, biases zero.
 
     ``layer_index`` selects the layer's random blocks, so calling this for every layer with the same
-    ``seed`` equals one :func:`conditioned_init_layers_` call over all of them.
+    ``seed`` equals one :func:`conditioned_init_layers_` call over all of them. ``seed`` default
+    None: one draw from ``generator``, or torch's default generator (as ``torch.nn.init`` does).
+
+    Examples:
+        >>> q, k, v = torch.nn.Linear(512, 512), torch.nn.Linear(512, 128), torch.nn.Linear(512, 128)
+        >>> conditioned_init_(q.weight, k.weight, v.weight, num_heads=8, num_kv_heads=2,
+        ...                   q_bias=q.bias, k_bias=k.bias, v_bias=v.bias, seed=0, layer_index=3)
     """
-    conditioned_init_layers_([{"q": q_weight, "k": k_weight, "v": v_weight, "q_bias": q_bias,
-                               "k_bias": k_bias, "v_bias": v_bias}],
-                             num_heads=num_heads, num_kv_heads=num_kv_heads, seed=seed,
-                             generator=generator, layer_indices=[_check_index(layer_index, "layer_index")],
-                             v_mode=v_mode,
-                             method=method, memory_budget=memory_budget, backend=backend)
+    num_heads, num_kv_heads = _check_heads(num_heads, num_kv_heads)
+    check_choice("v_mode", v_mode, V_MODES)
+    check_choice("method", method, METHODS)
+    check_int("memory_budget", memory_budget, min=1, allow_none=True)
+    seed = check_seed_source(seed, generator)
+    layer_index = check_int("layer_index", layer_index, min=0, max=MAX_LAYER_INDEX)
+    tensors = {"q": q_weight, "k": k_weight, "v": v_weight, "q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
+    names = {key: f"{key}_weight" if key in "qkv" else key for key in _LAYER_KEYS}
+    checked = _check_layer(tensors, names, num_heads, num_kv_heads, v_mode, "conditioned_init_")
+    plan = InitPlan()
+    _plan_layers(plan, [checked], [layer_index], num_heads, num_kv_heads, v_mode)
+    run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)

@@ -21,13 +21,12 @@ Blocks already within the bound are not written at all.
 from __future__ import annotations
 
 import math
-import numbers
 from collections import namedtuple
 from typing import Optional
 
 import torch
 
-from condinit.init.orthogonalize import _check_floating
+from condinit._validate import check_choice, check_int, check_real, check_tensor
 
 __all__ = ["Spectrum", "spectrum", "recondition_"]
 
@@ -40,17 +39,9 @@ _CHUNK_BYTES = 64 << 20        # float64 working set per chunk
 
 
 def _check_stack(t, name: str):
-    _check_floating(t, name)
-    if t.dim() < 2:
-        raise ValueError(f"{name} must have at least 2 dims [..., m, n], got shape {tuple(t.shape)}")
+    check_tensor(name, t, floating=True, min_dim=2)
     if any(s == 0 for s in t.shape):
         raise ValueError(f"{name} must not have a zero-size dim, got shape {tuple(t.shape)}")
-
-
-def _check_spectrum_method(method):
-    if not isinstance(method, str) or method not in SPECTRUM_METHODS:
-        raise ValueError(f"method must be one of {SPECTRUM_METHODS}, got {method!r}")
-    return method
 
 
 def _route(m: int, n: int, method: str) -> str:
@@ -82,9 +73,15 @@ def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
     Each field is a float64 tensor of shape ``stack.shape[:-2]`` (0-d for one ``[m, n]`` matrix).
     ``sigma_min`` is the ``min(m, n)``-th singular value; ``cond`` is ``inf`` where it is 0.
     ``method``: ``"auto"``, ``"svd"`` or ``"gram"`` (module docstring).
+
+    Examples:
+        >>> from condinit.init import semi_orthogonal_, spectrum
+        >>> q = semi_orthogonal_(torch.empty(8 * 64, 512), head_dim=64, seed=0)
+        >>> sigma_max, sigma_min, cond = spectrum(q.view(8, 64, 512))   # per head; all 1.0
+        >>> spectrum(torch.randn(64, 512)).cond                           # one matrix: a 0-d tensor
     """
     _check_stack(stack, "stack")
-    _check_spectrum_method(method)
+    check_choice("method", method, SPECTRUM_METHODS)
     lead = stack.shape[:-2]
     m, n = stack.shape[-2:]
     blocks = stack.reshape(-1, m, n)
@@ -121,26 +118,28 @@ def recondition_(stack_or_weight: torch.Tensor, *, max_cond: float, head_dim: Op
     and ``sigma_max`` are kept, so ``cond <= max_cond`` afterwards (up to the rounding of the
     storage dtype); blocks with ``cond <= max_cond`` are left untouched (not even rewritten).
     Computed in float64. ``method``: ``"svd"`` (default), ``"gram"`` or ``"auto"`` (module
-    docstring). Returns the tensor.
+    docstring). ``max_cond``: a finite number >= 1. Returns the tensor.
+
+    Examples:
+        >>> from condinit.init import recondition_
+        >>> w = torch.randn(8 * 64, 512)
+        >>> recondition_(w, max_cond=2.0, head_dim=64)           # every head's kappa <= 2
+        >>> recondition_(torch.randn(16, 64, 64), max_cond=10.0)  # every block of a stack
     """
     w = stack_or_weight
     _check_stack(w, "stack_or_weight")
-    if isinstance(max_cond, bool) or not isinstance(max_cond, numbers.Real) or not max_cond >= 1:
-        raise ValueError(f"max_cond must be a number >= 1, got {max_cond!r}")
-    _check_spectrum_method(method)
+    max_cond = check_real("max_cond", max_cond, min=1.0)
+    check_choice("method", method, SPECTRUM_METHODS)
+    head_dim = check_int("head_dim", head_dim, min=1, allow_none=True)
     if head_dim is not None:
         if w.dim() != 2:
             raise ValueError(f"head_dim is for a 2-D weight, got shape {tuple(w.shape)}")
-        if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
-            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if w.shape[0] % head_dim:
             raise ValueError(f"head_dim={head_dim} must divide the rows of the weight ({w.shape[0]})")
     if w.device.type == "meta":
         return w
     if not bool(torch.isfinite(w).all()):
         raise ValueError("stack_or_weight must be finite (it holds NaN or Inf)")
-    if max_cond == math.inf:
-        return w
     if w.dim() == 2:
         blocks = w.unflatten(0, (w.shape[0] // head_dim, head_dim)) if head_dim else w.unsqueeze(0)
     elif w.dim() == 3:

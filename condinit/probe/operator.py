@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from condinit import _backends
-from condinit._validate import check_bool, check_choice, check_real, check_tensor
+from condinit._validate import check_bool, check_choice, check_int, check_real, check_tensor
 
 __all__ = ["JacobianOperator", "WRT", "DENSE_MAX_ENTRIES"]
 
@@ -160,7 +160,10 @@ class JacobianOperator:
         dtype: compute dtype (default: the layer's dtype, float32 for half types). Use float64 for
             exact small-scale checks.
         scale: score scale (default: the module's own, else ``1/sqrt(d)``).
-        backend: forwarded to :func:`condinit.attention_jvp` / the attention op.
+        backend: the attention backend (as for :func:`condinit.attention_jvp`: ``"cuda"``,
+            ``"triton"``, ``"cpp-cpu"``, ``"torch"``, or None / ``"auto"``), chosen once here for
+            the forward, the JVP and the VJP; a forced backend that cannot run this layer raises
+            :class:`condinit.BackendUnavailableError`.
 
     ``shape = (m, n)``: ``m`` outputs (``B H N d``, or ``B N D_out``), ``n`` inputs.
     Vectors are 1-D tensors (``[n]`` / ``[m]``); ``matmat`` takes ``[n, P]`` and returns ``[m, P]``.
@@ -184,7 +187,7 @@ class JacobianOperator:
         check_bool("include_output_proj", include_output_proj)
         check_dtype("dtype", dtype)
         scale = check_real("scale", scale, min=0.0, min_open=True, allow_none=True)
-        check_choice("backend", backend, _backends.BACKENDS, allow_none=True)
+        check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
         self.wrt, self.causal, self.backend = wrt, causal, backend
         self.include_output_proj = include_output_proj
         self._wo = None
@@ -210,6 +213,7 @@ class JacobianOperator:
         self.n = sum(self._in_sizes)
         self._primals = None
         self._nulls = None
+        self._impls = self._choose_backends()
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -285,10 +289,16 @@ class JacobianOperator:
         return (f"JacobianOperator(wrt={self.wrt!r}, shape={self.shape}, {what}, causal={self.causal}, "
                 f"output_proj={self._wo is not None}, dtype={self.dtype})")
 
+    def _choose_backends(self) -> dict:
+        """The backend of each attention op for this operator's calls (one choice, here)."""
+        from condinit.ops.attention.op import ATTENTION_BWD, ATTENTION_FWD, ATTENTION_JVP
+
+        return {op.name: op.choose(self.device, self.backend, dtype=self.dtype, head_dim=self.d)
+                for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP)}
+
     def _primal(self):
         """(q, k, v, out, lse) at the linearization point; computed once, no graph."""
         if self._primals is None:
-            import condinit.ops.attention.op  # noqa: F401  (registers torch.ops.condinit.attention_*)
             with torch.no_grad():
                 if self._qkv_given is not None:
                     q, k, v = self._qkv_given
@@ -297,7 +307,8 @@ class JacobianOperator:
                                for w, b, h in ((self.Wq, self.bq, self.H), (self.Wk, self.bk, self.Hkv),
                                                (self.Wv, self.bv, self.Hkv)))
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-                out, lse = torch.ops.condinit.attention_fwd(q, k, v, self.causal, self.scale, self.backend)
+                out, lse = torch.ops.condinit.attention_fwd(q, k, v, self.causal, self.scale,
+                                                            self._impls["attention_fwd"])
             self._primals = (q, k, v, out, lse)
         return self._primals
 
@@ -360,12 +371,11 @@ class JacobianOperator:
 
     def _matmat_rows(self, T: Tensor) -> Tensor:
         """[P, n] -> [P, m]: one fused multi-probe JVP launch."""
-        from condinit.ops.attention import attention_jvp
-
         q, k, v, _, _ = self._primal()
         with torch.no_grad():
             tq, tk, tv = (t.contiguous() for t in self._tangents(T))
-            _, tout = attention_jvp(q, k, v, tq, tk, tv, causal=self.causal, scale=self.scale, backend=self.backend)
+            _, tout, _ = torch.ops.condinit.attention_jvp(q, k, v, tq, tk, tv, self.causal, self.scale,
+                                                          self._impls["attention_jvp"])
             return self._outputs(tout)
 
     def mv(self, t) -> Tensor:
@@ -392,7 +402,7 @@ class JacobianOperator:
             rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
             dq, dk, dv = torch.ops.condinit.attention_bwd(
                 dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
-                rep(lse), self.causal, self.scale, self.backend)
+                rep(lse), self.causal, self.scale, self._impls["attention_bwd"])
             dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
             if self.wrt == "qkv":
                 parts = (dq, dk, dv)
@@ -432,16 +442,30 @@ class JacobianOperator:
                               rmatmat=lambda a: call(self.rmatmat, a, self.m))
 
     def dense(self, max_entries: int = DENSE_MAX_ENTRIES, chunk: int = 64) -> Tensor:
-        """The full ``[m, n]`` Jacobian (tiny cases only), built by multi-probe JVPs of the identity."""
+        """The full ``[m, n]`` Jacobian (tiny cases only), ``chunk`` probes per launch.
+
+        Built from the identity along the shorter side: its columns by multi-probe JVPs when
+        ``n <= m``, its rows by flash VJPs when ``J`` is wide (``m < n``), so at most
+        ``min(m, n)`` probes.
+        """
+        max_entries = check_int("max_entries", max_entries, min=1)
+        chunk = check_int("chunk", chunk, min=1)
         if self.m * self.n > max_entries:
             raise ValueError(f"dense(): J is {self.m} x {self.n} = {self.m * self.n} entries, above the limit "
                              f"max_entries={max_entries}; use the matrix-free mv/rmv/matmat or the estimators "
                              f"(lanczos_svd, power_sigma_max, frobenius_hutchinson)")
-        cols = []
-        eye = torch.eye(self.n, device=self.device, dtype=self.dtype)
-        for i in range(0, self.n, chunk):
-            cols.append(self._matmat_rows(eye[i:i + chunk]))
-        return torch.cat(cols, dim=0).t().contiguous()
+        J = torch.empty(self.m, self.n, device=self.device, dtype=self.dtype)
+        by_rows = self.m < self.n
+        size = self.m if by_rows else self.n
+        for i in range(0, size, chunk):
+            c = min(chunk, size - i)
+            probes = torch.zeros(c, size, device=self.device, dtype=self.dtype)   # rows i..i+c of I
+            probes[:, i:i + c].diagonal().fill_(1)
+            if by_rows:
+                J[i:i + c] = self._rmatmat_rows(probes)
+            else:
+                J[:, i:i + c] = self._matmat_rows(probes).t()
+        return J
 
     # -- known null directions ------------------------------------------------------------------
 
