@@ -17,7 +17,7 @@ that its peak RSS is its own):
 GPU section (skipped without CUDA): a Llama-3-70B-shaped attention stack (80 layers, D = 8192,
 64 heads / 8 KV heads of 128; HF ``LlamaAttention`` modules, bf16) built on the meta device and
 materialized + conditioned on the GPU by ``condinit.apply``, blocks streamed through a bounded
-buffer (``--gpu-buffer-mib``); reports time, peak GPU memory against the stack's size, and the
+memory budget (``--gpu-buffer-mib``); reports time, peak GPU memory against the stack's size, and the
 fp32 FLOP rate of the orthogonalization (CholeskyQR2: 4 GEMMs of 2 d^2 D per block).
 """
 from __future__ import annotations
@@ -155,7 +155,7 @@ def gpu_section(buffer_mib: int, layers: int = 80, device: str = "cuda") -> dict
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    rep = apply(stack, seed=0, report=False, device=dev, buffer_bytes=buffer_mib << 20)
+    rep = apply(stack, seed=0, report=False, device=dev, memory_budget=buffer_mib << 20)
     if cuda:
         torch.cuda.synchronize()
     total = time.perf_counter() - t0

@@ -90,7 +90,7 @@ class _substitute_rng:
         self.fill = fill
 
     def __enter__(self):
-        from condinit.init import random as rnd
+        from condinit.init import philox as rnd
         self.rnd, self.orig = rnd, rnd.block_randn
         rnd.block_randn = lambda seed, stream, ids, shape, *, out=None, **kw: self.fill(out)
         return self
@@ -101,7 +101,7 @@ class _substitute_rng:
 
 
 def run_cpu(repeats=3, whole=True):
-    from condinit.init.random import RANDN, block_randn, stream_id
+    from condinit.init.philox import RANDN, block_randn, stream_id
     cfg = LLAMA_1B
     stack = make_stack(**cfg)
     rows = []
@@ -220,7 +220,7 @@ SMALL = dict(LLAMA_1B, layers=4)
 
 def test_bench_condinit(benchmark):
     import pytest
-    from condinit.init.random import RANDN
+    from condinit.init.philox import RANDN
     if RANDN.choose("cpu") == "torch":
         pytest.skip("block_randn's native CPU kernel is not built (the torch reference takes minutes)")
     stack = make_stack(**SMALL)

@@ -121,7 +121,7 @@ TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 @guarded("init")
 def check_randn():
     import torch
-    from condinit.init.random import block_randn
+    from condinit.init.philox import block_randn
     ids = [0, 5, 123456789, 2**33 + 7]
     gpu = block_randn(1234, 7, ids, (64, 1000), device=DEV, backend=RANDN_BACKEND).cpu()
     cpu = block_randn(1234, 7, ids, (64, 1000), device="cpu")

@@ -518,87 +518,87 @@ def _attn_bwd_dq_kernel(
 # show up at tiny N (tests swap in other block shapes).
 _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 
+# GPU launch configurations: (kernel, bytes per element, head-dim bucket, probes per program) ->
+# [(BLOCK_M, BLOCK_N, num_warps, num_stages), ...]. The head-dim bucket is the padded head dim
+# BLOCK_D rounded up to 64, 128 or 256. "fwd" and "jvp" are the forward kernel without and with
+# tangents; for "dkdv" BLOCK_N is the key tile that carries the two fp32 accumulators.
+#
+# Every entry was compiled offline for sm_80 and sm_90 (tests/test_gpu_resources.py, the
+# figures in BENCHMARKS.md, "Static resource model of the GPU kernels"): each fits both targets'
+# shared memory per block (163 KiB on sm_80, 227 KiB on sm_90), so one list serves both, and
+# spills at most SPILL_LIMIT bytes per thread there. The first entry is what runs with
+# CONDINIT_ATTN_AUTOTUNE=0. fp32 inputs take IEEE fp32 products (FMA, no tensor cores): every
+# thread then holds whole rows of the operands, so fp32 gets its own small tiles.
+_CONFIGS = {
+    # bf16 / fp16
+    ("fwd", 2, 64, 1): [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    ("fwd", 2, 128, 1): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+    ("fwd", 2, 256, 1): [(128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
+    ("jvp", 2, 64, 1): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+    ("jvp", 2, 64, 2): [(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
+    ("jvp", 2, 128, 1): [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
+    ("jvp", 2, 128, 2): [(128, 32, 8, 2), (64, 32, 8, 2)],
+    ("jvp", 2, 256, 1): [(64, 32, 8, 2)],
+    ("dkdv", 2, 64, 1): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
+    ("dkdv", 2, 128, 1): [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
+    ("dkdv", 2, 256, 1): [(32, 64, 8, 2), (32, 32, 4, 2)],
+    ("dq", 2, 64, 1): [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    ("dq", 2, 128, 1): [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+    ("dq", 2, 256, 1): [(64, 64, 8, 2), (64, 32, 4, 2)],
+    # fp32
+    ("fwd", 4, 64, 1): [(32, 16, 4, 2)],
+    ("fwd", 4, 128, 1): [(32, 16, 4, 2)],
+    ("fwd", 4, 256, 1): [(32, 16, 4, 2)],
+    ("jvp", 4, 64, 1): [(32, 16, 4, 2)],
+    ("jvp", 4, 128, 1): [(32, 16, 4, 2)],
+    ("jvp", 4, 256, 1): [(32, 16, 4, 2)],
+    ("dkdv", 4, 64, 1): [(16, 32, 4, 2)],
+    ("dkdv", 4, 128, 1): [(16, 32, 4, 2)],
+    ("dkdv", 4, 256, 1): [(16, 32, 4, 2)],
+    ("dq", 4, 64, 1): [(32, 16, 4, 2)],
+    ("dq", 4, 128, 1): [(32, 16, 4, 2)],
+    ("dq", 4, 256, 1): [(32, 16, 4, 2)],
+}
 
-def _cfg(block_m, block_n, num_warps, num_stages, **extra):
-    return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, **extra),
-                         num_warps=num_warps, num_stages=num_stages)
-
-
-def _fwd_configs(block_d: int, jvp: bool, multi_probe: bool) -> list:
-    """GPU autotune list for the forward / JVP kernel (H100/H200: 228 KB smem, 64K regs per SM).
-
-    Forward: flash-attention-2 shapes (128 x 64..128 tiles, 8 warps at d = 128). JVP: each probe
-    adds an fp32 ``BLOCK_M x d`` accumulator and two more ``BLOCK_N x d`` tiles (tK, tV) per
-    key step, so the tiles shrink and stages drop to 2 as d grows. ``multi_probe`` adds configs
-    with two probes per program (shared S, P~, P~ V). The last entry of each list is small
-    enough for fp32 inputs, so some config always fits.
-    """
-    if not jvp:
-        if block_d <= 64:
-            cfgs = [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)]
-        elif block_d <= 128:
-            cfgs = [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3)]
-        else:
-            cfgs = [_cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 4, 2)]
-        cfgs.append(_cfg(32, 32, 4, 1))
-        for c in cfgs:
-            c.kwargs["PROBES_PER_PROGRAM"] = 1
-        return cfgs
-    if block_d <= 64:
-        cfgs = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)]
-        two = [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)]
-    elif block_d <= 128:
-        # sm_90 offline compile (bf16): 128x32/8 warps fits in 255 registers without spills;
-        # 128x64 spills ~150 B, 64x64/4 warps ~600 B, two probes per program ~350 B.
-        cfgs = [_cfg(128, 32, 8, 2), _cfg(128, 32, 8, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 2)]
-        two = [_cfg(128, 32, 8, 2), _cfg(64, 32, 8, 2)]
-    else:
-        # d = 256: two fp32 64 x 256 accumulators fill the register file whatever the tiling
-        # (every config spills ~1-3 KB at sm_90); 64 x 32 over 8 warps spills least and keeps
-        # Q, tQ and two stages of K, V, tK, tV in 196 KB of shared memory. Two probes never fit.
-        cfgs = [_cfg(64, 32, 8, 2)]
-        two = []
-    cfgs.append(_cfg(32, 32, 4, 1))
-    for c in cfgs:
-        c.kwargs["PROBES_PER_PROGRAM"] = 1
-    if multi_probe:
-        for c in two:
-            c.kwargs["PROBES_PER_PROGRAM"] = 2
-        cfgs = two + cfgs
-    return cfgs
+# Largest stack frame (spilled registers, bytes per thread) an entry of _CONFIGS may need on
+# sm_80 or sm_90, per bytes per element; checked by tests/test_gpu_resources.py.
+SPILL_LIMIT = {2: 512, 4: 512}
 
 
-def _bwd_configs(block_d: int, kind: str) -> list:
-    """GPU autotune list for the backward kernels. ``dkdv`` holds two fp32 ``BLOCK_N x d``
-    accumulators and walks query tiles (tall key tiles, short query tiles); ``dq`` is the mirror."""
-    if kind == "dkdv":
-        # Ordered by sm_90 spills (dK, dV accumulators plus K, V as loop-invariant operands).
-        if block_d <= 64:
-            cfgs = [_cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3)]
-        elif block_d <= 128:
-            cfgs = [_cfg(32, 128, 8, 3), _cfg(32, 64, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)]
-        else:
-            cfgs = [_cfg(32, 64, 8, 2), _cfg(32, 32, 4, 2)]
-    else:
-        if block_d <= 64:
-            cfgs = [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)]
-        elif block_d <= 128:
-            cfgs = [_cfg(128, 32, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)]
-        else:
-            cfgs = [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)]
-    cfgs.append(_cfg(32, 32, 4, 1))
-    return cfgs
+def _head_dim_bucket(block_d: int) -> int:
+    return 64 if block_d <= 64 else block_d
+
+
+def _probes_per_program(elem_bytes: int, block_d: int, jvp: bool, n_probes: int) -> int:
+    """2 when a JVP call has several probes and a two-probe list exists for its dtype and head
+    dim (the pair shares S, P~ and P~ V), else 1."""
+    two = jvp and n_probes > 1 and ("jvp", elem_bytes, _head_dim_bucket(block_d), 2) in _CONFIGS
+    return 2 if two else 1
+
+
+def _configs(kind: str, elem_bytes: int, block_d: int, probes_per_program: int = 1) -> list:
+    """The GPU launch configurations of one kernel (``"fwd"``, ``"jvp"``, ``"dkdv"``, ``"dq"``)
+    for inputs of ``elem_bytes`` bytes per element, padded head dim ``block_d`` and
+    ``probes_per_program``, as :class:`triton.Config` (first one: the autotune-off choice)."""
+    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+            for m, n, w, s in _CONFIGS[(kind, elem_bytes, _head_dim_bucket(block_d), probes_per_program)]]
+
+
+_KERNELS = {"fwd": _attn_fwd_kernel, "jvp": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel,
+            "dq": _attn_bwd_dq_kernel}
+# Autotune key: bucketed sequence lengths, the padded head dim, the causal flag and, for the
+# forward kernel, the JVP flag and the probes per program; the autotuner appends the tensors'
+# dtypes itself.
+_TUNE_KEY = {"fwd": ["tune_q", "tune_k", "BLOCK_D", "CAUSAL", "JVP", "PROBES_PER_PROGRAM"],
+             "dkdv": ["tune_q", "tune_k", "BLOCK_D", "CAUSAL"], "dq": ["tune_q", "tune_k", "BLOCK_D", "CAUSAL"]}
+_TUNE_KEY["jvp"] = _TUNE_KEY["fwd"]
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned(kind: str, block_d: int, jvp: bool = False, multi_probe: bool = False):
-    """One autotuner per (kernel, padded head dim, mode); keyed on bucketed sequence lengths and
-    the causal flag (the autotuner adds the tensor dtypes to the key itself)."""
-    if kind == "fwd":
-        return triton.autotune(_fwd_configs(block_d, jvp, multi_probe), key=["tune_q", "tune_k", "CAUSAL"])(
-            _attn_fwd_kernel)
-    kernel = _attn_bwd_dkdv_kernel if kind == "dkdv" else _attn_bwd_dq_kernel
-    return triton.autotune(_bwd_configs(block_d, kind), key=["tune_q", "tune_k", "CAUSAL"])(kernel)
+def _tuned(kind: str, elem_bytes: int, block_d: int, probes_per_program: int):
+    """One autotuner per config list."""
+    return triton.autotune(_configs(kind, elem_bytes, block_d, probes_per_program),
+                           key=_TUNE_KEY[kind])(_KERNELS[kind])
 
 
 def _bucket(n: int) -> int:
@@ -606,35 +606,33 @@ def _bucket(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 16))
 
 
-def _common_meta(q: torch.Tensor) -> dict:
-    d = q.shape[-1]
-    block_d = max(16, triton.next_power_of_2(d))
-    interp = _interpret()
+def _common_meta(head_dim: int) -> dict:
+    """The compile-time arguments every kernel takes, for head dim ``head_dim``."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
     return dict(
-        HEAD_DIM=d, BLOCK_D=block_d, EVEN_D=d == block_d,
-        INTERPRETER=interp,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
+        INTERPRETER=_interpret(),
         DOT_PRECISION="ieee",  # fp32 inputs: IEEE products (no TF32); ignored for fp16 / bf16
     )
 
 
-_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
-
-
-def _launch(kind, grid_fn, args, meta, *, jvp=False, multi_probe=False, probes_per_program=1):
-    """Interpreter: the fixed small config. GPU: the autotuner, or with
-    CONDINIT_ATTN_AUTOTUNE=0 the first (pre-screened) config of the list, compiled once."""
+def _launch(kind, grid_fn, args, meta):
+    """Launch kernel ``kind`` on ``args`` (``args[0]`` is q) with compile-time arguments ``meta``.
+    Interpreter: the fixed small config. GPU: the autotuner over the list of ``_configs``, or with
+    CONDINIT_ATTN_AUTOTUNE=0 its first config."""
+    kernel = _KERNELS[kind]
     if _interpret():
         cfg = dict(_INTERPRET_CONFIG)
-        if kind == "fwd":
-            cfg["PROBES_PER_PROGRAM"] = probes_per_program
-        _KERNELS[kind][(grid_fn(cfg),)](*args, **meta, **cfg)
-    elif os.environ.get("CONDINIT_ATTN_AUTOTUNE", "1") == "0":
-        first = (_fwd_configs(meta["BLOCK_D"], jvp, multi_probe) if kind == "fwd"
-                 else _bwd_configs(meta["BLOCK_D"], kind))[0]
-        _KERNELS[kind][(grid_fn(first.kwargs),)](*args, **meta, **first.kwargs,
-                                                  num_warps=first.num_warps, num_stages=first.num_stages)
+        kernel[(grid_fn(cfg),)](*args, **meta, **cfg)
+        return
+    elem_bytes = args[0].element_size()
+    ppp = meta.get("PROBES_PER_PROGRAM", 1)
+    if os.environ.get("CONDINIT_ATTN_AUTOTUNE", "1") == "0":
+        first = _configs(kind, elem_bytes, meta["BLOCK_D"], ppp)[0]
+        kernel[(grid_fn(first.kwargs),)](*args, **meta, **first.kwargs,
+                                         num_warps=first.num_warps, num_stages=first.num_stages)
     else:
-        _tuned(kind, meta["BLOCK_D"], jvp, multi_probe)[lambda m: (grid_fn(m),)](*args, **meta)
+        _tuned(kind, elem_bytes, meta["BLOCK_D"], ppp)[lambda m: (grid_fn(m),)](*args, **meta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -679,8 +677,9 @@ def _forward(q, k, v, causal, scale, tq=None, tk=None, tv=None):
     else:
         n_probes = 1
         tq, tk, tv, tout = q[None], k[None], v[None], out[None]  # placeholders, never touched
-    meta = _common_meta(q)
-    meta.update(CAUSAL=causal, JVP=jvp)
+    meta = _common_meta(d)
+    ppp = _probes_per_program(q.element_size(), meta["BLOCK_D"], jvp, n_probes)
+    meta.update(CAUSAL=causal, JVP=jvp, PROBES_PER_PROGRAM=ppp)
     args = (q, k, v, out, lse, tq, tk, tv, tout,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -691,10 +690,9 @@ def _forward(q, k, v, causal, scale, tq=None, tk=None, tv=None):
             H, Nq, Nk, n_probes, H // Hkv, float(scale) * _LOG2E, float(scale), _bucket(Nq), _bucket(Nk))
 
     def grid(m):
-        return triton.cdiv(Nq, m["BLOCK_M"]) * triton.cdiv(n_probes, m["PROBES_PER_PROGRAM"]) * B * H
+        return triton.cdiv(Nq, m["BLOCK_M"]) * triton.cdiv(n_probes, ppp) * B * H
 
-    _launch("fwd", grid, args, meta, jvp=jvp, multi_probe=n_probes > 1,
-            probes_per_program=2 if jvp and n_probes > 1 else 1)
+    _launch("jvp" if jvp else "fwd", grid, args, meta)
     return out, lse, (tout if jvp else None)
 
 
@@ -746,7 +744,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     lse = lse.contiguous()
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    meta = _common_meta(q)
+    meta = _common_meta(d)
 
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     pre_block = _INTERPRET_CONFIG["BLOCK_M"] if _interpret() else max(16, min(128, 8192 // meta["BLOCK_D"]))

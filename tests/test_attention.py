@@ -22,9 +22,9 @@ from condinit import _backends
 from condinit._backends import BackendUnavailableError
 from condinit.ops.attention import op as attention_op
 
-from attention_cases import (DEVICE, F64, accepts, backend_param, backend_params, cases_per_backend,
-                             empty_rows, f64, joint_floor, make_qkv, naive_attention, naive_lse,
-                             naive_vjp, randn, require)
+from attention_cases import (CASES, DEVICE, F64, ODD_HEAD_DIM_CASES, accepts, backend_param,
+                             backend_params, cases_per_backend, empty_rows, f64, joint_floor,
+                             make_qkv, naive_attention, naive_lse, naive_vjp, randn, require)
 from conftest import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,6 +73,13 @@ def test_output_and_gradients(backend, case, rng, nan_poison):
     assert (out[..., :empty, :] == 0).all() and (grads[0][..., :empty, :] == 0).all()
 
 
+def test_the_grid_covers_every_kernel_head_dim():
+    """The shapes above take every head dim the kernel rows declare, and one they do not."""
+    head_dims = {case[5] for case in CASES}
+    assert head_dims == set(attention_op.KERNEL_HEAD_DIMS)
+    assert all(case[5] not in head_dims for case in ODD_HEAD_DIM_CASES)
+
+
 def _dtype_params():
     params = []
     for b in DEVICE:
@@ -87,8 +94,8 @@ def test_dtypes(backend, dtype, rng, nan_poison):
     """float16 / bfloat16 (and float64 where the backend takes it): output and gradients in the
     input dtype, within its tolerance; the default scale is 1 / sqrt(d)."""
     device = require(backend)
-    shapes = [(1, 2, 1, 17, 9, 16, True)] if backend == "triton" else \
-        [(1, 4, 2, 33, 47, 64, True), (1, 2, 2, 17, 17, 128, False)]
+    shapes = [(1, 2, 1, 17, 9, 16, True), (1, 2, 1, 9, 33, 80, False)] if backend == "triton" else \
+        [(1, 4, 2, 33, 47, 64, True), (1, 2, 2, 17, 17, 80, False)]
     for B, H, Hkv, Nq, Nk, d, causal in shapes:
         q, k, v = make_qkv(B, H, Hkv, Nq, Nk, d, dtype, rng, device)
         dout = randn(q.shape, dtype, rng, device)
@@ -107,17 +114,20 @@ def test_dtypes(backend, dtype, rng, nan_poison):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_lse_and_rows_that_see_no_key(backend, rng, nan_poison):
-    """The forward op's log-sum-exp: -inf exactly on rows with no visible key (causal, Nq > Nk),
-    whose output is 0, and logsumexp of the scores elsewhere."""
+    """The forward op's log-sum-exp, in the dtype its fake kernel declares (float32, float64 for
+    float64 inputs): -inf exactly on rows with no visible key (causal, Nq > Nk), whose output is
+    0, and logsumexp of the scores elsewhere (accumulated in float32 at least)."""
     device = require(backend)
     B, H, Hkv, Nq, Nk, d = (1, 2, 1, 17, 9, 16) if backend == "triton" else (2, 4, 2, 40, 15, 32)
-    q, k, v = make_qkv(B, H, Hkv, Nq, Nk, d, FP32, rng, device)
-    out, lse = torch.ops.condinit.attention_fwd(q, k, v, True, 0.25, backend)
-    ref = naive_lse(*f64(q, k), True, 0.25)
     empty = Nq - Nk
-    assert lse.dtype == FP32 and lse.shape == (B, H, Nq)
-    assert torch.isneginf(lse[..., :empty]).all() and (out[..., :empty, :] == 0).all()
-    assert_close(lse[..., empty:], ref[..., empty:], FP32, "lse", floor=1.0)
+    for dtype in (dt for dt in (FP32, torch.bfloat16, F64) if accepts(backend, dt, d)):
+        q, k, v = make_qkv(B, H, Hkv, Nq, Nk, d, dtype, rng, device)
+        out, lse = torch.ops.condinit.attention_fwd(q, k, v, True, 0.25, backend)
+        ref = naive_lse(*f64(q, k), True, 0.25)
+        lse_dtype = F64 if dtype == F64 else FP32
+        assert lse.dtype == lse_dtype and lse.shape == (B, H, Nq), f"{dtype} inputs: lse {lse.dtype}"
+        assert torch.isneginf(lse[..., :empty]).all() and (out[..., :empty, :] == 0).all()
+        assert_close(lse[..., empty:], ref[..., empty:], lse_dtype, f"lse ({dtype} inputs)", floor=1.0)
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -153,7 +163,7 @@ def test_nan_input_reaches_the_rows_that_read_it(backend, where, rng):
 def test_non_contiguous_inputs_and_cotangent(backend, rng):
     """Transposed views as q, k, v and as the cotangent give what contiguous tensors give."""
     device = require(backend)
-    q, k, v = make_qkv(1, 4, 2, 19, 19, 16, FP32, rng, device)
+    q, k, v = make_qkv(*((1, 2, 1, 9, 11, 16) if backend == "triton" else (1, 4, 2, 19, 19, 16)), FP32, rng, device)
     dout = randn(q.shape, FP32, rng, device)
     strided = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
     results = []
@@ -217,12 +227,15 @@ def test_jacfwd_jacrev(backend, rng):
     vmap) against the naive attention's."""
     device = require(backend)
     dtype = _ad_dtype(backend)
-    q, k, v = make_qkv(1, 2, 1, 3, 5, 16, dtype, rng, device)
-    ref = torch.func.jacrev(_naive(True, 0.25), argnums=(0, 1, 2))(*f64(q, k, v))
+    # Under the interpreter every Jacobian column is a program: one head, 2 queries, 3 keys, and
+    # the Jacobian in k alone (through the softmax, the path the others share).
+    shape, argnums = ((1, 1, 1, 2, 3, 16), (1,)) if backend == "triton" else ((1, 2, 1, 3, 5, 16), (0, 1, 2))
+    q, k, v = make_qkv(*shape, dtype, rng, device)
+    ref = torch.func.jacrev(_naive(True, 0.25), argnums=argnums)(*f64(q, k, v))
     for transform in (torch.func.jacfwd, torch.func.jacrev):
-        jac = transform(_attention(backend, True, 0.25), argnums=(0, 1, 2))(q, k, v)
-        for name, a, b in zip(("q", "k", "v"), jac, ref):
-            assert_close(a, b, dtype, f"{transform.__name__} d out / d {name}", joint_floor(ref))
+        jac = transform(_attention(backend, True, 0.25), argnums=argnums)(q, k, v)
+        for i, a, b in zip(argnums, jac, ref):
+            assert_close(a, b, dtype, f"{transform.__name__} d out / d {'qkv'[i]}", joint_floor(ref))
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -260,6 +273,15 @@ def test_torch_compile(rng):
         results.append((out, *torch.autograd.grad(out.sum(), leaves)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+def test_torch_compile_inductor(rng):
+    """The default (inductor) backend, forward only: generated code around the custom op."""
+    q, k, v = make_qkv(1, 2, 1, 9, 9, 16, FP32, rng)
+    torch._dynamo.reset()
+    f = lambda q, k, v: condinit.attention(q, k, v) + 1  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
     torch._dynamo.reset()
 
 

@@ -110,6 +110,8 @@ def test_config_gpt2_bf16_and_inspect_without_metadata(tmp_path, capsys):
     assert w.dtype == torch.bfloat16 and w.shape == (48, 144)
     assert torch.equal(w[:, 96:].t().float(), torch.eye(48))
     assert torch.count_nonzero(sd["transformer.h.1.attn.c_attn.bias"]) == 0
+    with safe_open(str(out), "pt") as fh:   # no --seed: the explicit default 0, never a drawn seed
+        assert json.loads(fh.metadata()["condinit"])["seed"] == 0
     rc, text, _ = _run(capsys, "inspect", str(out), "--json")
     conds = json.loads(text)["layers"][0]["q"]["cond_per_head"]
     assert len(conds) == 4 and max(conds) < 1.05  # bf16 rounding moves kappa off 1 a little
@@ -152,6 +154,8 @@ def test_init_bad_inputs_leave_nothing_behind(tmp_path, capsys):
     assert rc == 2 and "not a directory" in err
     rc, _, err = _run(capsys, "init", "--out", str(tmp_path))
     assert rc == 2 and "is a directory" in err
+    rc, _, err = _run(capsys, "init", "--seed", str(2 ** 64), "--out", str(tmp_path / "x.safetensors"))
+    assert rc == 2 and "--seed must be an int in [0, 2**64)" in err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     rc, _, err = _run(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))

@@ -243,7 +243,7 @@ def test_jacobian_sigma_matches_full_mha_jacobian(causal):
         return out.reshape(-1)
 
     jac = torch.func.jacrev(f)(w0).reshape(n * e, -1)
-    s = torch.linalg.svdvals(jac)
+    s = torch.linalg.svdvals(jac.detach())
     smax, smin = attention_jacobian_sigma(mha, x, causal=causal)
     assert math.isclose(smax, float(s.max()), rel_tol=1e-9)
     assert math.isclose(smin, float(s.min()), rel_tol=1e-7)

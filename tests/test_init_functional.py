@@ -8,7 +8,7 @@ import condinit
 from condinit.init import (conditioned_blocks, conditioned_init_, conditioned_init_layers_, rect_identity_,
                            semi_orthogonal_)
 from condinit.init.functional import LAYER_STRIDE
-from condinit.init.random import stream_id
+from condinit.init.philox import stream_id
 
 
 def rows_err(W: torch.Tensor) -> float:
@@ -117,7 +117,7 @@ def test_conditioned_init_layer(H, Hkv, d, D):
     assert torch.equal(L["v"], torch.eye(Hkv * d, D))
     for key in ("q_bias", "k_bias", "v_bias"):
         assert torch.equal(L[key], torch.zeros_like(L[key]))
-    # the documented block ids: Q head h of layer 3 is block 3*H + h of stream "q"
+    # the documented block ids: Q head h of layer 3 is block 3 * 2**32 + h of stream "q"
     ref = conditioned_blocks(9, "q", range(3 * LAYER_STRIDE, 3 * LAYER_STRIDE + H), (d, D))
     assert torch.equal(L["q"].view(H, d, D), ref)
     refk = conditioned_blocks(9, stream_id("k"), range(3 * LAYER_STRIDE, 3 * LAYER_STRIDE + Hkv), (d, D))
@@ -229,6 +229,84 @@ def test_bad_input_leaves_tensors_untouched():
                                                 seed=0), *tensors, match="layer_indices")
     _untouched(lambda: conditioned_init_(good["q"], good["k"], good["v"], num_heads=4, num_kv_heads=2,
                                          layer_index=-1, seed=0), *tensors, match="layer_index")
+
+
+def test_seed_generator_and_stream_arguments():
+    """Every in-place function takes seed in [0, 2**64) or a generator (not both), like torch.nn.init
+    takes a generator; nothing is written when they are refused."""
+    w = torch.randn(8, 16)
+    before = w.clone()
+    calls = {
+        "semi_orthogonal_": lambda **kw: semi_orthogonal_(w, head_dim=4, **kw),
+        "conditioned_init_": lambda **kw: conditioned_init_(w, w[:4], w[:4], num_heads=2, num_kv_heads=1, **kw),
+        "conditioned_init_layers_": lambda **kw: conditioned_init_layers_([(w, None, None)], num_heads=2, **kw),
+    }
+    for name, fn in calls.items():
+        for bad in (-1, 2 ** 64):
+            with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
+                fn(seed=bad)
+        for bad in (1.0, True, "0"):
+            with pytest.raises(TypeError, match="seed"):
+                fn(seed=bad)
+        with pytest.raises(ValueError, match="either seed or generator"):
+            fn(seed=1, generator=torch.Generator())
+        with pytest.raises(TypeError, match="generator"):
+            fn(generator=7)
+        assert torch.equal(w, before), name
+    with pytest.raises(TypeError, match="num_heads"):
+        conditioned_init_layers_([(w, None, None)], num_heads=True, seed=0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        conditioned_init_layers_([(w, None, None)], num_heads=2, seed=0, memory_budget=0)
+    for bad in (-1, 2 ** 32):
+        with pytest.raises(ValueError, match="stream"):
+            semi_orthogonal_(w, seed=0, stream=bad)
+    with pytest.raises(TypeError, match="seed"):
+        conditioned_blocks(None, "q", [0], (4, 8))
+    with pytest.raises(ValueError, match="block_shape"):
+        conditioned_blocks(0, "q", [0], (0, 8))
+    with pytest.raises(ValueError, match="layer_indices"):
+        conditioned_init_layers_([(w, None, None)], num_heads=2, seed=0, layer_indices=[2 ** 31])
+    assert torch.equal(w, before)
+    # the ends of the range are valid seeds; seed=None draws from the generator
+    a, b = torch.empty(8, 16), torch.empty(8, 16)
+    semi_orthogonal_(a, seed=2 ** 64 - 1)
+    semi_orthogonal_(b, seed=0)
+    assert not torch.equal(a, b)
+    L1, L2 = _layer(4, 2, 8, 32), _layer(4, 2, 8, 32)
+    torch.manual_seed(8)
+    conditioned_init_(L1["q"], L1["k"], L1["v"], num_heads=4, num_kv_heads=2)
+    conditioned_init_layers_([L2], num_heads=4, num_kv_heads=2, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(L1["q"], L2["q"]) and torch.equal(L1["k"], L2["k"])
+
+
+@pytest.mark.parametrize("d,D", [(8, 32), (16, 8)])   # wide and tall blocks
+def test_plan_regions_equal_whole_matrix(d, D):
+    """The executor writes any rectangular region of a projection (rows cutting heads, a column
+    range: what one rank of a sharded model holds) with the bits of the whole-matrix init."""
+    from condinit.init.functional import InitPlan, run_plan
+
+    H, first = 4, 7 * LAYER_STRIDE
+    whole = torch.empty(H * d, D)
+    plan = InitPlan()
+    plan.add_heads(stream_id("q"), first, whole, d, D)
+    run_plan(plan, 3, "auto")
+    row_cuts, col_cuts = [0, d // 2 + 1, 2 * d + 3, H * d], [0, D // 3, D]
+    pieces = [(r0, r1, c0, c1) for r0, r1 in zip(row_cuts, row_cuts[1:]) for c0, c1 in zip(col_cuts, col_cuts[1:])]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.full((H * d, D), float("nan"), dtype=dtype)
+        plan = InitPlan()
+        for r0, r1, c0, c1 in pieces:
+            plan.add_heads(stream_id("q"), first, got[r0:r1, c0:c1], d, D, row_lo=r0, col_lo=c0)
+        launches, _ = run_plan(plan, 3, "auto")
+        assert launches >= 1 and torch.equal(got, whole.to(dtype))
+    for head_dim in (None, d):   # V: the rectangular identity, whole or per head, piece by piece
+        ref = rect_identity_(torch.empty(H * d, D), head_dim=d, per_head=head_dim is not None)
+        got = torch.full((H * d, D), float("nan"))
+        plan = InitPlan()
+        for r0, r1, c0, c1 in pieces:
+            plan.add_identity(got[r0:r1, c0:c1], row_lo=r0, col_lo=c0, head_dim=head_dim)
+        run_plan(plan, 0, "auto")
+        assert torch.equal(got, ref)
 
 
 def test_in_place_functions_work_on_parameters_that_require_grad():

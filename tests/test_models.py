@@ -15,7 +15,7 @@ from torch import nn
 import condinit
 from condinit.models import AttentionSpec, apply, find_attention, register_adapter, unregister_adapter
 
-ORTHO_ATOL = 1e-5  # fp32, per the issue: max |W W^T - I| per head
+ORTHO_ATOL = 1e-5  # fp32: max |W W^T - I| per head
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,10 +317,11 @@ def test_whole_model_equals_layer_by_layer_and_subsets():
     sub = copy.deepcopy(base)
     apply(sub.model.layers[1], seed=9, layer_offset=1)
     _assert_same(_qkv_snapshot(access(sub))[1:], expect[1:])
-    # re-chunking (at most 3 heads per launch: Q splits inside a layer) does not change a bit
+    # re-chunking (chunks of 3 blocks of 8 x 48: each layer's 6 Q heads split in two, its 2 K heads
+    # form one chunk) does not change a bit
     tiny = copy.deepcopy(base)
-    rep = apply(tiny, seed=9, buffer_bytes=3 * 8 * 48 * 4)
-    assert rep.launches == 4 + 2
+    rep = apply(tiny, seed=9, memory_budget=3 * 8 * 48 * 4)
+    assert rep.launches == 2 * (2 + 1)
     _assert_same(_qkv_snapshot(access(tiny)), expect)
     # another seed gives other weights
     other = copy.deepcopy(base)
@@ -328,47 +329,35 @@ def test_whole_model_equals_layer_by_layer_and_subsets():
     assert not torch.equal(access(other)[0][0], expect[0][0])
 
 
-def test_apply_matches_engine_conditioned_init():
-    from condinit.init import conditioned_init_
-
-    build, access, _ = FAMILIES["torch-encoder-layer"]
-    torch.manual_seed(0)
-    model = build()
-    apply(model, seed=21)
-    layer = model.layers[1].self_attn
-    q, k, v = (t.detach().clone() for t in access(model)[1][:3])
-    qw, kw, vw = (torch.empty_like(t) for t in (q, k, v))
-    conditioned_init_(qw, kw, vw, num_heads=4, seed=21, layer_index=1)
-    assert torch.equal(qw, q) and torch.equal(kw, k) and torch.equal(vw, v)
-    assert layer is not None
-
-
 @pytest.mark.parametrize("v_mode", ["identity", "identity_per_head"])
 def test_v_mode(v_mode):
-    from condinit.init import conditioned_init_layers_
-
     torch.manual_seed(0)
     model = nn.ModuleDict({"attn": nn.MultiheadAttention(24, 4, kdim=17, vdim=33, batch_first=True)})
-    apply(model, seed=2, v_mode=v_mode)
+    rep = apply(model, seed=2, v_mode=v_mode)
     _check_conditioned(model, _mha_kdim_qkv(model), v_mode=v_mode)
-    # the engine, projection by projection (it wants q and k of one in-features when given together)
-    a = model["attn"]
-    for key, w in (("q", a.q_proj_weight), ("k", a.k_proj_weight), ("v", a.v_proj_weight)):
-        mine = torch.empty_like(w)
-        conditioned_init_layers_([{key: mine}], num_heads=4, seed=2, layer_indices=[0], v_mode=v_mode)
-        assert torch.equal(mine, w.detach()), key
+    assert rep[0].after["v"].sigma_max == 1.0 and rep[0].after["v"].cond == 1.0
 
 
-def test_seed_none_follows_torch_manual_seed():
+def test_seed_default_is_drawn_like_torch_nn_init():
+    """seed=None (the default) draws one number from the generator, as torch.nn.init does:
+    torch.manual_seed (or a seeded generator) reproduces it, and the default generator advances."""
     build = FAMILIES["torch-mha-fused"][0]
     ws = []
     for _ in range(2):
         torch.manual_seed(77)
         m = build()
         torch.manual_seed(5)
-        rep = apply(m, seed=None)
+        rep = apply(m)
         ws.append((rep.seed, m["attn"].in_proj_weight.detach().clone()))
     assert ws[0][0] == ws[1][0] and torch.equal(ws[0][1], ws[1][1])
+    assert apply(build()).seed != ws[0][0]            # the default generator moved on
+    seeds = [apply(build(), generator=torch.Generator().manual_seed(3)).seed for _ in range(2)]
+    assert seeds[0] == seeds[1] and seeds[0] != ws[0][0]
+    m = build()
+    rep = apply(m, seed=seeds[0])                      # the recorded seed reproduces the weights
+    m2 = build()
+    apply(m2, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(m["attn"].in_proj_weight, m2["attn"].in_proj_weight)
 
 
 def test_bf16_is_fp32_rounded_once():
@@ -506,14 +495,27 @@ def test_bad_inputs():
         apply(build(), v_mode="ones")
     with pytest.raises(ValueError, match="seed"):
         apply(build(), seed=-1)
-    with pytest.raises(ValueError, match="buffer_bytes"):
-        apply(build(), buffer_bytes=0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        apply(build(), memory_budget=0)
+    with pytest.raises(TypeError, match="buffer_bytes"):   # the old name is gone
+        apply(build(), buffer_bytes=1 << 20)
+    with pytest.raises(ValueError, match="seed"):
+        apply(build(), seed=2 ** 64)
+    with pytest.raises(ValueError, match="either seed or generator"):
+        apply(build(), seed=1, generator=torch.Generator())
+    with pytest.raises(TypeError, match="generator"):
+        apply(build(), generator=5)
+    with pytest.raises(TypeError, match="report"):
+        apply(build(), report=1)
     with pytest.raises(ValueError, match="layer_offset"):
         apply(build(), layer_offset=-2)
     with pytest.raises(ValueError, match="only used to materialize"):
         apply(build(), device="cpu")
-    with pytest.raises(ValueError, match="must be a positive int"):
+    with pytest.raises(ValueError, match="num_heads"):
         AttentionSpec.from_fused(torch.empty(36, 12), num_heads=0, head_dim=4)
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        AttentionSpec.from_weights(torch.empty(12, 12), torch.empty(12, 12), torch.empty(12, 12), num_heads=3,
+                                   num_kv_heads=True)
     with pytest.raises(ValueError, match="does not split"):
         AttentionSpec.from_fused(torch.empty(35, 12), num_heads=3)
     with torch.device("meta"):

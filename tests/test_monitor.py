@@ -69,7 +69,8 @@ def test_monitor_does_not_change_training(tmp_path):
 
 
 def test_budget_and_round_robin(tmp_path):
-    _, _, mon = train(dict(every=1, steps=4, max_layers=1, frobenius_samples=0,
+    # the largest seed: per-step seeds are derived modulo 2**64
+    _, _, mon = train(dict(every=1, steps=4, max_layers=1, frobenius_samples=0, seed=2 ** 64 - 1,
                            path=tmp_path / "j.jsonl"), steps=3)
     done = [(r["step"], r["layer"]) for r in mon.history if r["skipped"] is None]
     assert done == [(0, 0), (1, 1), (2, 0)]
@@ -88,8 +89,34 @@ def test_monitor_bad_input(tmp_path):
             JacobianMonitor(model, budget=bad)
     with pytest.raises(ValueError, match="every"):
         JacobianMonitor(model, every=0)
+    with pytest.raises(TypeError, match="every"):
+        JacobianMonitor(model, every=True)
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
+        JacobianMonitor(model, seed=2 ** 64)
+    with pytest.raises(TypeError, match="dtype"):
+        JacobianMonitor(model, dtype=torch.int32)
     with pytest.raises(ValueError, match="no attention layer"):
         JacobianMonitor(nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="directory"):
         JacobianMonitor(model, path=tmp_path / "missing" / "j.jsonl")
     assert all(not l.self_attn._forward_pre_hooks for l in model.layers)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_input_capture_layouts(batch_first, rng):
+    """InputCapture hands over [B, N, D] (batch first) whatever the module's layout, and keeps the first call."""
+    from condinit.probe import InputCapture
+
+    mha = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    x = torch.randn(3, 5, 8, generator=rng)                  # [B, N, D]
+    xin = x if batch_first else x.transpose(0, 1)
+    seen = []
+    with InputCapture([mha]) as cap, InputCapture([mha], on_input=lambda i, m, t: seen.append(t)):
+        mha(xin, xin, xin)
+        mha(query=2 * xin, key=xin, value=xin)              # keyword input; not kept by the first capture
+    assert torch.equal(cap.inputs[0], x)
+    assert len(seen) == 2 and torch.equal(seen[0], x) and torch.equal(seen[1], 2 * x)
+    assert not mha._forward_pre_hooks
+    with InputCapture([mha]) as cap:
+        mha(x[0], x[0], x[0])                                 # unbatched [N, D]
+    assert torch.equal(cap.inputs[0], x[:1])

@@ -1,14 +1,16 @@
 """orthogonalize(): orthogonality of every method, agreement between methods, storage dtypes, the
-Triton polar kernels (interpreter), the backend registry, and Haar-distribution tests with a proof
-of their power (QR without the sign fix must fail them)."""
+Triton polar kernels (interpreter), the backend table, the caller's process state (thread count,
+matmul precision) left alone, and Haar-distribution tests with a proof of their power (QR without
+the sign fix must fail them)."""
 import importlib
 import math
+import threading
 
 import pytest
 import torch
 
 from condinit import _backends
-from condinit.init import conditioned_blocks, orthogonalize
+from condinit.init import conditioned_blocks, conditioned_init_, orthogonalize
 
 scipy_stats = pytest.importorskip("scipy.stats")
 scipy_special = pytest.importorskip("scipy.special")
@@ -103,14 +105,16 @@ def test_out_non_contiguous_and_input_untouched(rng):
     assert torch.equal(out, orthogonalize(W, "householder"))
 
 
-def test_chunking_does_not_change_bits(rng):
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_chunking_does_not_change_bits(backend, rng):
+    """Also for the torch backend, whose GEMMs run with the caller's (here 2 or more) threads."""
     W = torch.randn(37, 16, 200, generator=rng)
     for method in ("cholqr2", "polar", "householder"):
-        ref = orthogonalize(W, method)
+        ref = orthogonalize(W, method, backend=backend)
         for budget in (2 * 4 * 16 * 200, 5 * 4 * 16 * 200):
-            assert torch.equal(orthogonalize(W, method, memory_budget=budget), ref), method
-        assert torch.equal(orthogonalize(W[5:9], method), ref[5:9])
-        assert torch.equal(orthogonalize(W[7], method), ref[7])
+            assert torch.equal(orthogonalize(W, method, memory_budget=budget, backend=backend), ref), method
+        assert torch.equal(orthogonalize(W[5:9], method, backend=backend), ref[5:9])
+        assert torch.equal(orthogonalize(W[7], method, backend=backend), ref[7])
 
 
 def test_meta_and_bad_input():
@@ -132,6 +136,161 @@ def test_meta_and_bad_input():
         orthogonalize(bad)
     with pytest.raises(ValueError, match="out"):
         orthogonalize(torch.randn(4, 4), out=torch.empty(4, 5))
+    with pytest.raises(TypeError, match="out"):
+        orthogonalize(torch.randn(4, 4), out=[[0.0] * 4] * 4)
+    with pytest.raises(ValueError, match="backend"):
+        orthogonalize(torch.randn(4, 4), backend="lapack")
+    for budget, exc in ((0, ValueError), (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(exc, match="memory_budget"):
+            orthogonalize(torch.randn(4, 4), memory_budget=budget)
+    with pytest.raises(_backends.BackendUnavailableError, match="cpp-cpu"):
+        orthogonalize(m, backend="cpp-cpu")                       # meta tensors: torch only
+    with pytest.raises(_backends.BackendUnavailableError, match="method"):
+        orthogonalize(torch.randn(4, 4), "cholqr2", backend="triton")
+
+
+# --------------------------------------------------------------------------------------------------
+# the caller's process state: thread count and matmul precision are read, never changed
+
+CPP_CPU = _backends.available("cpp-cpu", "cpu")
+needs_cpp = pytest.mark.skipif(not CPP_CPU[0], reason=f"cpp-cpu unavailable: {CPP_CPU[1]}")
+
+
+@pytest.fixture
+def forbid_process_state_changes(monkeypatch):
+    """Every setter of torch's thread count or fp32 matmul precision raises for the test's duration."""
+    def forbidden(name):
+        def setter(*args, **kwargs):
+            raise AssertionError(f"{name} called inside a library call")
+        return setter
+    for owner, name in ((torch, "set_num_threads"), (torch._C, "set_num_threads"),
+                        (torch, "set_num_interop_threads"), (torch, "set_float32_matmul_precision"),
+                        (torch._C, "_set_float32_matmul_precision"), (torch._C, "_set_cublas_allow_tf32"),
+                        (torch._C, "_set_fp32_precision_setter")):
+        if hasattr(owner, name):
+            monkeypatch.setattr(owner, name, forbidden(f"{owner.__name__}.{name}"))
+    yield
+
+
+@pytest.fixture
+def restore_precision():
+    """Tests that set the caller's matmul precision get the default back afterwards."""
+    yield
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def test_process_state_untouched(forbid_process_state_changes, rng):
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    W = torch.randn(9, 16, 96, generator=rng)
+    for method in ("householder", "cholqr2", "polar", "svd"):
+        assert orth_error(orthogonalize(W, method, memory_budget=2 * 4 * 16 * 96)) <= 1e-5
+    q, k, v = torch.empty(4 * 16, 96), torch.empty(2 * 16, 96), torch.empty(2 * 16, 96)
+    conditioned_init_(q, k, v, num_heads=4, num_kv_heads=2, seed=7)
+    assert orth_error(q.view(4, 16, 96)) <= 1e-5
+    assert torch.get_num_threads() == threads
+    assert torch.get_float32_matmul_precision() == precision
+
+
+def test_other_threads_see_no_change(rng):
+    """A caller's thread running torch ops meanwhile sees its own settings, start to end."""
+    torch.set_float32_matmul_precision("highest")
+    W = torch.randn(64, 32, 256, generator=rng)
+    seen, stop = set(), threading.Event()
+
+    def observer():
+        while not stop.is_set():
+            seen.add((torch.get_num_threads(), torch.get_float32_matmul_precision()))
+
+    t = threading.Thread(target=observer)
+    t.start()
+    try:
+        for _ in range(3):
+            orthogonalize(W, "cholqr2", memory_budget=4 * 4 * 32 * 256)
+    finally:
+        stop.set()
+        t.join()
+    assert seen == {(torch.get_num_threads(), "highest")}
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_reduced_matmul_precision_keeps_fp32_accuracy(precision, restore_precision, rng):
+    """With TF32 / bf16 matmuls allowed by the caller, the GEMMs run in float64: still fp32-accurate,
+    and the setting is still the caller's afterwards."""
+    W = torch.randn(6, 64, 1024, generator=rng)
+    ref = {method: orthogonalize(W, method) for method in ("cholqr2", "polar", "svd")}
+    torch.set_float32_matmul_precision(precision)
+    assert orth_mod.gemm_dtype("cpu") == torch.float64
+    for method in ("cholqr2", "polar", "svd"):
+        Q = orthogonalize(W, method)
+        assert orth_error(Q) <= 1e-5, method
+        torch.testing.assert_close(Q, ref[method], atol=2e-6, rtol=0)
+        # float64 GEMMs: the blocks still do not depend on the chunking
+        assert torch.equal(orthogonalize(W[2:4], method), Q[2:4]), method
+    assert torch.get_float32_matmul_precision() == precision
+
+
+def test_gemm_dtype_follows_the_callers_settings(restore_precision):
+    assert orth_mod.gemm_dtype("cpu") == orth_mod.gemm_dtype("cuda") == torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert orth_mod.gemm_dtype("cuda") == torch.float64
+    assert orth_mod.gemm_dtype("cpu") == torch.float32       # TF32 for cuBLAS only
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("medium")
+    assert orth_mod.gemm_dtype("cpu") == orth_mod.gemm_dtype("cuda") == torch.float64
+
+
+@needs_cpp
+def test_bits_do_not_depend_on_worker_count(rng):
+    W = torch.randn(21, 16, 200, generator=rng)
+    budget = 3 * 4 * 16 * 200                                 # 7 chunks of 3 blocks
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)                              # the test sets it, not the library
+        one = {method: orthogonalize(W, method, memory_budget=budget) for method in ("cholqr2", "polar", "householder")}
+        torch.set_num_threads(2)
+        for method, ref in one.items():
+            assert torch.equal(orthogonalize(W, method, memory_budget=budget), ref), method
+            assert torch.equal(orthogonalize(W, method, backend="cpp-cpu"), ref), method
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_backend_chosen_once_per_call(monkeypatch, rng):
+    calls = []
+    choose = orth_mod.ORTHOGONALIZE.choose
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("method"))
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(orth_mod.ORTHOGONALIZE, "choose", counting)
+    W = torch.randn(12, 8, 64, generator=rng)
+    orthogonalize(W, "cholqr2", memory_budget=2 * 4 * 8 * 64)   # 6 chunks
+    assert calls == ["cholqr2"]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpp-cpu", marks=needs_cpp)])
+def test_chunk_errors_and_grad_mode_reach_the_caller(backend):
+    """A callback's exception surfaces unchanged; the callbacks run under the caller's grad mode."""
+    grad_modes = []
+
+    def fill(start, stop, A):
+        grad_modes.append(torch.is_grad_enabled())
+        if start >= 6:
+            raise KeyError(f"chunk at {start}")
+        A.copy_(torch.randn(A.shape))
+
+    with pytest.raises(KeyError, match="chunk at"):
+        orth_mod.run_chunks(10, (4, 16), "cholqr2", "cpu", fill, lambda *a: None, backend=backend,
+                            memory_budget=2 * 4 * 4 * 16)
+    with torch.no_grad():
+        orth_mod.run_chunks(4, (4, 16), "cholqr2", "cpu", fill, lambda *a: None, backend=backend,
+                            memory_budget=2 * 4 * 4 * 16)
+    with torch.enable_grad():
+        orth_mod.run_chunks(4, (4, 16), "cholqr2", "cpu", fill, lambda *a: None, backend=backend,
+                            memory_budget=2 * 4 * 4 * 16)
+    assert grad_modes[-4:] == [False, False, True, True]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +299,8 @@ def test_meta_and_bad_input():
 def test_registered_in_backend_registry():
     assert "orthogonalize" in _backends.ops()
     rows = [r for r in _backends.report(("cpu",)) if r["op"] == "orthogonalize"]
-    assert {r["backend"] for r in rows if r["reason"] != "not implemented for this op"} >= {"torch", "triton"}
+    assert {r["backend"] for r in rows if r["reason"] != "not implemented for this op"} >= {"cpp-cpu", "torch"}
+    assert set(orth_mod.ORTHOGONALIZE.impls) == {"cpp-cpu", "torch", "triton"}
 
 
 @pytest.fixture
@@ -235,7 +395,7 @@ def _qr_without_sign_fix(W):
 @pytest.mark.parametrize("shape", [(3, 7), (4, 4)])
 def test_haar_test_has_power(shape):
     """The same checks reject QR without the sign fix (Mezzadri 2007) on the same Gaussians."""
-    from condinit.init.random import block_randn, stream_id
+    from condinit.init.philox import block_randn, stream_id
     W = block_randn(20260101, stream_id("haar-test"), range(N_DRAWS), shape)
     with pytest.raises(AssertionError):
         _haar_checks(_qr_without_sign_fix(W))

@@ -88,6 +88,13 @@ def test_estimator_bad_input():
         frobenius_hutchinson(op, samples=1)
     with pytest.raises(ValueError, match="seed"):
         power_sigma_max(op, seed=-1)
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
+        lanczos_svd(op, steps=2, seed=2 ** 64)
+    with pytest.raises(TypeError, match="steps"):
+        lanczos_svd(op, steps=True)
+    with pytest.raises(ValueError, match="confidence"):
+        frobenius_hutchinson(op, confidence=1.0)
+    assert lanczos_svd(op, steps=2, seed=2 ** 64 - 1).seed == 2 ** 64 - 1     # the whole seed range
     with pytest.raises(TypeError, match="JacobianOperator"):
         lanczos_svd("op")
     with pytest.raises(ValueError, match="method"):

@@ -1,4 +1,4 @@
-"""Tests of the counter-based Gaussian generator (condinit.init.random): Philox4x32-10 known answers,
+"""Tests of the counter-based Gaussian generator (condinit.init.philox): Philox4x32-10 known answers,
 the element -> (seed, stream, block, index) contract, block / chunk independence, bitwise agreement of
 the backends (and of the C++ kernel's AVX-512 / AVX2 / baseline variants), accuracy against a float64
 Box-Muller, statistics, seeds and stream ids, and input validation."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from condinit import _backends
-from condinit.init import random as R
+from condinit.init import philox as R
 
 SEED = 0x0123456789ABCDEF
-CPU_NATIVE = _backends.backend_status("cpp-cpu", "cpu", "randn")
+CPU_NATIVE = _backends.available("cpp-cpu", "cpu", "philox_randn")
 needs_cpp = pytest.mark.skipif(not CPU_NATIVE[0], reason=f"cpp-cpu backend unavailable: {CPU_NATIVE[1]}")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -191,7 +191,7 @@ def test_cuda_matches_cpu_bitwise(shape):
     cpu = R.block_randn(SEED, 8, ids, shape, backend="torch")
     gpu_torch = R.block_randn(SEED, 8, ids, shape, device="cuda", backend="torch")
     assert_bitwise(gpu_torch, cpu)
-    if _backends.backend_status("cuda", "cuda", "randn")[0]:
+    if _backends.available("cuda", "cuda", "philox_randn")[0]:
         out = nan_out(len(ids), *shape, device="cuda")
         assert_bitwise(R.block_randn(SEED, 8, torch.tensor(ids, device="cuda"), shape, out=out, backend="cuda"), cpu)
 
@@ -343,13 +343,19 @@ def test_stream_id():
     (dict(block_shape=(3,)), ValueError, "block_shape"),
     (dict(block_shape=(3, 2.0)), TypeError, "block_shape"),
     (dict(block_shape=(2**20, 2**20)), ValueError, "block_shape"),
+    (dict(stream=True), TypeError, "stream"),
+    (dict(seed=torch.tensor(3)), TypeError, "seed"),
+    (dict(block_ids=[0, True]), TypeError, "block_ids"),
+    (dict(block_shape=(True, 4)), TypeError, "block_shape"),
+    (dict(backend="cuda-graph"), ValueError, "backend"),
 ])
 def test_validation_errors_before_writing(kwargs, exc, match):
-    args = dict(seed=SEED, stream=1, block_ids=[0, 1], block_shape=(3, 4))
+    args = dict(seed=SEED, stream=1, block_ids=[0, 1], block_shape=(3, 4), backend=None)
     args.update(kwargs)
     out = nan_out(2, 3, 4)
     with pytest.raises(exc, match=match):
-        R.block_randn(args["seed"], args["stream"], args["block_ids"], args["block_shape"], out=out)
+        R.block_randn(args["seed"], args["stream"], args["block_ids"], args["block_shape"], out=out,
+                      backend=args["backend"])
     assert bool(out.isnan().all())
 
 

@@ -90,8 +90,16 @@ def test_recondition_bad_input_untouched(rng):
         recondition_(w, max_cond=0.5)
     with pytest.raises(ValueError, match="max_cond"):
         recondition_(w, max_cond=float("nan"))
+    with pytest.raises(ValueError, match="max_cond"):
+        recondition_(w, max_cond=float("inf"))      # a finite bound: no clamping is no call
+    with pytest.raises(TypeError, match="max_cond"):
+        recondition_(w, max_cond=True)
     with pytest.raises(ValueError, match="method"):
         recondition_(w, max_cond=2.0, method="eig")
+    with pytest.raises(ValueError, match="method"):
+        spectrum(w, method="eig")
+    with pytest.raises(TypeError, match="head_dim"):
+        recondition_(w[0], max_cond=2.0, head_dim=True)
     with pytest.raises(ValueError, match="head_dim"):
         recondition_(w, max_cond=2.0, head_dim=4)
     w2 = torch.randn(12, 16, generator=rng)

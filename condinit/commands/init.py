@@ -7,8 +7,9 @@ The model (a preset of :mod:`condinit.models.presets`, or any Hugging Face ``con
 on the meta device, materialized on ``--device`` with its own init for everything but Q/K/V, and
 conditioned by :func:`condinit.apply` (no second full-size copy). The output is written atomically
 (nothing is left behind on error) with a ``condinit`` header entry (family, head counts, where each
-layer's Q/K/V live) that ``condinit inspect`` reads. ``--seed`` seeds both condinit's counter-based
-generator and torch's (the model's own init of the other weights), so the whole file is reproducible.
+layer's Q/K/V live) that ``condinit inspect`` reads. ``--seed`` (default 0, not drawn: the same
+command writes the same file) seeds both condinit's counter-based generator and torch's (the
+model's own init of the other weights), so the whole file is reproducible.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ HELP = "build a model (preset or HF config.json) on meta, apply conditioned init
 
 
 def add_arguments(p):
+    from condinit.init.orthogonalize import METHODS
     from condinit.models.presets import PRESETS
 
     src = p.add_mutually_exclusive_group()
@@ -28,10 +30,11 @@ def add_arguments(p):
                      help="built-in model: " + ", ".join(f"{k} ({v.description})" for k, v in PRESETS.items())
                      + " (default tiny-llama)")
     src.add_argument("--config", metavar="CONFIG.json", help="a Hugging Face config.json (needs model_type)")
+    # an explicit default, unlike condinit.apply's seed=None (drawn): the output is reproducible
     p.add_argument("--seed", type=int, default=0, help="seed, 0 <= seed < 2**64 (default 0)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="storage dtype (default fp32)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to materialize (default cpu)")
-    p.add_argument("--method", default="auto", help="orthogonalization method (default auto)")
+    p.add_argument("--method", choices=METHODS, default="auto", help="orthogonalization method (default auto)")
     p.add_argument("--v-mode", choices=("identity", "identity_per_head"), default="identity",
                    help="W_V: identity over the whole matrix (default) or per head")
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically)")
@@ -42,6 +45,7 @@ def add_arguments(p):
 def run(args) -> int:
     import torch
 
+    from condinit._validate import check_int, check_seed
     from condinit.cli import CLIError
     from condinit.models import apply
     from condinit.models.checkpoint import check_output_path, condinit_metadata, save_model_atomic
@@ -51,8 +55,8 @@ def run(args) -> int:
     out = check_output_path(args.out)
     if args.preset is not None and args.preset not in PRESETS:
         raise CLIError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    if not 0 <= args.seed < 2 ** 64:
-        raise CLIError(f"--seed must be in [0, 2**64), got {args.seed}")
+    check_seed("--seed", args.seed)
+    check_int("--max-rows", args.max_rows, min=0, allow_none=True)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available")
     config = load_config_dict(args.config) if args.config else None

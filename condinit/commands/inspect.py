@@ -8,12 +8,11 @@ weights are located from the ``condinit`` header entry that ``condinit init`` wr
 parameter names of the supported families (``q_proj/k_proj/v_proj``, ``query/key/value``, GPT-2's
 fused transposed ``c_attn``, timm's ``qkv``, ``in_proj_weight``), with head counts from the options.
 For every layer and Q/K/V it prints the min / median / max over heads of ``kappa = sigma_max /
-sigma_min`` of each head's ``[head_dim, in]`` block (float64 singular values); ``--plot`` draws them
-per layer (matplotlib, Agg) into an image written atomically.
+sigma_min`` of each head's ``[head_dim, in]`` block (float64, :func:`condinit.init.spectrum`);
+``--plot`` draws them per layer (matplotlib, Agg) into an image written atomically.
 """
 from __future__ import annotations
 
-import math
 import os
 
 NAME = "inspect"
@@ -29,24 +28,14 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def head_conditions(blocks):
-    """float64 ``(sigma_max, sigma_min, kappa)`` per block of a ``[B, m, n]`` stack."""
-    import torch
-
-    s = torch.linalg.svdvals(blocks.double())
-    smax, smin = s[:, 0], s[:, -1]
-    cond = torch.where(smin > 0, smax / smin.clamp_min(torch.finfo(torch.float64).tiny),
-                       torch.full_like(smax, math.inf))
-    return smax, smin, cond
-
-
 def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None):
     """``(metadata, rows)``: one row per attention layer with per-head kappa of Q, K, V."""
+    from condinit._validate import check_int
+    from condinit.init.spectrum import spectrum
     from condinit.models.checkpoint import locate_attention, open_checkpoint, projection_blocks, read_metadata
 
     for name, val in (("--num-heads", num_heads), ("--num-kv-heads", num_kv_heads), ("--head-dim", head_dim)):
-        if val is not None and val < 1:
-            raise ValueError(f"{name} must be >= 1, got {val}")
+        check_int(name, val, min=1, allow_none=True)
     with open_checkpoint(path) as fh:
         meta = read_metadata(fh)
         shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
@@ -59,7 +48,7 @@ def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None):
             row = {"layer": loc.get("index", i), "name": loc["name"], "num_heads": loc["num_heads"],
                    "num_kv_heads": loc["num_kv_heads"], "head_dim": loc["head_dim"]}
             for p in ("q", "k", "v"):
-                smax, smin, cond = head_conditions(projection_blocks(fh, loc, p, cache))
+                smax, smin, cond = spectrum(projection_blocks(fh, loc, p, cache))
                 row[p] = {"cond_per_head": cond.tolist(), "sigma_max": float(smax.max()),
                           "sigma_min": float(smin.min())}
             rows.append(row)

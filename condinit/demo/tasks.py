@@ -63,7 +63,7 @@ def _require_sklearn():
         from sklearn.datasets import load_digits
     except ImportError as exc:  # a missing optional dependency is the user's to fix: say how
         raise ValueError("task 'vision' needs scikit-learn for the digits data set "
-                         "(pip install scikit-learn, or run with --task text)") from exc
+                         "(pip install 'condinit[demo]', or run with --task text)") from exc
     return load_digits
 
 

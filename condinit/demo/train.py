@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_seed
+from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_seed, check_tensor
 from condinit.probe import InputCapture, JacobianOperator
 from condinit.probe.estimators import default_rank_rtol
 
@@ -101,11 +101,13 @@ def attention_jacobian_sigma(mha: nn.MultiheadAttention, x: torch.Tensor, *, cau
     ``J`` is the dense float64 Jacobian of :class:`condinit.probe.JacobianOperator` (see module
     doc); ``sigma_min`` is the smallest of its ``H N d`` singular values.
     """
+    check_tensor("x", x, floating=True, dim=2)
     op = JacobianOperator(mha, x, wrt="weights", causal=causal, dtype=torch.float64)
     J = op.dense()                                  # [H N d, 3 E D] (one sequence)
     d = op.d
     rows = J.reshape(op.H, -1, op.n)                # head h's outputs: [H, N d, n]
-    per_head_cols = op.split_input(rows)            # dW_Q, dW_K, dW_V columns: [H, N d, H d, D] each
+    # dW_Q, dW_K, dW_V columns, [H, N d, H d, D] each (nn.MultiheadAttention: as many K/V heads as Q heads)
+    per_head_cols = op.split_input(rows)
     sig = []
     for h in range(op.H):
         # Head h's outputs depend only on head h's rows of W_Q, W_K, W_V: J is block diagonal over

@@ -8,7 +8,7 @@
   stream, as an initialization writes them;
 * :func:`spectrum`, :func:`recondition_`: per-block singular-value extremes and spectral clamping.
 
-Randomness comes from :mod:`condinit.init.random` (counter-based, chunking-independent;
+Randomness comes from :mod:`condinit.init.philox` (counter-based, chunking-independent;
 ``docs/design.md``, "Random streams").
 """
 from condinit.init.functional import (conditioned_blocks, conditioned_init_, conditioned_init_layers_,

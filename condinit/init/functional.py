@@ -12,19 +12,17 @@ layer sits in the high 32 bits of the block counter, the head in the low 32, so 
 collide, whatever the head counts. Initializing layers one by one, all at once, in chunks or
 sharded gives bit-identical weights (for a given device type and memory budget).
 
-Call path. Every initializer takes the same route to the kernels. The public function
-(:func:`semi_orthogonal_`, :func:`conditioned_init_`, :func:`conditioned_init_layers_` here,
-``condinit.apply`` in ``condinit/models/apply.py``) validates its arguments with the helpers of
-``condinit/_validate.py``, draws the seed when none is given (``seed_from``, ``condinit/init/random.py``)
-and describes what it writes as an :class:`InitPlan`: ``add_heads`` for the Q/K head blocks,
-``add_identity`` for V, ``add_zero`` for biases (``apply`` hands over the local region of each
-projection, which is all a sharded parameter needs). :func:`run_plan` is the one executor: per
-group of same-shaped blocks, ``_execute`` drives ``run_chunks`` (``condinit/init/orthogonalize.py``),
-which per chunk calls back ``_execute``'s ``fill`` (Gaussians from the ``RANDN`` table of
-``random.py``, backend chosen once by ``RANDN.choose``), orthonormalizes the chunk through the
-``ORTHOGONALIZE`` table (``ORTHOGONALIZE.choose``) and hands the result to ``sink``, which rounds it
-once into each weight's dtype and writes it in place. V goes through ``_rect_identity_region_``, the
-helper behind :func:`rect_identity_`.
+Call path. The public function (:func:`semi_orthogonal_`, :func:`conditioned_init_`,
+:func:`conditioned_init_layers_` here, ``apply`` in ``condinit/models/apply.py``) validates its
+arguments (``condinit/_validate.py``), draws the seed if none is given (``seed_from``,
+``condinit/init/philox.py``) and lists what it writes in an :class:`InitPlan` (``add_heads``: Q/K
+head blocks, ``add_identity``: V, ``add_zero``: biases; ``apply`` passes each projection's local
+region, which is all sharding needs). :func:`run_plan` is the one executor: per group of
+same-shaped blocks ``_execute`` calls ``run_chunks`` (``condinit/init/orthogonalize.py``), which picks
+the ``ORTHOGONALIZE`` table's backend once (``ORTHOGONALIZE.choose``) to run every chunk: ``fill``
+draws its Gaussians through the ``RANDN`` table (``philox.py``, ``RANDN.choose`` once per group), the
+chunk is orthonormalized, and ``sink`` rounds each result once into its weight's dtype, in place.
+V is written by ``_rect_identity_region_``, the helper behind :func:`rect_identity_`.
 
 All same-shaped blocks of all layers are processed in chunks of ``memory_budget`` bytes of fp32
 scratch: one batched generate + orthogonalize per chunk, each result written once (fp32 compute,
@@ -45,7 +43,7 @@ import torch
 
 from condinit._validate import check_bool, check_choice, check_int, check_real, check_seed, check_tensor
 from condinit.init.orthogonalize import METHODS, resolve_method, run_chunks
-from condinit.init.random import RANDN, seed_from, stream_id
+from condinit.init.philox import RANDN, seed_from, stream_id
 
 __all__ = ["semi_orthogonal_", "rect_identity_", "conditioned_init_", "conditioned_init_layers_",
            "conditioned_blocks", "Q_STREAM", "K_STREAM", "V_MODES", "LAYER_STRIDE"]

@@ -3,14 +3,14 @@
 A stack ``W`` of ``B`` blocks ``m x n`` is mapped to blocks with orthonormal rows (``m <= n``,
 ``Q Q^T = I_m``) or orthonormal columns (``m > n``, ``Q^T Q = I_n``). Every method below works on
 the *wide* orientation (``m <= n``); a tall block is handled as its transpose. Methods
-(DESIGN.md section 5):
+(docs/design.md, "Orthogonalization"):
 
 ``householder``
     ``W^T = Q R`` (``torch.linalg.qr``) with the sign fix ``diag(R) > 0``, i.e. ``W = R^T Q^T``.
     Exact and backward stable for any conditioning. Of a Gaussian block this ``Q`` is Haar
     distributed (Mezzadri 2007); without the sign fix it is not.
 ``cholqr2``
-    CholeskyQR2: ``G = W W^T`` (fp32 batched GEMM), ``L = chol(G)`` in float64 (``m x m``, tiny),
+    CholeskyQR2: ``G = W W^T`` (batched GEMM), ``L = chol(G)`` in float64 (``m x m``, tiny),
     ``W <- L^{-1} W`` with an explicit triangular inverse and a batched GEMM, twice. ``W = L Q``
     with ``L`` lower triangular and ``diag(L) > 0`` is the same factorization as the sign-fixed
     Householder QR, so both give the *same* ``Q`` (up to rounding). Stable while
@@ -41,22 +41,38 @@ the *wide* orientation (``m <= n``); a tall block is handled as its transpose. M
 Polar and SVD give the polar factor, QR and CholeskyQR the Q factor: different matrices, the same
 (Haar) distribution for Gaussian input.
 
+Precision: the GEMMs are IEEE fp32. When the caller's torch settings let fp32 matmuls on the
+device run in TF32 or bf16 (``torch.set_float32_matmul_precision("high")`` or ``"medium"``,
+``torch.backends.cuda.matmul.allow_tf32``, the ``fp32_precision`` settings of ``torch.backends``),
+which would leave ``|Q Q^T - I| ~ 1e-3``, the GEMMs run in float64 instead, which those settings
+never touch, each result rounded to fp32 once. The settings are read, never changed.
+
 Determinism: every block's result depends only on its own data, never on how many or which other
 blocks were processed with it: on GPUs blocks run in chunks of a fixed number of blocks (a
-function of the block shape and the memory budget; a short chunk is padded with copies of a real
-block), on the CPU in chunks of at least 2 blocks run single-threaded (MKL's batched GEMM gives
-the same per-block bits for every batch size >= 2); see :func:`run_chunks`.
+function of the block shape, the memory budget and the GEMM precision above; a short chunk is
+padded with copies of a real block), on the CPU in chunks of at least 2 blocks (MKL's batched GEMM
+gives the same per-block bits for every batch size >= 2), each chunk on one thread; see
+:func:`run_chunks`.
+
+Backends (the ``orthogonalize`` table of :mod:`condinit._backends`): ``cpp-cpu`` runs the chunks of
+a call in parallel, in one OpenMP region of the native extension
+(``csrc/orthogonalize/parallel_chunks.cpp``), each chunk single-threaded with the PyTorch math;
+``torch`` runs them one after the other on the calling thread with the caller's thread settings;
+``triton`` runs ``polar`` with the Triton GEMMs, one chunk after the other.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from condinit import _backends
+from condinit import _backends, _ext
+from condinit._validate import check_choice, check_int, check_tensor
 
-__all__ = ["orthogonalize", "METHODS", "resolve_method", "chunk_blocks", "orthogonalize_wide_"]
+__all__ = ["orthogonalize", "METHODS", "ORTHOGONALIZE", "resolve_method", "chunk_blocks",
+           "gemm_dtype", "run_chunks"]
 
 METHODS = ("auto", "householder", "cholqr2", "polar", "svd")
 
@@ -76,6 +92,8 @@ POLAR_EXACT_SCALE_MAX_M = 256  # eigvalsh of the m x m Gram for m up to this
 # Default scratch budget per chunk buffer (bytes): CPU chunks stay cache-sized, GPU chunks are big.
 DEFAULT_BUDGET = {"cpu": 16 << 20, "cuda": 1 << 30}
 MAX_CHUNK_BLOCKS = {"cpu": 64}  # per device type (default 256): bounds the padding work of a short call
+# float64 GEMMs take float64 copies of their operands and result: chunks that many times smaller.
+FLOAT64_GEMM_MEMORY_FACTOR = 3
 _U32 = 2.0 ** -24
 
 
@@ -83,9 +101,11 @@ _U32 = 2.0 ** -24
 # helpers shared with condinit.init.functional
 
 def check_method(method) -> str:
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method
+    return check_choice("method", method, METHODS)
+
+
+def _check_floating(t, name: str) -> torch.Tensor:
+    return check_tensor(name, t, floating=True)
 
 
 def resolve_method(m: int, n: int, method: str) -> str:
@@ -96,36 +116,31 @@ def resolve_method(m: int, n: int, method: str) -> str:
     return "cholqr2" if big >= CHOLQR_MIN_ASPECT * small and small >= 2 else "householder"
 
 
-def chunk_blocks(m: int, n: int, device_type: str, memory_budget: Optional[int] = None) -> int:
-    """Blocks per chunk for ``m x n`` blocks: ``memory_budget`` bytes of fp32 per scratch buffer,
-    at least 2 (a batch of one takes a different BLAS path, hence other bits)."""
+def gemm_dtype(device_type: str) -> torch.dtype:
+    """The dtype of the GEMMs on ``device_type``: float32 while the caller's settings keep fp32
+    matmuls IEEE, else float64 (module docstring, "Precision"). Reads the settings only."""
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if getter is not None:
+        # Per-backend settings (torch >= 2.9), each "none" until set: it then inherits its parent's.
+        backend = {"cuda": "cuda", "cpu": "mkldnn"}.get(device_type)
+        chain = ([(backend, "matmul"), (backend, "all")] if backend else []) + [("generic", "all")]
+        precision = next((p for p in (getter(b, op) for b, op in chain) if p != "none"), "ieee")
+        reduced = precision != "ieee"
+    else:
+        reduced = torch.get_float32_matmul_precision() != "highest" or (
+            device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    return torch.float64 if reduced else torch.float32
+
+
+def chunk_blocks(m: int, n: int, device_type: str, memory_budget: Optional[int] = None,
+                 gemm: torch.dtype = torch.float32) -> int:
+    """Blocks per chunk for ``m x n`` blocks: ``memory_budget`` bytes of fp32 per scratch buffer
+    (less with float64 GEMMs), at least 2 (a batch of one takes a different BLAS path, hence other
+    bits)."""
     if memory_budget is None:
         memory_budget = DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cuda"])
-    return max(2, min(MAX_CHUNK_BLOCKS.get(device_type, 256), int(memory_budget) // (4 * m * n)))
-
-
-class _small_lapack:
-    """Run the tiny batched ``m x m`` factorizations single-threaded on the CPU.
-
-    torch calls LAPACK once per matrix of a batch, and MKL opens a parallel region in every call:
-    for 64 x 64 matrices the thread synchronization costs more than the work, and on a loaded
-    machine a region can wait a whole scheduler tick (measured: 0.5 s instead of 0.2 ms for 16
-    64 x 64 triangular inverses at load ~10 on 2 cores). Changes torch's (process-wide) intra-op
-    thread count for the duration of the call."""
-
-    def __init__(self, device: torch.device):
-        self.cpu = device.type == "cpu"
-
-    def __enter__(self):
-        self.threads = torch.get_num_threads() if self.cpu else 1
-        if self.threads != 1:
-            torch.set_num_threads(1)
-        return self
-
-    def __exit__(self, *exc):
-        if self.threads != 1:
-            torch.set_num_threads(self.threads)
-        return False
+    per_block = 4 * m * n * (FLOAT64_GEMM_MEMORY_FACTOR if gemm == torch.float64 else 1)
+    return max(2, min(MAX_CHUNK_BLOCKS.get(device_type, 256), int(memory_budget) // per_block))
 
 
 def _eye(m: int, device, dtype) -> torch.Tensor:
@@ -134,7 +149,22 @@ def _eye(m: int, device, dtype) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------
 # the methods, on a contiguous fp32 chunk A [C, m, n], m <= n. ``A`` may be clobbered; the result is
-# written to ``out`` (contiguous fp32 [C, m, n], may alias ``A``).
+# written to ``out`` (contiguous fp32 [C, m, n], may alias ``A``). ``gemm``: the GEMM dtype
+# (:func:`gemm_dtype`); every matrix product goes through :func:`_bmm` / :func:`_gram`.
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
+    """``out = a @ b`` (batched) computed in ``gemm``, rounded once into ``out``."""
+    if gemm == torch.float32:
+        return torch.bmm(a.float(), b, out=out)
+    out.copy_(torch.bmm(a.to(gemm), b.to(gemm)))
+    return out
+
+
+def _gram(X: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
+    """``X X^T`` in ``gemm`` (kept in that dtype: everything that reads it is tiny)."""
+    Xg = X.to(gemm)
+    return torch.bmm(Xg, Xg.transpose(1, 2))
+
 
 def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     Q, R = torch.linalg.qr(A.transpose(1, 2))          # A^T = Q R, Q [C, n, m]
@@ -144,33 +174,26 @@ def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _svd_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _svd_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
     U, _, Vh = torch.linalg.svd(A, full_matrices=False)   # U [C, m, m], Vh [C, m, n]
-    torch.bmm(U, Vh, out=out)
-    return out
-
-
-def _gram(X: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(X, X.transpose(1, 2))
+    return _bmm(U, Vh, out, gemm)
 
 
 def _chol_inverse(G: torch.Tensor, *, near_identity: bool):
-    """``L^{-1}`` (fp32) of ``G = L L^T`` computed in float64, and a mask of blocks to redo."""
+    """``L^{-1}`` (float64) of ``G = L L^T`` computed in float64, and a mask of blocks to redo."""
     G64 = G.double()
-    with _small_lapack(G.device):
-        L, info = torch.linalg.cholesky_ex(G64)
-        d = L.diagonal(dim1=-2, dim2=-1)
-        bad = info != 0
-        if near_identity:
-            eye = _eye(G.shape[-1], G.device, torch.float64)
-            bad |= (G64 - eye).abs().flatten(1).amax(1) > CHOLQR_MAX_GRAM2_DEVIATION
-        else:
-            bad |= ~(d.amax(-1) <= CHOLQR_MAX_DIAG_RATIO * d.amin(-1))   # also catches NaN
-        if bool(bad.any()):
-            L = torch.where(bad[:, None, None], _eye(G.shape[-1], G.device, torch.float64), L)
-        eye = _eye(G.shape[-1], G.device, torch.float64).expand_as(L)
-        Linv = torch.linalg.solve_triangular(L, eye, upper=False)
-    return Linv.float(), bad
+    L, info = torch.linalg.cholesky_ex(G64)
+    d = L.diagonal(dim1=-2, dim2=-1)
+    bad = info != 0
+    if near_identity:
+        eye = _eye(G.shape[-1], G.device, torch.float64)
+        bad |= (G64 - eye).abs().flatten(1).amax(1) > CHOLQR_MAX_GRAM2_DEVIATION
+    else:
+        bad |= ~(d.amax(-1) <= CHOLQR_MAX_DIAG_RATIO * d.amin(-1))   # also catches NaN
+    if bool(bad.any()):
+        L = torch.where(bad[:, None, None], _eye(G.shape[-1], G.device, torch.float64), L)
+    eye = _eye(G.shape[-1], G.device, torch.float64).expand_as(L)
+    return torch.linalg.solve_triangular(L, eye, upper=False), bad
 
 
 def _near_identity_chol_inverse(G: torch.Tensor):
@@ -178,9 +201,10 @@ def _near_identity_chol_inverse(G: torch.Tensor):
 
     ``L = I + F + O(m |E|^2)`` with ``F = tril(E, -1) + diag(E) / 2``, so ``L^{-1} = I - F`` to
     ``O(m |E|^2)``: below fp32 rounding when ``|E| <= sqrt(u64-ish / m)``, which a pass-1 result of a
-    well-conditioned block satisfies (|E| ~ 1e-6). Other blocks take the float64 Cholesky."""
+    well-conditioned block satisfies (|E| ~ 1e-6). Other blocks take the float64 Cholesky. The
+    result has ``G``'s dtype."""
     m = G.shape[-1]
-    eye = _eye(m, G.device, torch.float32)
+    eye = _eye(m, G.device, G.dtype)
     E = G - eye
     dev = E.abs().flatten(1).amax(1)
     first_order_ok = dev <= min(1e-5, math.sqrt(1e-9 / m))
@@ -190,25 +214,22 @@ def _near_identity_chol_inverse(G: torch.Tensor):
     if bool(first_order_ok.all()):
         return Linv, torch.zeros_like(first_order_ok)
     exact, bad = _chol_inverse(G, near_identity=True)
-    return torch.where(first_order_ok[:, None, None], Linv, exact), bad & ~first_order_ok
+    return torch.where(first_order_ok[:, None, None], Linv, exact.to(G.dtype)), bad & ~first_order_ok
 
 
-def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor],
+              gemm: torch.dtype) -> torch.Tensor:
     B = scratch if scratch is not None else torch.empty_like(A)
-    G = _gram(A)
-    with _small_lapack(A.device):   # everything on the m x m Grams: tiny, single-threaded
-        Linv, bad = _chol_inverse(G, near_identity=False)
-    torch.bmm(Linv, A, out=B)
-    G = _gram(B)
-    with _small_lapack(A.device):
-        Linv, bad2 = _near_identity_chol_inverse(G)
-        bad |= bad2
+    Linv, bad = _chol_inverse(_gram(A, gemm), near_identity=False)
+    _bmm(Linv.to(gemm), A, B, gemm)
+    Linv, bad2 = _near_identity_chol_inverse(_gram(B, gemm))
+    bad |= bad2
     fallback = None
     if bool(bad.any()):  # decided before ``out`` (which may alias A) is written
         idx = bad.nonzero().flatten()
         sub = A.index_select(0, idx)
         fallback = (idx, _householder_(sub, torch.empty_like(sub)))
-    torch.bmm(Linv, B, out=out)
+    _bmm(Linv, B, out, gemm)
     if fallback is not None:
         out.index_copy_(0, *fallback)
     return out
@@ -235,8 +256,7 @@ def _polar_scale(G: torch.Tensor):
     """(1/sigma_max, sigma_min/sigma_max lower bound) per block from the Gram G = W W^T."""
     m = G.shape[-1]
     if m <= POLAR_EXACT_SCALE_MAX_M:
-        with _small_lapack(G.device):
-            lam = torch.linalg.eigvalsh(G.double())
+        lam = torch.linalg.eigvalsh(G.double())
         top = lam[:, -1].clamp_min(1e-300)
         smax = top.sqrt() * (1.0 + 1e-4)   # headroom for the fp32 rounding of the Gram
         lower = (lam[:, 0].clamp_min(0.0) / top).sqrt() * (1.0 - 1e-3)
@@ -248,16 +268,18 @@ def _polar_scale(G: torch.Tensor):
     return 1.0 / smax, lower
 
 
-def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Optional[torch.Tensor] = None):
+def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Optional[torch.Tensor],
+                   gemm: torch.dtype):
     """The polar iteration with pluggable GEMMs: ``gram(X) -> X X^T`` and
-    ``step(X, G, alpha, beta, Y)``: ``Y = alpha X + beta G X`` (alpha, beta: fp32 [C])."""
+    ``step(X, G, alpha, beta, Y)``: ``Y = alpha X + beta G X`` (alpha, beta: fp32 [C]). ``gemm``:
+    the GEMM dtype of the SVD that finishes blocks which do not converge."""
     C, m, n = A.shape
     tol = polar_tol(n)
     eye = _eye(m, A.device, torch.float32)
     G = gram(A)
     scale, lower = _polar_scale(G)
     # X_0 = scale * A is folded into the first step: Y = scale (alpha I + beta scale^2 G) A.
-    G = G * (scale * scale).float()[:, None, None]
+    G = G * (scale * scale).to(G.dtype)[:, None, None]
     X, Y = A, scratch if scratch is not None else torch.empty_like(A)
     # Per-block step budget: the block's own schedule (until its interval [l, 1] has closed) plus a
     # few Newton-Schulz polish steps; nothing depends on the other blocks of the chunk.
@@ -276,18 +298,16 @@ def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Opti
     while True:
         if steps:
             G = gram(X)
-        with _small_lapack(A.device):
-            if steps:
-                done |= (G - eye).abs().flatten(1).amax(1) <= tol
-            active = ~done & (limit > steps)
-            if not bool(active.any()):
-                break
-            alpha, beta, l = _cubic_coefficients(l)
-            if steps == 0:
-                alpha, beta = alpha * scale, beta * scale
-            # finished blocks take the exact identity step alpha = 1, beta = 0
-            alpha = torch.where(active, alpha, 1.0).float()
-            beta = torch.where(active, -beta, 0.0).float()
+            done |= (G - eye).abs().flatten(1).amax(1) <= tol
+        active = ~done & (limit > steps)
+        if not bool(active.any()):
+            break
+        alpha, beta, l = _cubic_coefficients(l)
+        if steps == 0:
+            alpha, beta = alpha * scale, beta * scale
+        # finished blocks take the exact identity step alpha = 1, beta = 0
+        alpha = torch.where(active, alpha, 1.0).float()
+        beta = torch.where(active, -beta, 0.0).float()
         step(X, G, alpha, beta, Y)
         X, Y = Y, X
         steps += 1
@@ -295,82 +315,94 @@ def polar_iterate_(A: torch.Tensor, out: torch.Tensor, gram, step, scratch: Opti
         # X_k = p_k(A A^T) A has A's singular vectors, so its polar factor is A's: finish by SVD
         idx = (~done).nonzero().flatten()
         sub = X.index_select(0, idx)
-        X.index_copy_(0, idx, _svd_(sub, torch.empty_like(sub)))
+        X.index_copy_(0, idx, _svd_(sub, torch.empty_like(sub), gemm))
     if X.data_ptr() != out.data_ptr():
         out.copy_(X)
     return out
 
 
-def _torch_step(X, G, alpha, beta, Y):
-    M = G * beta[:, None, None]
-    M.diagonal(dim1=-2, dim2=-1).add_(alpha[:, None])
-    torch.bmm(M, X, out=Y)
+def _polar_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor],
+            gemm: torch.dtype) -> torch.Tensor:
+    def step(X, G, alpha, beta, Y):
+        M = G * beta.to(G.dtype)[:, None, None]
+        M.diagonal(dim1=-2, dim2=-1).add_(alpha.to(G.dtype)[:, None])
+        _bmm(M, X, Y, gemm)
+
+    return polar_iterate_(A, out, lambda X: _gram(X, gemm), step, scratch, gemm)
 
 
-def _polar_(A: torch.Tensor, out: torch.Tensor, scratch=None) -> torch.Tensor:
-    return polar_iterate_(A, out, _gram, _torch_step, scratch)
+def _torch_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Optional[torch.Tensor],
+                 gemm: torch.dtype) -> torch.Tensor:
+    """One chunk, PyTorch math (the ``torch`` and ``cpp-cpu`` backends)."""
+    if method == "householder":
+        return _householder_(A, out)
+    if method == "svd":
+        return _svd_(A, out, gemm)
+    if method == "cholqr2":
+        return _cholqr2_(A, out, scratch, gemm)
+    return _polar_(A, out, scratch, gemm)
 
 
-_METHOD_FNS = {"householder": _householder_, "cholqr2": _cholqr2_, "polar": _polar_, "svd": _svd_}
+def _triton_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Optional[torch.Tensor],
+                  gemm: torch.dtype) -> torch.Tensor:
+    """One chunk of ``polar`` with the Triton GEMMs (IEEE fp32 whatever the torch settings)."""
+    from condinit.kernels import polar as kpolar
+    return polar_iterate_(A, out, kpolar.gram, kpolar.step, scratch, gemm)
 
 
 # ---------------------------------------------------------------------------------------------------
-# backend registry: op "orthogonalize", args (A, method, out, scratch)
+# chunking: one job per call, run by the chosen backend
 
-# What each backend runs (one table: the choice and `condinit info` read it).
-ORTHOGONALIZE = _backends.Op("orthogonalize")
+@dataclasses.dataclass
+class _Job:
+    """``num_blocks`` blocks of wide shape ``shape`` split into ``chunks`` ([start, stop) ranges).
+
+    ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A``; ``sink(start,
+    stop, R)`` receives their results; ``direct(start, stop)`` may return a contiguous fp32 tensor
+    to write a whole chunk's result into (then ``sink`` is not called for it)."""
+    method: str
+    shape: tuple[int, int]
+    device: torch.device
+    chunks: list[tuple[int, int]]
+    rows: int                      # blocks per chunk buffer
+    padded: Optional[int]          # GPUs: every chunk is padded to exactly this many blocks
+    gemm: torch.dtype
+    fill: Callable
+    sink: Callable
+    direct: Optional[Callable]
+
+    def buffers(self):
+        """One worker's chunk buffer and scratch."""
+        A = torch.empty((self.rows, *self.shape), dtype=torch.float32, device=self.device)
+        return A, (torch.empty_like(A) if self.method in ("cholqr2", "polar") else None)
+
+    def run(self, index: int, buffers, chunk_math: Callable) -> None:
+        """Chunk ``index``, in ``buffers``, by ``chunk_math`` (:func:`_torch_chunk` or
+        :func:`_triton_chunk`)."""
+        start, stop = self.chunks[index]
+        k = stop - start
+        if self.padded is not None:
+            size = self.padded
+        else:  # CPU: at least 2 blocks, except for the methods LAPACK runs matrix by matrix
+            size = k if self.method in ("householder", "svd") else max(2, k)
+        A_full, S_full = buffers
+        A = A_full[:size]
+        S = S_full[:size] if S_full is not None else None
+        self.fill(start, stop, A[:k])
+        if k < size:  # pad with copies of a real block; their results are discarded
+            A[k:].copy_(A[k - 1:k].expand(size - k, *self.shape))
+        dest = self.direct(start, stop) if (self.direct is not None and k == size) else None
+        chunk_math(A, self.method, dest if dest is not None else A, S, self.gemm)
+        if dest is None:
+            self.sink(start, stop, A[:k])
 
 
-@ORTHOGONALIZE.register("torch", devices=(_backends.ANY_DEVICE,))
-def _orthogonalize_torch(A: torch.Tensor, method: str, out: torch.Tensor, scratch=None) -> torch.Tensor:
-    fn = _METHOD_FNS[method]
-    if method in ("cholqr2", "polar"):
-        return fn(A, out, scratch)
-    return fn(A, out)
-
-
-@ORTHOGONALIZE.register("triton", devices=("cuda", "cpu"), limits={"method": ("polar",)})
-def _orthogonalize_triton(A: torch.Tensor, method: str, out: torch.Tensor, scratch=None) -> torch.Tensor:
-    from condinit.kernels import polar as kpolar
-    return polar_iterate_(A, out, kpolar.gram, kpolar.step, scratch)
-
-
-def orthogonalize_wide_(A: torch.Tensor, method: str, out: torch.Tensor, *, scratch=None,
-                        backend: Optional[str] = None) -> torch.Tensor:
-    """Orthonormalize the rows of the contiguous fp32 chunk ``A`` [C, m, n] (m <= n, C >= 2) into
-    ``out``; ``A`` (and ``scratch``, like ``A``) may be clobbered. ``method`` is concrete (not auto)."""
-    return ORTHOGONALIZE(ORTHOGONALIZE.choose(A.device, backend, method=method), A, method, out, scratch)
-
-
-def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
-               memory_budget=None, backend=None, direct=None, breaks=()):
-    """Drive the chunked computation of ``num_blocks`` blocks of wide shape ``block_shape``.
-
-    ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A`` (contiguous fp32
-    ``[stop-start, m, n]``); ``sink(start, stop, R)`` receives their orthonormalized fp32 results.
-    ``direct(start, stop)`` may return a contiguous fp32 tensor to write a whole chunk's result into
-    (then ``sink`` is not called for it). ``breaks``: block offsets where, on the CPU, a chunk should
-    end (destination boundaries, so that chunks can be written directly). The callbacks of
-    different chunks may run concurrently (CPU) and must touch disjoint memory.
-
-    Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
-    goes through a multithreaded GEMM): on GPUs every chunk is padded to exactly
-    ``chunk_blocks(...)`` blocks with copies of a real block. On the CPU (MKL) every batch size >= 2
-    was measured to give the same per-block bits (tests/test_orthogonalize.py checks it), so chunks
-    there are at most that long, split at ``breaks``, and padded to 2 blocks only (not at all for
-    Householder and SVD, which LAPACK runs matrix by matrix).
-
-    CPU parallelism: ``torch.get_num_threads()`` workers each run whole chunks single-threaded
-    (torch's intra-op thread count is set to 1 for the duration of the call, then restored). The
-    GEMMs here are small (``m = 64``): one OpenMP region per GEMM costs a barrier per call, and on
-    a loaded machine a barrier waits for a descheduled thread (measured on 2 shared cores: 2
-    intra-op threads 4-20x slower than 1); independent chunks per worker need no barrier at all.
-    """
+def _plan(num_blocks: int, block_shape, method: str, device: torch.device, fill, sink, direct,
+          memory_budget, breaks) -> _Job:
     m, n = block_shape
-    device = torch.device(device)
-    C = chunk_blocks(m, n, device.type, memory_budget)
+    gemm = gemm_dtype(device.type)
+    C = chunk_blocks(m, n, device.type, memory_budget, gemm)
     cpu = device.type == "cpu"
-    lapack = method in ("householder", "svd")
     cuts = sorted(set(b for b in breaks if 0 < b < num_blocks)) if cpu else []
     chunks = []
     start, ci = 0, 0
@@ -381,76 +413,81 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
         chunks.append((start, stop))
         start = stop
     rows = min(C, max(2, num_blocks)) if cpu else C
-
-    def buffers():
-        A = torch.empty((rows, m, n), dtype=torch.float32, device=device)
-        return A, (torch.empty_like(A) if method in ("cholqr2", "polar") else None)
-
-    def one(start, stop, A_full, S_full):
-        k = stop - start
-        size = (k if lapack else max(2, k)) if cpu else C
-        A = A_full[:size]
-        S = S_full[:size] if S_full is not None else None
-        fill(start, stop, A[:k])
-        if k < size:  # pad with copies of a real block; their results are discarded
-            A[k:].copy_(A[k - 1:k].expand(size - k, m, n))
-        dest = direct(start, stop) if (direct is not None and k == size) else None
-        orthogonalize_wide_(A, method, dest if dest is not None else A, scratch=S, backend=backend)
-        if dest is None:
-            sink(start, stop, A[:k])
-
-    # TF32 / bf16 GEMMs (torch.set_float32_matmul_precision("high")) would leave |Q Q^T - I| ~ 1e-3
-    precision = torch.get_float32_matmul_precision()
-    threads = torch.get_num_threads()
-    workers = min(threads, len(chunks)) if cpu and not lapack else 1
-    if workers > 1 and ORTHOGONALIZE.choose(device, backend, method=method) != "torch":
-        workers = 1   # the Triton interpreter is not thread-safe
-    torch.set_float32_matmul_precision("highest")
-    if cpu and not lapack:
-        torch.set_num_threads(1)   # also for one worker: the same bits whatever the chunk count
-    try:
-        if workers <= 1:
-            bufs = buffers()
-            for start, stop in chunks:
-                one(start, stop, *bufs)
-        else:
-            _run_workers(workers, chunks, buffers, one)
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_float32_matmul_precision(precision)
+    return _Job(method, (m, n), device, chunks, rows, None if cpu else C, gemm, fill, sink, direct)
 
 
-def _run_workers(workers, chunks, buffers, one):
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-    lock = threading.Lock()
-    todo = iter(chunks)
+def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
+               memory_budget=None, backend=None, direct=None, breaks=()) -> None:
+    """Orthogonalize ``num_blocks`` blocks of wide shape ``block_shape`` chunk by chunk.
 
-    def worker():
-        torch.set_grad_enabled(False)  # grad mode is thread-local: weights may require grad
-        bufs = buffers()
-        while True:
-            with lock:
-                item = next(todo, None)
-            if item is None:
-                return
-            one(*item, *bufs)
+    ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A`` (contiguous fp32
+    ``[stop-start, m, n]``); ``sink(start, stop, R)`` receives their orthonormalized fp32 results.
+    ``direct(start, stop)`` may return a contiguous fp32 tensor to write a whole chunk's result into
+    (then ``sink`` is not called for it). ``breaks``: block offsets where, on the CPU, a chunk should
+    end (destination boundaries, so that chunks can be written directly). The callbacks of
+    different chunks may run concurrently (CPU) and must touch disjoint memory. ``method`` is
+    concrete (not ``"auto"``); ``backend`` is chosen here, once for the whole call.
 
-    with ThreadPoolExecutor(workers) as pool:
-        for f in [pool.submit(worker) for _ in range(workers)]:
-            f.result()
+    Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
+    goes through a multithreaded GEMM): on GPUs every chunk is padded to exactly
+    ``chunk_blocks(...)`` blocks with copies of a real block. On the CPU (MKL) every batch size >= 2
+    was measured to give the same per-block bits (tests/test_orthogonalize.py checks it), so chunks
+    there are at most that long, split at ``breaks``, and padded to 2 blocks only (not at all for
+    Householder and SVD, which LAPACK runs matrix by matrix).
+
+    CPU parallelism (``cpp-cpu``): the chunks are shared among the threads of one OpenMP parallel
+    region (``torch.get_num_threads()`` of them), each chunk single-threaded, because every ATen and
+    MKL call inside a parallel region is. The GEMMs here are small (``m = 64``): one OpenMP region
+    per GEMM costs a barrier per call, and on a loaded machine a barrier waits for a descheduled
+    thread (measured on 2 shared cores: 2 intra-op threads 4-20x slower than 1); independent chunks
+    per thread need no barrier at all. No thread setting of the process changes.
+    """
+    device = torch.device(device)
+    name = ORTHOGONALIZE.choose(device, backend, method=method)
+    ORTHOGONALIZE(name, _plan(num_blocks, block_shape, method, device, fill, sink, direct,
+                              memory_budget, breaks))
+
+
+# ---------------------------------------------------------------------------------------------------
+# backends: op "orthogonalize", one argument (the _Job)
+
+# What each backend runs (one table: the choice and `condinit info` read it).
+ORTHOGONALIZE = _backends.Op("orthogonalize")
+
+
+@ORTHOGONALIZE.register("cpp-cpu", devices=("cpu",))
+def _orthogonalize_cpp_cpu(job: _Job) -> None:
+    runner = getattr(_ext.load(), "run_chunks_in_parallel_region", None)
+    if runner is None:
+        raise _backends.BackendUnavailableError(
+            "orthogonalize: this build of condinit._C has no run_chunks_in_parallel_region; rebuild "
+            "it (pip install --no-build-isolation -e .) or force backend='torch'")
+    buffers = {}   # worker -> its chunk buffers, allocated when it takes its first chunk
+
+    def chunk(worker: int, index: int) -> None:
+        if worker not in buffers:
+            buffers[worker] = job.buffers()
+        job.run(index, buffers[worker], _torch_chunk)
+
+    runner(len(job.chunks), chunk)
+
+
+@ORTHOGONALIZE.register("torch", devices=(_backends.ANY_DEVICE,))
+def _orthogonalize_torch(job: _Job) -> None:
+    buffers = job.buffers()
+    for index in range(len(job.chunks)):
+        job.run(index, buffers, _torch_chunk)
+
+
+@ORTHOGONALIZE.register("triton", devices=("cuda", "cpu"), limits={"method": ("polar",)})
+def _orthogonalize_triton(job: _Job) -> None:
+    buffers = job.buffers()   # one chunk at a time: the Triton interpreter is not thread-safe
+    for index in range(len(job.chunks)):
+        job.run(index, buffers, _triton_chunk)
 
 
 # ---------------------------------------------------------------------------------------------------
 # public API
-
-def _check_floating(t, name: str):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_complex() or not t.is_floating_point():
-        raise TypeError(f"{name} must be a real floating-point tensor (float32/float64/bfloat16/"
-                        f"float16), got dtype {t.dtype}")
-
 
 @torch.no_grad()  # an initializer, not a differentiable op
 def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[torch.Tensor] = None,
@@ -458,7 +495,9 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
     """Orthonormalize every block of ``stack`` ``[..., m, n]`` (``[m, n]`` is one block).
 
     Rows become orthonormal when ``m <= n`` (``Q Q^T = I_m``), columns when ``m > n``. Computed in
-    fp32 (float64 for the small ``m x m`` factorizations) and rounded once into the output dtype.
+    fp32 (float64 for the small ``m x m`` factorizations, and for the GEMMs when the caller allows
+    reduced-precision fp32 matmuls) and rounded once into the output dtype. Each block's result
+    depends only on that block (docs/design.md, "Orthogonalization").
 
     Args:
         stack: real floating tensor, ``ndim >= 2``, finite.
@@ -466,35 +505,44 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
             docstring).
         out: optional output of ``stack``'s shape and device (any floating dtype, any strides);
             default a new tensor like ``stack``.
-        backend: force a backend of the ``"orthogonalize"`` op (``"torch"``, ``"triton"``).
+        backend: force a backend of the ``"orthogonalize"`` op (``"cpp-cpu"``, ``"torch"``,
+            ``"triton"``); default automatic (:mod:`condinit._backends`).
         memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU).
 
     Returns ``out``.
+
+    Examples:
+        >>> W = torch.randn(8, 64, 2048)            # 8 blocks of 64 x 2048
+        >>> Q = orthogonalize(W)                     # rows of every block orthonormal
+        >>> torch.allclose(Q[0] @ Q[0].T, torch.eye(64), atol=1e-5)
+        True
+        >>> orthogonalize(torch.randn(300, 20), "householder").shape   # tall: columns
+        torch.Size([300, 20])
     """
-    _check_floating(stack, "stack")
+    check_tensor("stack", stack, floating=True, min_dim=2)
     check_method(method)
-    if stack.dim() < 2:
-        raise ValueError(f"stack must have at least 2 dims [..., m, n], got shape {tuple(stack.shape)}")
+    check_tensor("out", out, floating=True, allow_none=True)
+    check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
+    check_int("memory_budget", memory_budget, min=1, allow_none=True)
     if any(s == 0 for s in stack.shape):
         raise ValueError(f"stack must not have a zero-size dim, got shape {tuple(stack.shape)}")
-    if out is not None:
-        _check_floating(out, "out")
-        if out.shape != stack.shape or out.device != stack.device:
-            raise ValueError(f"out must have stack's shape {tuple(stack.shape)} and device {stack.device}, "
-                             f"got {tuple(out.shape)} on {out.device}")
-    else:
+    if out is not None and (out.shape != stack.shape or out.device != stack.device):
+        raise ValueError(f"out must have stack's shape {tuple(stack.shape)} and device {stack.device}, "
+                         f"got {tuple(out.shape)} on {out.device}")
+    m, n = stack.shape[-2:]
+    tall = m > n
+    wm, wn = (n, m) if tall else (m, n)
+    concrete = resolve_method(wm, wn, method)
+    name = ORTHOGONALIZE.choose(stack.device, backend, method=concrete)
+    if out is None:
         out = torch.empty_like(stack)
     if stack.device.type == "meta":
         return out
     if not bool(torch.isfinite(stack).all()):
         raise ValueError("stack must be finite (it holds NaN or Inf)")
-    m, n = stack.shape[-2:]
-    tall = m > n
     src = stack.reshape(-1, m, n)
     if tall:
         src = src.transpose(1, 2)
-    wm, wn = src.shape[1:]
-    concrete = resolve_method(wm, wn, method)
     num = src.shape[0]
     # results go straight into ``out`` when it is a contiguous fp32 wide stack, else via a buffer
     fast = out.dtype == torch.float32 and out.is_contiguous() and not tall
@@ -506,8 +554,8 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
     def sink(start, stop, R):
         res[start:stop].copy_(R)
 
-    run_chunks(num, (wm, wn), concrete, stack.device, fill, sink, memory_budget=memory_budget,
-               backend=backend, direct=lambda start, stop: res[start:stop])
+    ORTHOGONALIZE(name, _plan(num, (wm, wn), concrete, stack.device, fill, sink,
+                              lambda start, stop: res[start:stop], memory_budget, ()))
     if not fast:
         out.copy_((res.transpose(1, 2) if tall else res).reshape(stack.shape))
     return out

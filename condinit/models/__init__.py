@@ -12,10 +12,9 @@ Importing this package imports neither transformers nor timm and never initializ
 """
 from .adapters import (AttentionAdapter, AttentionSpec, Projection, get_adapter, register_adapter,
                        registered_adapters, unregister_adapter)
-from .apply import (DEFAULT_BUFFER_BYTES, V_MODES, ApplyReport, AttentionLayer, BlockStats, LayerReport, apply,
-                    find_attention)
+from .apply import V_MODES, ApplyReport, AttentionLayer, BlockStats, LayerReport, apply, find_attention
 from .deferred import has_meta, materialize_
 
 __all__ = ["apply", "find_attention", "register_adapter", "unregister_adapter", "get_adapter", "registered_adapters",
            "AttentionAdapter", "AttentionSpec", "Projection", "AttentionLayer", "ApplyReport", "LayerReport",
-           "BlockStats", "materialize_", "has_meta", "DEFAULT_BUFFER_BYTES", "V_MODES"]
+           "BlockStats", "materialize_", "has_meta", "V_MODES"]

@@ -35,6 +35,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from condinit._validate import check_bool, check_int, check_tensor
+
 __all__ = ["Projection", "AttentionSpec", "AttentionAdapter", "register_adapter", "unregister_adapter",
            "get_adapter", "registered_adapters"]
 
@@ -88,6 +90,12 @@ class AttentionSpec:
 
     ``q`` has ``num_heads * head_dim`` rows, ``k`` and ``v`` ``num_kv_heads * head_dim`` (GQA/MQA when
     ``num_kv_heads < num_heads``). Head ``h`` of Q is rows ``h*head_dim:(h+1)*head_dim``.
+
+    Examples:
+        >>> w = torch.nn.MultiheadAttention(64, 4).in_proj_weight          # fused [3 * 64, 64]
+        >>> AttentionSpec(Projection(w, 0, 64), Projection(w, 64, 128), Projection(w, 128, 192),
+        ...               num_heads=4, num_kv_heads=4, head_dim=16)
+        >>> AttentionSpec.from_fused(w, num_heads=4)                       # the same, in one call
     """
 
     q: Projection
@@ -98,10 +106,8 @@ class AttentionSpec:
     head_dim: int
 
     def __post_init__(self):
-        for name, val in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
-                          ("head_dim", self.head_dim)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"AttentionSpec: {name} must be a positive int, got {val!r}")
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            check_int(name, getattr(self, name), min=1)
         if self.q.rows != self.num_heads * self.head_dim:
             raise ValueError(f"AttentionSpec: q has {self.q.rows} rows, expected num_heads * head_dim = "
                              f"{self.num_heads} * {self.head_dim}")
@@ -120,6 +126,10 @@ class AttentionSpec:
 
         ``head_dim`` defaults to ``q.out_features / num_heads``; ``num_kv_heads`` to ``k``'s row count
         divided by ``head_dim`` (so GQA needs no extra argument).
+
+        Examples:
+            >>> register_adapter(MyAttention, lambda m: AttentionSpec.from_linears(
+            ...     m.wq, m.wk, m.wv, num_heads=m.n_heads))                # GQA read from wk's rows
         """
         return cls.from_weights(q.weight, k.weight, v.weight, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_dim=head_dim, q_bias=getattr(q, "bias", None),
@@ -128,8 +138,15 @@ class AttentionSpec:
     @classmethod
     def from_weights(cls, q_weight, k_weight, v_weight, *, num_heads: int, num_kv_heads: Optional[int] = None,
                      head_dim: Optional[int] = None, q_bias=None, k_bias=None, v_bias=None) -> "AttentionSpec":
-        """Spec for three separate ``[out, in]`` weight tensors (and optional biases)."""
-        _check_heads(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        """Spec for three separate ``[out, in]`` weight tensors (and optional biases).
+
+        Examples:
+            >>> m = torch.nn.MultiheadAttention(24, 4, kdim=17, vdim=33)
+            >>> AttentionSpec.from_weights(m.q_proj_weight, m.k_proj_weight, m.v_proj_weight, num_heads=4)
+        """
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight), ("v_weight", v_weight)):
+            check_tensor(name, w, dim=2)
+        _check_heads(num_heads, num_kv_heads, head_dim)
         head_dim = _head_dim(q_weight.shape[0], num_heads, head_dim)
         if num_kv_heads is None:
             if k_weight.shape[0] % head_dim:
@@ -147,8 +164,16 @@ class AttentionSpec:
         """Spec for one fused weight holding Q, K, V stacked along the output dimension (in ``order``).
 
         ``weight`` is ``[(H + 2 H_kv) d, in]`` (``[in, ...]`` when ``transposed``).
+
+        Examples:
+            >>> AttentionSpec.from_fused(timm_attn.qkv.weight, num_heads=12, bias=timm_attn.qkv.bias)
+            >>> AttentionSpec.from_fused(gpt2_attn.c_attn.weight, num_heads=12, transposed=True)  # Conv1D
         """
-        _check_heads(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        check_tensor("weight", weight, dim=2)
+        _check_heads(num_heads, num_kv_heads, head_dim)
+        transposed = check_bool("transposed", transposed)
+        if not isinstance(order, str) or sorted(order) != ["k", "q", "v"]:
+            raise ValueError(f"order must be a permutation of 'qkv', got {order!r}")
         total = weight.shape[1] if transposed else weight.shape[0]
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
@@ -157,8 +182,6 @@ class AttentionSpec:
                                  f"{num_heads} + 2 x {num_kv_heads} heads")
             head_dim = total // (num_heads + 2 * num_kv_heads)
         sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        if sorted(order) != ["k", "q", "v"]:
-            raise ValueError(f"order must be a permutation of 'qkv', got {order!r}")
         if sum(sizes.values()) != total:
             raise ValueError(f"fused weight has {total} output rows, expected {sum(sizes.values())}")
         projs, at = {}, 0
@@ -168,10 +191,10 @@ class AttentionSpec:
         return cls(projs["q"], projs["k"], projs["v"], num_heads, num_kv_heads, head_dim)
 
 
-def _check_heads(**vals):
-    for name, val in vals.items():
-        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
-            raise ValueError(f"AttentionSpec: {name} must be a positive int, got {val!r}")
+def _check_heads(num_heads, num_kv_heads, head_dim) -> None:
+    check_int("num_heads", num_heads, min=1)
+    check_int("num_kv_heads", num_kv_heads, min=1, allow_none=True)
+    check_int("head_dim", head_dim, min=1, allow_none=True)
 
 
 def _head_dim(rows: int, num_heads: int, head_dim: Optional[int]) -> int:
@@ -289,8 +312,16 @@ def register_adapter(cls: Union[type, str], adapter: Union[AttentionAdapter, Cal
     without importing its library). ``adapter``: an :class:`AttentionAdapter`, or a callable
     ``module -> AttentionSpec`` (wrapped; ``name`` labels it in reports). Replaces an earlier
     registration for the same key. Returns the registered adapter.
+
+    Examples:
+        >>> register_adapter(MyAttention, lambda m: AttentionSpec.from_linears(
+        ...     m.wq, m.wk, m.wv, num_heads=m.n_heads, num_kv_heads=m.n_kv_heads))
+        >>> register_adapter("mylib.layers.FusedAttention",             # without importing mylib
+        ...                  lambda m: AttentionSpec.from_fused(m.qkv.weight, num_heads=m.heads), name="mylib")
     """
     key = _key(cls)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"register_adapter: name must be a str or None, got {type(name).__name__}")
     if not isinstance(adapter, AttentionAdapter):
         if not callable(adapter):
             raise TypeError(f"register_adapter: adapter must be an AttentionAdapter or a callable "

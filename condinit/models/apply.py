@@ -1,11 +1,11 @@
 """``condinit.apply``: conditioned initialization of every attention layer of a model.
 
 For each attention module an adapter describes (:mod:`condinit.models.adapters`), the paper's
-Algorithm 1 (DESIGN.md section 2): per head, ``W_Q`` and ``W_K`` get independent Haar-random
-semi-orthogonal ``[head_dim, in]`` row blocks (orthonormal rows, every singular value 1), ``W_V``
-the rectangular identity over the whole ``[H_kv * head_dim, in]`` matrix (``v_mode="identity"``; or
-``I_{d x in}`` in every head block with ``"identity_per_head"``), Q/K/V biases zero. Every other
-parameter is left bitwise alone.
+Algorithm 1 (``docs/design.md``, "The method"): per head, ``W_Q`` and ``W_K`` get independent
+Haar-random semi-orthogonal ``[head_dim, in]`` row blocks (orthonormal rows, every singular value
+1), ``W_V`` the rectangular identity over the whole ``[H_kv * head_dim, in]`` matrix
+(``v_mode="identity"``; or ``I_{d x in}`` in every head block with ``"identity_per_head"``), Q/K/V
+biases zero. Every other parameter is left bitwise alone.
 
 **Layer index.** Attention modules are numbered in the order ``model.named_modules()`` yields them
 (a module inside a matched attention module is not visited again), plus ``layer_offset``. The index
@@ -15,10 +15,13 @@ picks the random blocks: head ``h`` of layer ``L``'s Q is block ``L * 2**32 + h`
 names) select layers *after* numbering, so initializing a model in pieces, or only some layers,
 gives the same weights as one call on the whole model.
 
-**Batching.** Same-shaped Q (or K) blocks of all selected layers are generated and orthogonalized
-together (``condinit.init.conditioned_blocks``), in launches of at most ``buffer_bytes`` of float32
-blocks, then copied (rounded once to the storage dtype) into each layer's rows. The buffer bounds
-the extra memory, whatever the model size.
+**Execution.** :func:`apply` validates its arguments, then describes every write as a
+:class:`condinit.init.functional.InitPlan` (the local region of each Q/K/V projection and bias) and
+runs it with :func:`condinit.init.functional.run_plan`, the executor behind
+:func:`condinit.init.conditioned_init_layers_`: same-shaped Q and K blocks of all selected layers
+are generated and orthogonalized together, in chunks of ``memory_budget`` bytes of float32, and
+each result is written once (rounded to the storage dtype) into the weights. The budget bounds the
+extra memory, whatever the model size.
 
 **Meta models** (every parameter on ``torch.device("meta")``): materialized on ``device`` with the
 model's own init for everything but the Q/K/V weights and biases being conditioned (see
@@ -40,17 +43,18 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from condinit.init.functional import LAYER_STRIDE
+from condinit._validate import check_bool, check_choice, check_int
+from condinit.init.functional import (K_STREAM, LAYER_STRIDE, MAX_LAYER_INDEX, Q_STREAM, V_MODES, InitPlan,
+                                      check_seed_source, draw_seed, rect_identity_, run_plan)
+from condinit.init.orthogonalize import METHODS
+from condinit.init.philox import stream_id
+from condinit.init.spectrum import spectrum
 
 from .adapters import AttentionSpec, Projection, get_adapter, registered_adapters
 from .deferred import has_meta, materialize_
 from .sharded import is_dtensor, local_part, overlap
 
-__all__ = ["apply", "find_attention", "AttentionLayer", "BlockStats", "LayerReport", "ApplyReport",
-           "DEFAULT_BUFFER_BYTES", "V_MODES"]
-
-DEFAULT_BUFFER_BYTES = 128 << 20
-V_MODES = ("identity", "identity_per_head")
+__all__ = ["apply", "find_attention", "AttentionLayer", "BlockStats", "LayerReport", "ApplyReport", "V_MODES"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,12 +76,25 @@ def find_attention(model: nn.Module, *, layer_offset: int = 0, include=None, exc
 
     ``include`` / ``exclude``: a pattern or a list of ``fnmatch`` patterns on module names (``""`` is
     the root), applied after numbering.
+
+    Examples:
+        >>> model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4), num_layers=2)
+        >>> [(l.index, l.name, l.spec.num_heads) for l in find_attention(model)]
+        [(0, 'layers.0.self_attn', 4), (1, 'layers.1.self_attn', 4)]
+        >>> [l.index for l in find_attention(model, include="layers.1.*")]
+        [1]
     """
+    _check_model(model)
+    layer_offset = check_int("layer_offset", layer_offset, min=0, max=MAX_LAYER_INDEX)
+    return _find_attention(model, layer_offset, _patterns(include, "include"), _patterns(exclude, "exclude"))
+
+
+def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(layer_offset, bool) or not isinstance(layer_offset, int) or layer_offset < 0:
-        raise ValueError(f"layer_offset must be an int >= 0, got {layer_offset!r}")
-    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
+
+
+def _find_attention(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Optional[list]) -> list[AttentionLayer]:
     found, matched = [], []
     for name, mod in model.named_modules():
         if any(name.startswith(m + ".") or m == "" for m in matched):
@@ -135,37 +152,8 @@ class BlockStats:
 
     @classmethod
     def of(cls, stack: torch.Tensor) -> "BlockStats":
-        smax, smin, cond = _spectrum(stack)
-        return cls.from_heads(smax, smin, cond)
-
-
-# Blocks whose fp32-Gram estimate of kappa exceeds this are measured again by condinit.init.spectrum.
-_FAST_MAX_COND = 100.0
-
-
-def _spectrum(stack: torch.Tensor):
-    """Per-block ``(sigma_max, sigma_min, cond)`` (float64, CPU) of a ``[B, m, n]`` stack.
-
-    Fast path for the report: the ``min(m,n)``-square Gram in fp32 (one batched GEMM, no float64
-    copy of the blocks) and its eigenvalues in float64. Singular values from a fp32 Gram are
-    accurate to ~1e-6 relative while kappa is moderate (init blocks: 1 after, ~1.5-3 before);
-    blocks with an estimated kappa above 100 are measured again exactly by
-    :func:`condinit.init.spectrum`.
-    """
-    from condinit.init import spectrum
-
-    x = stack if stack.dtype == torch.float32 else stack.float()
-    if x.shape[-2] > x.shape[-1]:
-        x = x.transpose(-1, -2)
-    ev = torch.linalg.eigvalsh(torch.matmul(x, x.transpose(-1, -2)).double())
-    smax = ev[:, -1].clamp_min(0).sqrt()
-    smin = ev[:, 0].clamp_min(0).sqrt()
-    redo = ~(smax <= _FAST_MAX_COND * smin)
-    if bool(redo.any()):
-        exact = spectrum(stack[redo])
-        smax[redo], smin[redo] = exact[0].to(smax), exact[1].to(smin)
-    cond = torch.where(smin > 0, smax / smin, torch.full_like(smax, float("inf")))
-    return smax.cpu(), smin.cpu(), cond.cpu()
+        """Of the ``[heads, m, n]`` blocks of ``stack`` (:func:`condinit.init.spectrum`, float64)."""
+        return cls.from_heads(*spectrum(stack))
 
 
 @dataclass
@@ -198,8 +186,9 @@ class ApplyReport:
 
     ``print(report)`` (or ``report.print()``) shows a table; ``report.to_dict()`` is JSON-friendly.
     ``time_s`` per layer is the wall time of the batched launches that produced its blocks,
-    apportioned by block count, plus its V and bias writes. ``init_time_s`` is the time spent
-    materializing a meta model (its own init); ``total_time_s`` everything, reports included.
+    apportioned by block count, plus its V and bias writes. ``launches``: the number of chunks
+    generated and orthogonalized. ``init_time_s`` is the time spent materializing a meta model (its
+    own init); ``total_time_s`` everything, reports included.
     """
 
     layers: list
@@ -278,7 +267,7 @@ def _fmt(s: Optional[BlockStats]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# planning: intersect each projection with the local region of its storage
+# local regions: each projection intersected with the part of its storage this process holds
 
 @dataclass
 class _Region:
@@ -293,7 +282,6 @@ class _Region:
 
 def _local_region(proj: Projection, name: str) -> Optional[_Region]:
     local, off, gshape = local_part(proj.weight, name)
-    rows, cols = proj.shape
     if proj.transposed:  # storage [in, out_total]: logical rows are storage columns
         r = overlap(off[1], off[1] + local.shape[1], proj.start, proj.stop)
         c = (off[0], off[0] + local.shape[0])
@@ -309,30 +297,13 @@ def _local_region(proj: Projection, name: str) -> Optional[_Region]:
     return _Region(r[0] - proj.start, r[1] - proj.start, c[0], c[1], view)
 
 
-def _zero_bias_(proj: Projection, name: str):
+def _local_bias(proj: Projection, name: str) -> Optional[torch.Tensor]:
+    """The local part of this projection's rows of its bias (None: no bias, or none of it is local)."""
     if proj.bias is None:
-        return
+        return None
     local, off, _ = local_part(proj.bias, name)
     s = overlap(off[0], off[0] + local.shape[0], proj.bias_offset, proj.bias_offset + proj.rows)
-    if s is not None:
-        local[s[0] - off[0]:s[1] - off[0]].zero_()
-
-
-@dataclass
-class _Item:
-    """Heads ``h0:h1`` of one Q/K projection of one layer, and where their local rows go."""
-
-    report: LayerReport
-    proj: str
-    first_id: int       # block id of head h0
-    h0: int
-    h1: int
-    d: int
-    row_lo: int         # logical rows row_lo:row_hi (within heads h0:h1) are local
-    row_hi: int
-    c_lo: int
-    c_hi: int
-    dest: torch.Tensor  # [row_hi - row_lo, c_hi - c_lo]
+    return None if s is None else local[s[0] - off[0]:s[1] - off[0]]
 
 
 def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
@@ -363,19 +334,21 @@ def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------------------------------
 # the public entry point
 
-def apply(model: nn.Module, *, seed: Optional[int] = 0, method: str = "auto", v_mode: str = "identity",
-          include: Union[str, Sequence[str], None] = None, exclude: Union[str, Sequence[str], None] = None,
-          report: bool = True, layer_offset: int = 0, device=None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-          init_fn: Optional[Callable[[nn.Module], None]] = None, check_init: bool = True,
-          progress: bool = False) -> ApplyReport:
+def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+          method: str = "auto", v_mode: str = "identity", include: Union[str, Sequence[str], None] = None,
+          exclude: Union[str, Sequence[str], None] = None, report: bool = True, layer_offset: int = 0,
+          device=None, memory_budget: Optional[int] = None, init_fn: Optional[Callable[[nn.Module], None]] = None,
+          check_init: bool = True, progress: bool = False) -> ApplyReport:
     """Conditioned initialization of every attention layer of ``model``, in place (see module doc).
 
     Args:
         model: any ``nn.Module``; attention submodules are found through registered adapters.
-        seed: ``0 <= seed < 2**64``; None draws one from torch's default generator (so
-            ``torch.manual_seed`` controls it). The report records the seed used.
-        method: orthogonalization method passed to ``condinit.init.conditioned_blocks`` ("auto",
-            or one the engine names).
+        seed: ``0 <= seed < 2**64``; default None: one draw from ``generator``, or torch's default
+            generator, as ``torch.nn.init`` does (so ``torch.manual_seed`` controls it). The report
+            records the seed used.
+        generator: a ``torch.Generator`` to draw the seed from (only without ``seed``).
+        method: orthogonalization method ("auto", "householder", "cholqr2", "polar", "svd"; see
+            :func:`condinit.init.orthogonalize`).
         v_mode: ``"identity"`` (rectangular identity over the whole V matrix) or
             ``"identity_per_head"`` (``I_{d x in}`` in every head's rows).
         include, exclude: ``fnmatch`` patterns on module names selecting layers (after numbering).
@@ -383,11 +356,12 @@ def apply(model: nn.Module, *, seed: Optional[int] = 0, method: str = "auto", v_
             values: not for meta or sharded models) and after.
         layer_offset: added to every layer index (initialize a sub-module as part of a bigger model).
         device: where to materialize a meta model (default CPU). Only for meta models.
-        buffer_bytes: upper bound on the float32 blocks generated per launch.
+        memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU;
+            two or three such buffers are used), as in :func:`condinit.init.conditioned_init_layers_`.
         init_fn: for meta models, ``init_fn(model)`` replaces the model's own init of the other
             parameters (see :mod:`condinit.models.deferred`).
         check_init: for meta models, check that the own init left no parameter uninitialized.
-        progress: show a tqdm progress bar over launches.
+        progress: show a tqdm progress bar over the generated blocks.
 
     Returns:
         :class:`ApplyReport`.
@@ -395,188 +369,132 @@ def apply(model: nn.Module, *, seed: Optional[int] = 0, method: str = "auto", v_
     Raises:
         ValueError: no attention layer (after include/exclude), bad argument, partly-meta model.
         TypeError: a Q/K/V weight that is not floating point, a bad argument type.
+
+    Examples:
+        >>> model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> report = condinit.apply(model, seed=0)          # every attention layer, in place
+        >>> print(report)                                   # per layer and projection: sigma, kappa
+        >>> condinit.apply(model, seed=0, include="model.layers.0.*")   # the same bits for layer 0
+        >>> with torch.device("meta"):
+        ...     big = transformers.AutoModelForCausalLM.from_config(config)
+        >>> condinit.apply(big, seed=0, device="cuda")       # materialized, then conditioned
     """
-    from condinit.init.random import seed_from
-
     t_start = time.perf_counter()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if v_mode not in V_MODES:
-        raise ValueError(f"v_mode must be one of {V_MODES}, got {v_mode!r}")
-    from condinit.init.orthogonalize import check_method
+    _check_model(model)
+    seed = check_seed_source(seed, generator)
+    check_choice("method", method, METHODS)
+    check_choice("v_mode", v_mode, V_MODES)
+    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
+    report = check_bool("report", report)
+    layer_offset = check_int("layer_offset", layer_offset, min=0, max=MAX_LAYER_INDEX)
+    memory_budget = check_int("memory_budget", memory_budget, min=1, allow_none=True)
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable init_fn(model) or None, got {type(init_fn).__name__}")
+    check_init = check_bool("check_init", check_init)
+    progress = check_bool("progress", progress)
 
-    check_method(method)
-    if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1:
-        raise ValueError(f"buffer_bytes must be a positive int, got {buffer_bytes!r}")
-    seed = seed_from(None, seed) if seed is not None else seed_from(None)
-
-    layers = find_attention(model, layer_offset=layer_offset, include=include, exclude=exclude)
+    layers = _find_attention(model, layer_offset, inc, exc)
     if not layers:
         raise _no_attention_error(model, include, exclude)
-
     for l in layers:  # every check before the first write (or allocation)
         for p, proj in l.spec.projections():
             if not proj.weight.is_floating_point():
                 raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
     params = list(model.parameters())
     meta = has_meta(model)
-    init_time = 0.0
     if meta:
         if not all(p.is_meta for p in params):
             raise ValueError("model is partly on the meta device: materialize it fully (or build all of it on meta) "
                              "before condinit.apply")
-        t0 = time.perf_counter()
-        materialize_(model, device, skip=_covered(layers), init_fn=init_fn, check=check_init)
-        init_time = time.perf_counter() - t0
-        names = {l.name for l in layers}
-        layers = [l for l in find_attention(model, layer_offset=layer_offset) if l.name in names]
+        if device is not None and torch.device(device).type == "meta":
+            raise ValueError("device must be a real device (cpu, cuda, ...) to materialize the meta model on, "
+                             "got meta")
     elif device is not None:
         raise ValueError(f"device={device!r} is only used to materialize a meta model; this model is already on "
                          f"{params[0].device if params else 'no device'} (move it with model.to(device) instead)")
 
+    # drawn before the model's own init below, which draws from torch's generator too
+    seed = draw_seed(seed, generator)
+    init_time = 0.0
+    if meta:
+        t0 = time.perf_counter()
+        materialize_(model, device, skip=_covered(layers), init_fn=init_fn, check=check_init)
+        init_time = time.perf_counter() - t0
+        names = {l.name for l in layers}
+        layers = [l for l in _find_attention(model, layer_offset, None, None) if l.name in names]
+
     sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
-        reports, items, v_jobs = _plan(layers, report=report and not meta and not sharded,
-                                       buffer_bytes=buffer_bytes)
-        launches = _run(items, seed, method, buffer_bytes, report, progress)
-        v_cache: dict = {}
-        for rep, spec, name in v_jobs:
-            t0 = time.perf_counter()
-            _write_v(spec, v_mode, name)
-            for p, proj in spec.projections():
-                _zero_bias_(proj, f"{name}.{p} bias")
-            rep.time_s += time.perf_counter() - t0
-            if report:
-                key = (v_mode, spec.num_kv_heads, spec.head_dim, spec.v.in_features)
-                if key not in v_cache:
-                    v_cache[key] = BlockStats.of(_v_blocks(v_mode, *key[1:]))
-                rep.after["v"] = v_cache[key]
+        plan, reports = _plan(layers, v_mode, measure_before=report and not meta and not sharded)
+        after: dict = {}   # (layer position, stream) -> [(first block, Spectrum)]
+
+        def observe(run, first, stop, blocks):
+            stored = blocks if run.dest.dtype == torch.float32 else blocks.to(run.dest.dtype)
+            after.setdefault((run.owner, run.stream), []).append((first, spectrum(stored)))
+
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=plan.num_blocks, unit="block", desc="condinit", leave=False)
+        try:
+            launches, seconds = run_plan(plan, seed, method, memory_budget=memory_budget,
+                                         observe=observe if report else None,
+                                         on_chunk=bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+    for i, rep in enumerate(reports):
+        rep.time_s = seconds.get(i, 0.0)
+    if report:
+        projection = {stream_id(Q_STREAM): "q", stream_id(K_STREAM): "k"}
+        for (i, stream), parts in after.items():
+            parts.sort(key=lambda part: part[0])
+            smax, smin, cond = (torch.cat([part[1][j].reshape(-1) for part in parts]) for j in range(3))
+            reports[i].after[projection[stream]] = BlockStats.from_heads(smax, smin, cond)
+        v_stats: dict = {}
+        for rep, l in zip(reports, layers):
+            key = (l.spec.num_kv_heads, l.spec.head_dim, l.spec.v.in_features)
+            if key not in v_stats:
+                v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key))
+            rep.after["v"] = v_stats[key]
     return ApplyReport(reports, seed, method, v_mode, launches, meta, sharded, init_time,
                        time.perf_counter() - t_start)
 
 
-def _plan(layers, *, report: bool, buffer_bytes: int):
-    reports, items, v_jobs = [], [], []
-    for l in layers:
+def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool):
+    """The :class:`InitPlan` writing the local part of every layer's Q/K/V and biases (owner: the
+    layer's position in ``layers``), and one :class:`LayerReport` per layer (``before`` measured
+    when asked)."""
+    plan, reports = InitPlan(), []
+    sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
+    for i, l in enumerate(layers):
         s = l.spec
         rep = LayerReport(l.index, l.name, l.adapter, s.num_heads, s.num_kv_heads, s.head_dim,
                           {p: tuple(proj.shape) for p, proj in s.projections()})
-        for p, proj in s.projections():
-            if not proj.weight.is_floating_point():
-                raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
-            rep.before[p] = None
-            rep.after[p] = None
-            if report:
-                heads = s.num_heads if p == "q" else s.num_kv_heads
-                w = proj.view().float()
-                rep.before[p] = BlockStats.of(w.reshape(heads, s.head_dim, proj.in_features))
-        d = s.head_dim
-        for p, proj, heads in (("q", s.q, s.num_heads), ("k", s.k, s.num_kv_heads)):
-            reg = _local_region(proj, f"{l.name}.{p}")
-            if reg is None:
-                continue
-            max_heads = max(1, buffer_bytes // (4 * d * proj.in_features))
-            h_first, h_last = reg.r_lo // d, (reg.r_hi - 1) // d
-            for h0 in range(h_first, h_last + 1, max_heads):
-                h1 = min(h0 + max_heads, h_last + 1)
-                lo, hi = max(reg.r_lo, h0 * d), min(reg.r_hi, h1 * d)
-                items.append(_Item(rep, p, l.index * LAYER_STRIDE + h0, h0, h1, d, lo, hi, reg.c_lo, reg.c_hi,
-                                   reg.view[lo - reg.r_lo:hi - reg.r_lo]))
-        v_jobs.append((rep, s, l.name))
         reports.append(rep)
-    return reports, items, v_jobs
+        for p, proj in s.projections():
+            heads = s.num_heads if p == "q" else s.num_kv_heads
+            rep.before[p] = BlockStats.of(proj.view().reshape(heads, s.head_dim, proj.in_features)) \
+                if measure_before else None
+            rep.after[p] = None
+        for p, proj, stream in (("q", s.q, sq), ("k", s.k, sk)):
+            reg = _local_region(proj, f"{l.name}.{p}")
+            if reg is not None:
+                plan.add_heads(stream, l.index * LAYER_STRIDE, reg.view, s.head_dim, proj.in_features,
+                               row_lo=reg.r_lo, col_lo=reg.c_lo, owner=i)
+        reg = _local_region(s.v, f"{l.name}.v")
+        if reg is not None:
+            plan.add_identity(reg.view, row_lo=reg.r_lo, col_lo=reg.c_lo,
+                              head_dim=s.head_dim if v_mode == "identity_per_head" else None, owner=i)
+        for p, proj in s.projections():
+            bias = _local_bias(proj, f"{l.name}.{p} bias")
+            if bias is not None:
+                plan.add_zero(bias, owner=i)
+    return plan, reports
 
 
-def _run(items: list, seed: int, method: str, buffer_bytes: int, report: bool, progress: bool) -> int:
-    """Generate every Q/K block in launches grouped by (projection, block shape, device)."""
-    from condinit.init import conditioned_blocks
-    from condinit.init.random import stream_id
-
-    groups: dict = {}
-    for it in items:
-        groups.setdefault((it.proj, it.d, _in_features(it), it.dest.device), []).append(it)
-    chunks = []
-    for (p, d, n, dev), its in groups.items():
-        max_blocks = max(1, buffer_bytes // (4 * d * n))
-        cur, count = [], 0
-        for it in its:
-            nb = it.h1 - it.h0
-            if cur and count + nb > max_blocks:
-                chunks.append((p, d, n, dev, cur))
-                cur, count = [], 0
-            cur.append(it)
-            count += nb
-        if cur:
-            chunks.append((p, d, n, dev, cur))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(sum(i.h1 - i.h0 for i in c[4]) for c in chunks), unit="block", desc="condinit",
-                   leave=False)
-    acc: dict = {}
-    try:
-        for p, d, n, dev, its in chunks:
-            t0 = time.perf_counter()
-            ids = torch.cat([torch.arange(i.first_id, i.first_id + i.h1 - i.h0, dtype=torch.int64) for i in its])
-            blocks = conditioned_blocks(seed, stream_id(p), ids.to(dev), (d, n), method, dev)
-            at = 0
-            for it in its:
-                nb = it.h1 - it.h0
-                sub = blocks[at:at + nb]
-                flat = sub.reshape(nb * d, n)
-                it.dest.copy_(flat[it.row_lo - it.h0 * d:it.row_hi - it.h0 * d, it.c_lo:it.c_hi])
-                at += nb
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            dt = time.perf_counter() - t0
-            total = ids.numel()
-            at = 0
-            for it in its:
-                nb = it.h1 - it.h0
-                it.report.time_s += dt * nb / total
-                if report:
-                    sub = blocks[at:at + nb]
-                    stored = sub.to(it.dest.dtype).float() if it.dest.dtype != torch.float32 else sub
-                    smax, smin, cond = _spectrum(stored)
-                    ent = acc.setdefault((id(it.report), p), (it.report, []))
-                    ent[1].append((smax, smin, cond))
-                at += nb
-            del blocks
-            if bar is not None:
-                bar.update(total)
-    finally:
-        if bar is not None:
-            bar.close()
-    for (_, p), (rep, parts) in acc.items():
-        rep.after[p] = BlockStats.from_heads(torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts]),
-                                             torch.cat([x[2] for x in parts]))
-    return len(chunks)
-
-
-def _in_features(it: _Item) -> int:
-    return it.report.shapes[it.proj][1]
-
-
-def _write_v(spec: AttentionSpec, v_mode: str, name: str):
-    """V = rectangular identity: ``W[r, c] = 1`` where ``c == r`` (whole matrix) or ``c == r mod d``
-    (per head), 0 elsewhere; written straight into the local region, no generation needed."""
-    reg = _local_region(spec.v, f"{name}.v")
-    if reg is None:
-        return
-    reg.view.zero_()
-    dev = reg.view.device
-    rows = torch.arange(reg.r_lo, reg.r_hi, device=dev)
-    cols = rows if v_mode == "identity" else rows % spec.head_dim
-    keep = (cols >= reg.c_lo) & (cols < reg.c_hi)
-    if bool(keep.any()):
-        reg.view[rows[keep] - reg.r_lo, cols[keep] - reg.c_lo] = 1
-
-
-def _v_blocks(v_mode: str, num_kv_heads: int, d: int, n: int) -> torch.Tensor:
-    w = torch.zeros(num_kv_heads * d, n)
-    rows = torch.arange(num_kv_heads * d)
-    cols = rows if v_mode == "identity" else rows % d
-    keep = cols < n
-    w[rows[keep], cols[keep]] = 1
-    return w.reshape(num_kv_heads, d, n)
+def _identity_blocks(v_mode: str, num_kv_heads: int, d: int, n: int) -> torch.Tensor:
+    """The V that :func:`apply` writes, as ``[num_kv_heads, d, n]`` head blocks (for the report)."""
+    w = rect_identity_(torch.empty(num_kv_heads * d, n), head_dim=d, per_head=v_mode == "identity_per_head")
+    return w.view(num_kv_heads, d, n)

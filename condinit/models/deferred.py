@@ -34,6 +34,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from condinit._validate import check_bool
+
 __all__ = ["has_meta", "materialize_"]
 
 
@@ -121,7 +123,18 @@ def materialize_(model: nn.Module, device=None, *, skip: Iterable[torch.Tensor] 
 
     ``skip``: parameters (as the meta model holds them) that the caller overwrites next; they are
     neither initialized nor checked. Returns ``model`` (modified in place).
+
+    Examples:
+        >>> with torch.device("meta"):
+        ...     model = MyModel(cfg)
+        >>> materialize_(model, "cuda")                          # the model's own init, on the GPU
+        >>> materialize_(model2, init_fn=lambda m: m.init_weights(std=0.02))
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable init_fn(model) or None, got {type(init_fn).__name__}")
+    check = check_bool("check", check)
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type == "meta":
         raise ValueError("materialize_: device must be a real device (cpu, cuda, ...), got meta")

@@ -1,7 +1,8 @@
 """An upper bound on kappa(J), the condition number of the attention weight Jacobian.
 
 The bound is Theorem 3.1 of Conditioned Initialization for Attention (2026); its derivation is in
-``docs/design.md``, "The attention Jacobian". For one head and one sequence ``X`` (``N x D``), with ``S`` the scores and ``P = softmax(S)``::
+``docs/design.md``, "The attention Jacobian". For one head and one sequence ``X`` (``N x D``), with
+``S`` the scores and ``P = softmax(S)``::
 
     kappa(J) <= kappa(X)^3 kappa(Lambda(P)) kappa(W_V) (kappa(W_Q) + kappa(W_K)) + kappa(X) kappa(P)
 
@@ -123,9 +124,9 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     ``causal``, ``scale`` and ``dtype`` are as for :class:`~condinit.probe.JacobianOperator`.
 
     Examples:
-        >>> layer = nn.MultiheadAttention(16, 2, batch_first=True)
-        >>> x = torch.randn(1, 32, 16)
-        >>> res = condition_number_bound(layer, x, steps=20, seed=0)
+        >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> x = torch.randn(1, 12, 16)
+        >>> res = condinit.condition_number_bound(layer, x, steps=200, seed=0)
         >>> res.bound, res.measured_kappa      # the bound beside the measured kappa(J)
     """
     from .estimators import lanczos_svd

@@ -49,9 +49,9 @@ class InputCapture:
     the callback copies what it keeps. Use as a context manager, or call :meth:`remove`.
 
     Examples:
-        >>> mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
         >>> x = torch.randn(2, 5, 16)
-        >>> with InputCapture([mha]) as cap:
+        >>> with condinit.probe.InputCapture([mha]) as cap:
         ...     _ = mha(x, x, x)
         >>> torch.equal(cap.inputs[0], x)
         True

@@ -281,9 +281,11 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
-        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
-        >>> est = lanczos_svd(op, steps=20, seed=0)
-        >>> est.sigma_max, est.sigma_min, est.kappa, est.converged
+        >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
+        >>> est = condinit.lanczos_svd(op, steps=20, seed=0)
+        >>> est.sigma_max, est.residual_max, est.converged   # sigma_max converges first, sigma_min later
+        >>> est = condinit.lanczos_svd(op, steps=200, seed=0)   # steps >= r: exact
+        >>> est.sigma_min, est.kappa, est.converged
     """
     ops = _check_operators(op)
     check_int("steps", steps, min=1)
@@ -304,9 +306,9 @@ def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], st
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
-        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
-        >>> condition_number(op, steps=20, seed=0).kappa                 # Lanczos estimate
-        >>> condition_number(op, method="dense").kappa                   # exact (tiny layers)
+        >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
+        >>> condinit.condition_number(op, steps=200, seed=0).kappa       # Lanczos
+        >>> condinit.condition_number(op, method="dense").kappa          # exact, tiny layers only
     """
     ops = _check_operators(op)
     check_int("steps", steps, min=1)
@@ -367,8 +369,8 @@ def power_sigma_max(op: Union[JacobianOperator, Sequence[JacobianOperator]], ite
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
-        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
-        >>> power_sigma_max(op, iters=100, seed=0).sigma_max
+        >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
+        >>> condinit.power_sigma_max(op, iters=100, seed=0).sigma_max
     """
     ops = _check_operators(op)
     check_int("iters", iters, min=1)
@@ -418,8 +420,8 @@ def frobenius_hutchinson(op: Union[JacobianOperator, Sequence[JacobianOperator]]
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
-        >>> op = JacobianOperator(layer, torch.randn(1, 32, 16))
-        >>> fro = frobenius_hutchinson(op, samples=32, seed=0)
+        >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
+        >>> fro = condinit.frobenius_hutchinson(op, samples=32, seed=0)
         >>> fro.frobenius, (fro.ci_low, fro.ci_high)
     """
     ops = _check_operators(op)

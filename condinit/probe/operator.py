@@ -169,9 +169,9 @@ class JacobianOperator:
     Vectors are 1-D tensors (``[n]`` / ``[m]``); ``matmat`` takes ``[n, P]`` and returns ``[m, P]``.
 
     Examples:
-        >>> layer = nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
         >>> x = torch.randn(1, 8, 16)
-        >>> op = JacobianOperator(layer, x, wrt="weights")
+        >>> op = condinit.JacobianOperator(layer, x, wrt="weights")
         >>> op.shape
         (128, 768)
         >>> y = op.mv(torch.randn(op.n))          # J t, one fused JVP

@@ -1,7 +1,8 @@
 """Counter-based Gaussian generator for the conditioned-initialization engine.
 
 Every random block is drawn from its own Philox stream, so a model's initialization does not depend
-on batch size, chunking, device count, sharding, device or backend (DESIGN.md section 5, "Randomness").
+on batch size, chunking, device count, sharding, device or backend (docs/design.md, "Random
+streams").
 
 **Generator.** Philox4x32-10 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as
 1, 2, 3", SC 2011), the generator of cuRAND's ``curand_Philox4_32_10`` and of PyTorch's CUDA RNG:
@@ -46,12 +47,12 @@ int64 ``block_ids``); ``seed_lo``/``seed_hi``/``stream`` are in ``[0, 2^32)``.
 from __future__ import annotations
 
 import hashlib
-import operator
 from typing import Sequence, Union
 
 import torch
 
 from condinit import _backends
+from condinit._validate import check_choice, check_int, check_seed, check_tensor
 
 __all__ = ["block_randn", "seed_from", "stream_id", "philox4x32_10", "philox_normals"]
 
@@ -84,28 +85,17 @@ _TORCH_CHUNK_QUADS = 1 << 20
 def stream_id(name: str) -> int:
     """A stable 32-bit tensor id for ``name``: the first 4 bytes (little endian) of its BLAKE2b hash.
 
-    Same on every machine and Python run (unlike ``hash()``), e.g. ``stream_id("layers.3.q_proj")``.
+    Same on every machine and Python run (unlike ``hash()``).
+
+    Examples:
+        >>> stream_id("layer3.q")
+        800798309
+        >>> stream_id("layers.3.q_proj") == stream_id("layers.3.q_proj")
+        True
     """
     if not isinstance(name, str):
-        raise TypeError(f"stream_id: name must be a str, got {type(name).__name__}")
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=4).digest(), "little")
-
-
-def _as_uint(value, bits: int, what: str) -> int:
-    if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-        raise TypeError(f"{what} must be an int in [0, 2**{bits}), got a bool")
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex:
-            raise TypeError(f"{what} must be an int in [0, 2**{bits}), got a tensor {value.dtype} "
-                            f"of shape {tuple(value.shape)}")
-        value = int(value.item())
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int in [0, 2**{bits}), got {type(value).__name__}") from None
-    if not 0 <= value < (1 << bits):
-        raise ValueError(f"{what} must be in [0, 2**{bits}), got {value}")
-    return value
 
 
 def seed_from(generator: torch.Generator | None = None, seed: int | None = None) -> int:
@@ -114,13 +104,20 @@ def seed_from(generator: torch.Generator | None = None, seed: int | None = None)
     The draw is one ``torch.randint(0, 2**32, (2,))`` call on ``generator`` (torch's default CPU
     generator when None), ``seed = lo + 2**32 hi``: ``torch.manual_seed`` controls condinit the way it
     controls ``torch.nn.init``, and the generator advances like after any other draw.
+
+    Examples:
+        >>> seed_from(seed=1234)
+        1234
+        >>> _ = torch.manual_seed(0); a = seed_from()
+        >>> _ = torch.manual_seed(0); a == seed_from()
+        True
     """
     if seed is not None:
         if generator is not None:
-            raise ValueError("seed_from: give either generator or seed, not both")
-        return _as_uint(seed, 64, "seed")
+            raise ValueError("give either generator or seed, not both")
+        return check_seed("seed", seed)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"seed_from: generator must be a torch.Generator or None, got {type(generator).__name__}")
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     device = generator.device if generator is not None else "cpu"
     lo, hi = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64, device=device).tolist()
     return lo | (hi << 32)
@@ -132,34 +129,27 @@ def seed_from(generator: torch.Generator | None = None, seed: int | None = None)
 BlockIds = Union[torch.Tensor, range, Sequence[int]]
 
 
+_MAX_BLOCK_ID = (1 << 63) - 1
+
+
 def _check_block_ids(block_ids, device) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype != torch.int64:
             raise TypeError(f"block_ids must be an int64 tensor (or a range / sequence of ints), got "
                             f"dtype {block_ids.dtype}")
-        if block_ids.dim() != 1:
-            raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        ids = block_ids
+        ids = check_tensor("block_ids", block_ids, dim=1)
         if ids.numel() and bool((ids < 0).any()):
             raise ValueError("block_ids must be >= 0, got a negative id")
     elif isinstance(block_ids, range):
-        if len(block_ids) and not (0 <= min(block_ids[0], block_ids[-1]) and max(block_ids[0], block_ids[-1]) < (1 << 63)):
-            raise ValueError(f"block_ids must be in [0, 2**63), got {block_ids}")
+        if len(block_ids):
+            for end in (block_ids[0], block_ids[-1]):
+                check_int("block_ids entries", end, min=0, max=_MAX_BLOCK_ID)
         ids = torch.arange(block_ids.start, block_ids.stop, block_ids.step, dtype=torch.int64)
     else:
         if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
             raise TypeError(f"block_ids must be a 1-D int64 tensor, a range or a sequence of ints, got "
                             f"{type(block_ids).__name__}")
-        vals = []
-        for v in block_ids:
-            if isinstance(v, bool):
-                raise TypeError("block_ids must hold ints, got a bool")
-            try:
-                vals.append(operator.index(v))
-            except TypeError:
-                raise TypeError(f"block_ids must hold ints, got {type(v).__name__}") from None
-        if any(not 0 <= v < (1 << 63) for v in vals):
-            raise ValueError(f"block_ids must be in [0, 2**63), got {min(vals)}..{max(vals)}")
+        vals = [check_int("block_ids entries", v, min=0, max=_MAX_BLOCK_ID) for v in block_ids]
         ids = torch.tensor(vals, dtype=torch.int64).reshape(-1)
     return ids.to(device).contiguous()
 
@@ -167,14 +157,7 @@ def _check_block_ids(block_ids, device) -> torch.Tensor:
 def _check_shape(block_shape) -> tuple[int, int]:
     if not isinstance(block_shape, (tuple, list, torch.Size)) or len(block_shape) != 2:
         raise ValueError(f"block_shape must be a tuple (m, n), got {block_shape!r}")
-    try:
-        m, n = (operator.index(v) for v in block_shape)
-    except TypeError:
-        raise TypeError(f"block_shape must hold ints, got {block_shape!r}") from None
-    if isinstance(block_shape[0], bool) or isinstance(block_shape[1], bool):
-        raise TypeError(f"block_shape must hold ints, got {block_shape!r}")
-    if m < 1 or n < 1:
-        raise ValueError(f"block_shape must be positive, got {(m, n)}")
+    m, n = (check_int(f"block_shape[{i}]", v, min=1) for i, v in enumerate(block_shape))
     if (m * n + 3) // 4 > _MASK32 + 1:
         raise ValueError(f"block_shape {(m, n)}: a block holds at most 2**34 elements (2**32 Philox quads)")
     return m, n
@@ -197,10 +180,19 @@ def block_randn(seed: int, stream: int, block_ids: BlockIds, block_shape: tuple[
         out: optional float32 contiguous ``[len(block_ids), m, n]`` tensor to write into.
         backend: force ``"cuda"``, ``"cpp-cpu"`` or ``"torch"`` (default: automatic, see
             :mod:`condinit._backends`).
+
+    Examples:
+        >>> z = block_randn(1234, stream_id("q"), range(4), (64, 2048))   # 4 blocks 64 x 2048
+        >>> z.shape, z.dtype
+        (torch.Size([4, 64, 2048]), torch.float32)
+        >>> torch.equal(block_randn(1234, stream_id("q"), [2], (64, 2048))[0], z[2])
+        True
     """
-    seed = _as_uint(seed, 64, "seed")
-    stream = _as_uint(stream, 32, "stream")
+    seed = check_seed("seed", seed)
+    stream = check_int("stream", stream, min=0, max=_MASK32)
     m, n = _check_shape(block_shape)
+    check_tensor("out", out, allow_none=True)
+    check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
     if device is not None:
         device = torch.device(device)
         if out is not None and out.device != device:
@@ -211,8 +203,6 @@ def block_randn(seed: int, stream: int, block_ids: BlockIds, block_shape: tuple[
         device = block_ids.device
     else:
         device = torch.device("cpu")
-    if out is not None and not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     ids = _check_block_ids(block_ids, device)
     shape = (ids.numel(), m, n)
     if out is not None:
@@ -224,10 +214,11 @@ def block_randn(seed: int, stream: int, block_ids: BlockIds, block_shape: tuple[
             raise ValueError("out must be contiguous")
     else:
         out = torch.empty(shape, dtype=torch.float32, device=device)
+    name = RANDN.choose(device, backend)
     if out.numel() == 0:
         return out
     with torch.no_grad():  # `out` may be a view of a parameter
-        RANDN(RANDN.choose(device, backend), seed, stream, ids, m, n, out)
+        RANDN(name, seed, stream, ids, m, n, out)
     return out
 
 
@@ -248,7 +239,13 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def philox4x32_10(counter: Sequence[torch.Tensor], key: tuple[int, int]) -> list[torch.Tensor]:
     """Philox4x32-10 on int64 tensors holding uint32 values: counter (c0, c1, c2, c3) (tensors,
-    broadcastable), key (k0, k1) ints. Returns the four output words as int64 tensors."""
+    broadcastable), key (k0, k1) ints. Returns the four output words as int64 tensors.
+
+    Examples:
+        >>> zero = torch.zeros(1, dtype=torch.int64)
+        >>> [hex(int(w)) for w in philox4x32_10([zero] * 4, (0, 0))]   # Random123 known answer
+        ['0x6627e8d5', '0xe169c58d', '0xbc57ac4c', '0x9b00dbd8']
+    """
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(PHILOX_ROUNDS):
@@ -303,7 +300,15 @@ def _sincos_turn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox_normals(x: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Box-Muller of one Philox output quad (x0, x1, x2, x3) -> normals [..., 4] float32."""
+    """Box-Muller of one Philox output quad (x0, x1, x2, x3) -> normals [..., 4] float32.
+
+    Examples:
+        >>> q = torch.arange(3, dtype=torch.int64)           # quads 0, 1, 2 of block 0, stream 0
+        >>> words = philox4x32_10([q, 0 * q, 0 * q, 0 * q], (1234, 0))
+        >>> torch.equal(philox_normals(words).reshape(-1),
+        ...             block_randn(1234, 0, [0], (1, 12), backend="torch").reshape(-1))
+        True
+    """
     x0, x1, x2, x3 = x
     out = []
     for xr, xa in ((x0, x1), (x2, x3)):

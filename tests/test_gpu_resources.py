@@ -1,0 +1,571 @@
+"""Static resource model of the GPU attention kernels, checked without a GPU.
+
+**Triton** (kernels/attention.py). Each launch configuration is compiled offline for sm_80
+(A100) and sm_90 (H100 / H200) with ``triton.compile``, from the argument list the host code
+really builds: the host function runs on CPU tensors with a recording ``_launch``, and triton's
+own binder specializes those arguments (dtypes, 16-divisibility) as the JIT does on a GPU. The
+compiled kernel must fit the target: shared memory (dynamic + static) within the per-block
+opt-in limit, registers x threads within the register file, and a stack frame (spilled
+registers, bytes per thread) within ``SPILL_LIMIT``. Compiles run in a subprocess without
+``TRITON_INTERPRET`` and with an empty triton cache (nothing is reused between runs).
+
+By default (CI, a few minutes on 2 cores) the first config of each list, the one
+``CONDINIT_ATTN_AUTOTUNE=0`` launches, is compiled for a representative subset: every kernel x
+{bf16, fp32} x head dims {64, 128, 256} x {1, 2} probes, on sm_90 and sm_80 (fp32 at d = 64 on
+sm_90 only). ``CONDINIT_FULL_RESOURCE_CHECK=1`` compiles every config of every list for fp16,
+bf16 and fp32, every supported head dim, causal and not, on both targets (about an hour on
+2 cores; ``CONDINIT_RESOURCE_CHECK_JOBS`` sets the number of compiling processes, default 2).
+A deliberately oversized config must be rejected by the same check.
+
+**CUDA** (csrc/attention/attention_kernels.cu). ``nvcc --resource-usage`` for sm_80 and sm_90
+gives registers, spills and static shared memory per kernel; a small host program built from
+the same source prints the tile and dynamic shared memory the launchers pick for every head
+dim, dtype and mode at the target's opt-in limit, and the sum must fit.
+
+``python tests/test_gpu_resources.py --table [--full]`` prints the tables of BENCHMARKS.md,
+"Static resource model of the GPU kernels". Skipped, with the reason, when triton cannot
+compile for CUDA here (no CUDA backend, no ptxas) or nvcc is absent.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CU_SOURCE = ROOT / "csrc" / "attention" / "attention_kernels.cu"
+
+# Per target: shared memory one block may opt in to, shared memory of the SM, register file.
+TARGETS = {
+    80: dict(name="sm_80 (A100)", smem_block=163 * 1024, smem_sm=164 * 1024, regs_sm=65536),
+    90: dict(name="sm_90 (H100/H200)", smem_block=227 * 1024, smem_sm=228 * 1024, regs_sm=65536),
+}
+MAX_THREADS_SM, MAX_BLOCKS_SM = 2048, 32
+SMEM_RESERVED_PER_BLOCK = 1024  # what the driver keeps per resident block (sm_80 and later)
+# Spill threshold for the CUDA kernels (bytes of stack frame per thread).
+CUDA_SPILL_LIMIT = 512
+
+DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4}
+FULL = os.environ.get("CONDINIT_FULL_RESOURCE_CHECK", "0") == "1"
+JOBS = int(os.environ.get("CONDINIT_RESOURCE_CHECK_JOBS", "2"))
+
+# The oversized config the check must reject: 256 x 256 tiles at d = 256 (bf16: compiles fast,
+# and needs far more shared memory than any target has).
+OVERSIZED = dict(kind="fwd", dtype="bf16", head_dim=256, causal=True, n_probes=1, arch=90,
+                 config=[256, 256, 8, 2])
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile worker (runs in a subprocess: no TRITON_INTERPRET, a fresh triton cache)
+# ------------------------------------------------------------------------------------------------
+
+def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes):
+    """The launches the host function of ``kind`` makes on CPU tensors, recorded instead of run:
+    ``[(kind, positional args, compile-time meta), ...]`` (``"pre"``: the backward's rowsum)."""
+    calls = []
+    saved = attn._launch, attn._attn_bwd_preprocess_kernel
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("pre", args, meta))
+
+    attn._launch = lambda name, grid_fn, args, meta: calls.append((name, args, meta))
+    attn._attn_bwd_preprocess_kernel = _Recorder()
+    try:
+        t = getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[dtype])
+        B, H, Hkv, N = 2, 4, 2, 1024  # GQA, N a multiple of 16 as in real models
+        q = torch.empty(B, H, N, head_dim, dtype=t)
+        k = torch.empty(B, Hkv, N, head_dim, dtype=t)
+        if kind == "fwd":
+            attn.attention_fwd(q, k, k, causal, 0.125)
+        elif kind == "jvp":
+            tq, tk = (q, k) if n_probes == 1 else (q.expand(n_probes, *q.shape), k.expand(n_probes, *k.shape))
+            attn.attention_jvp(q, k, k, tq.contiguous(), tk.contiguous(), tk.contiguous(), causal, 0.125)
+        else:
+            lse = torch.empty(B, H, N, dtype=torch.float32)
+            attn.attention_bwd(q, q, k, k, q, lse, causal, 0.125)
+    finally:
+        attn._launch, attn._attn_bwd_preprocess_kernel = saved
+    return calls
+
+
+def _cubin_resources(cubin: bytes) -> dict:
+    import triton
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    regs, stack, shared, local = map(int, m.groups())
+    return dict(regs=regs, stack=stack, static_shared=shared, local=local)
+
+
+def _compile_one(attn, job: dict) -> dict:
+    """Compile one (kernel, dtype, head dim, causal, probes, config) for one target."""
+    import contextlib
+    import io
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kind = job["kind"]
+    launches = [c for c in _host_launches(attn, torch, kind if kind != "pre" else "dkdv", job["dtype"],
+                                          job["head_dim"], job["causal"], job["n_probes"]) if c[0] == kind]
+    (_, args, meta), = launches
+    fn = attn._attn_bwd_preprocess_kernel if kind == "pre" else attn._KERNELS[kind]
+    kwargs = dict(meta)
+    rec = dict(job)
+    if kind != "pre":
+        cfgs = attn._configs(kind, DTYPES[job["dtype"]], meta["BLOCK_D"], meta.get("PROBES_PER_PROGRAM", 1))
+        c = job["config"]
+        if isinstance(c, int):
+            cfg = dict(cfgs[c].kwargs, num_warps=cfgs[c].num_warps, num_stages=cfgs[c].num_stages)
+        else:
+            cfg = dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
+        kwargs.update(cfg)
+        rec.update(block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"])
+    rec.update(probes_per_program=meta.get("PROBES_PER_PROGRAM", 1), block_d=meta["BLOCK_D"])
+    # As JITFunction.run does on a GPU.
+    kwargs["debug"] = bool(triton.knobs.runtime.debug)
+    kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    target = GPUTarget("cuda", job["arch"], 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    log = io.StringIO()
+    start = time.time()
+    with contextlib.redirect_stdout(log):  # the ptxas -v log (dump_ptxas_log) is printed
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
+    rec["seconds"] = round(time.time() - start, 1)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    rec.update(_cubin_resources(kernel.asm["cubin"]),
+               shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
+               stages=kernel.metadata.num_stages,
+               spill_stores=int(spills.group(1)) if spills else None,
+               spill_loads=int(spills.group(2)) if spills else None)
+    return rec
+
+
+def _worker_main():
+    """Compile the jobs given as JSON on stdin; one JSON line per job on stdout."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="condinit-resources-")
+    try:
+        import triton
+        from condinit.kernels import attention as attn
+        triton.knobs.nvidia.dump_ptxas_log = True
+        for job in json.load(sys.stdin):
+            try:
+                rec = _compile_one(attn, job)
+            except Exception as e:  # reported to the parent, which fails the test with it
+                rec = dict(job, error=f"{type(e).__name__}: {e}"[:2000])
+            print(json.dumps(rec), flush=True)
+    finally:
+        shutil.rmtree(os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+
+
+def compile_jobs(jobs: list, n_procs: int = JOBS) -> list:
+    """Run the compile worker over ``jobs`` in ``n_procs`` subprocesses; results in job order."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    chunks = [jobs[i::n_procs] for i in range(n_procs) if jobs[i::n_procs]]
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for _ in chunks]
+    for p, chunk in zip(procs, chunks):
+        p.stdin.write(json.dumps(chunk))
+        p.stdin.close()
+    results = {}
+    for p in procs:
+        out = p.stdout.read()
+        err = p.stderr.read()
+        if p.wait() != 0:
+            raise RuntimeError(f"compile worker failed ({p.returncode}):\n{err[-4000:]}")
+        for line in out.splitlines():
+            rec = json.loads(line)
+            results[_job_id(rec)] = rec
+    return [results[_job_id(j)] for j in jobs]
+
+
+def _job_id(job: dict) -> str:
+    c = job["config"]
+    cfg = f"cfg{c}" if isinstance(c, int) else "x".join(map(str, c))
+    return (f"{job['kind']}-{job['dtype']}-d{job['head_dim']}-p{job['n_probes']}-"
+            f"{'causal' if job['causal'] else 'full'}-sm{job['arch']}-{cfg}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The model: what fits a target, and how many blocks an SM holds
+# ------------------------------------------------------------------------------------------------
+
+def spill_bytes(rec: dict) -> int:
+    """Local memory per thread: the stack frame ptxas spills registers to."""
+    return rec["stack"] + rec["local"]
+
+
+def problems(rec: dict, spill_limit: int) -> list:
+    """Why a compiled kernel cannot launch, or launches spilling heavily, on its target."""
+    t = TARGETS[rec["arch"]]
+    out = []
+    smem = rec["shared"] + rec["static_shared"]
+    if smem > t["smem_block"]:
+        out.append(f"shared memory {smem / 1024:.1f} KiB > {t['smem_block'] // 1024} KiB per block")
+    threads = 32 * rec["warps"]
+    if rec["regs"] * threads > t["regs_sm"]:
+        out.append(f"{rec['regs']} registers x {threads} threads > {t['regs_sm']}")
+    if spill_bytes(rec) > spill_limit:
+        out.append(f"{spill_bytes(rec)} B/thread of spills > {spill_limit}")
+    return out
+
+
+def blocks_per_sm(rec: dict) -> tuple:
+    """Resident blocks per SM that shared memory, registers and threads allow, and the binding
+    limit (the CUDA occupancy rules: registers allocated per warp in units of 256)."""
+    t = TARGETS[rec["arch"]]
+    threads = 32 * rec["warps"]
+    smem = rec["shared"] + rec["static_shared"] + SMEM_RESERVED_PER_BLOCK
+    regs_per_warp = -(-rec["regs"] * 32 // 256) * 256
+    limits = {"smem": t["smem_sm"] // smem, "regs": t["regs_sm"] // (regs_per_warp * rec["warps"]),
+              "threads": MAX_THREADS_SM // threads, "blocks": MAX_BLOCKS_SM}
+    n = min(limits.values())
+    return n, "/".join(k for k, v in limits.items() if v == n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Which configs are checked
+# ------------------------------------------------------------------------------------------------
+
+def _kernel_cases(head_dims, dtypes):
+    """(kind, dtype, head_dim, n_probes) for every kernel and probe count the host launches."""
+    for dtype in dtypes:
+        for d in head_dims:
+            yield "fwd", dtype, d, 1
+            yield "jvp", dtype, d, 1
+            yield "jvp", dtype, d, 2
+            yield "dkdv", dtype, d, 1
+            yield "dq", dtype, d, 1
+
+
+def _list_length(kind, dtype, head_dim, n_probes):
+    from condinit.kernels import attention as attn
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    ppp = attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
+    return len(attn._configs(kind, DTYPES[dtype], block_d, ppp))
+
+
+def ci_jobs() -> list:
+    jobs = []
+    for kind, dtype, d, n_probes in _kernel_cases((64, 128, 256), ("bf16", "fp32")):
+        for arch in (90, 80):
+            if dtype == "fp32" and d == 64 and arch == 80:
+                continue  # the d = 64 fp32 tiles equal the d = 128 ones: sm_90 shows they fit
+            jobs.append(dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes,
+                             arch=arch, config=0))
+    jobs.append(dict(kind="pre", dtype="fp32", head_dim=256, causal=True, n_probes=1, arch=90, config=0))
+    return jobs
+
+
+def full_jobs() -> list:
+    jobs = []
+    for kind, dtype, d, n_probes in _kernel_cases((16, 32, 64, 80, 96, 128, 256), tuple(DTYPES)):
+        for i in range(_list_length(kind, dtype, d, n_probes)):
+            for causal in (True, False):
+                for arch in (90, 80):
+                    jobs.append(dict(kind=kind, dtype=dtype, head_dim=d, causal=causal,
+                                     n_probes=n_probes, arch=arch, config=i))
+    for dtype in DTYPES:
+        for d in (16, 64, 80, 128, 256):
+            for arch in (90, 80):
+                jobs.append(dict(kind="pre", dtype=dtype, head_dim=d, causal=True, n_probes=1, arch=arch,
+                                 config=0))
+    return jobs
+
+
+def _triton_compile_unavailable():
+    """Why triton cannot compile for CUDA here, or None."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.runtime.jit import create_function_from_signature  # noqa: F401
+    except Exception as e:
+        return f"triton's offline compiler is not importable: {e}"
+    if "nvidia" not in triton.backends.backends:
+        return "triton has no CUDA backend"
+    try:
+        triton.knobs.nvidia.ptxas.path
+        triton.knobs.nvidia.cuobjdump.path
+    except Exception as e:
+        return f"triton's ptxas / cuobjdump are missing: {e}"
+    return None
+
+
+_WHY_NOT_TRITON = _triton_compile_unavailable()
+needs_triton_compiler = pytest.mark.skipif(_WHY_NOT_TRITON is not None, reason=str(_WHY_NOT_TRITON))
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton tests
+# ------------------------------------------------------------------------------------------------
+
+_JOBS = full_jobs() if FULL else ci_jobs()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every job of this run compiled once (one batch over JOBS processes), by job id."""
+    return {_job_id(r): r for r in compile_jobs(_JOBS + [OVERSIZED])}
+
+
+@needs_triton_compiler
+@pytest.mark.parametrize("job", _JOBS, ids=_job_id)
+def test_triton_config_fits_the_target(compiled, job):
+    from condinit.kernels import attention as attn
+    rec = compiled[_job_id(job)]
+    assert "error" not in rec, rec["error"]
+    assert not problems(rec, attn.SPILL_LIMIT[DTYPES[job["dtype"]]]), (rec, problems(rec, attn.SPILL_LIMIT[
+        DTYPES[job["dtype"]]]))
+
+
+@needs_triton_compiler
+def test_the_check_rejects_an_oversized_config(compiled):
+    rec = compiled[_job_id(OVERSIZED)]
+    assert "error" not in rec, rec["error"]
+    found = problems(rec, 512)
+    assert any("shared memory" in p for p in found), rec
+
+
+@pytest.mark.triton
+def test_config_lists_cover_every_launch():
+    """Every (kernel, dtype size, head-dim bucket) has a list with one probe per program; lists
+    hold tl.dot-sized power-of-two tiles; two probes per program only where a list exists."""
+    from condinit.kernels import attention as attn
+    for (kind, elem_bytes, bucket, ppp), cfgs in attn._CONFIGS.items():
+        assert kind in ("fwd", "jvp", "dkdv", "dq") and elem_bytes in (2, 4) and bucket in (64, 128, 256)
+        assert ppp == 1 or (kind == "jvp" and ppp == 2)
+        assert cfgs and len(set(cfgs)) == len(cfgs)
+        for m, n, w, s in cfgs:
+            assert m >= 16 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0
+            assert w in (4, 8) and 1 <= s <= 4
+    for kind in ("fwd", "jvp", "dkdv", "dq"):
+        for elem_bytes in (2, 4):
+            for block_d in (16, 32, 64, 128, 256):
+                assert attn._configs(kind, elem_bytes, block_d, 1)
+                for n_probes in (1, 2, 5):
+                    ppp = attn._probes_per_program(elem_bytes, block_d, kind == "jvp", n_probes)
+                    assert ppp == 1 or (kind == "jvp" and n_probes > 1)
+                    assert attn._configs(kind, elem_bytes, block_d, ppp)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
+    """With CONDINIT_ATTN_AUTOTUNE=0 each GPU launch takes the first config of the list for its
+    own dtype, head dim and probes per program (the kernels are replaced by recorders)."""
+    import torch
+    from condinit.kernels import attention as attn
+    seen = []
+
+    class _Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((self.name, args[0].element_size(), kw))
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("CONDINIT_ATTN_AUTOTUNE", "0")
+    monkeypatch.setattr(attn, "_KERNELS", {name: _Kernel(name) for name in attn._KERNELS})
+    monkeypatch.setattr(attn, "_attn_bwd_preprocess_kernel", _Kernel("pre"))
+    t = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    q = torch.empty(1, 2, 64, 80, dtype=t)
+    k = torch.empty(1, 1, 64, 80, dtype=t)
+    tangents = (q.expand(3, *q.shape).contiguous(), k.expand(3, *k.shape).contiguous(),
+                k.expand(3, *k.shape).contiguous())
+    attn.attention_fwd(q, k, k, True, 0.1)
+    attn.attention_jvp(q, k, k, *tangents, True, 0.1)
+    attn.attention_bwd(q, q, k, k, q, torch.empty(1, 2, 64), True, 0.1)
+    launched = [(name, size, kw) for name, size, kw in seen if name != "pre"]
+    assert [name for name, _, _ in launched] == ["fwd", "jvp", "dkdv", "dq"]
+    for name, size, kw in launched:
+        assert size == q.element_size() and kw["BLOCK_D"] == 128 and kw["HEAD_DIM"] == 80
+        ppp = kw.get("PROBES_PER_PROGRAM", 1)
+        assert ppp == attn._probes_per_program(size, 128, name == "jvp", 3)
+        first = attn._configs(name, size, 128, ppp)[0]
+        got = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+        assert got == (first.kwargs["BLOCK_M"], first.kwargs["BLOCK_N"], first.num_warps, first.num_stages)
+
+
+@pytest.mark.triton
+def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
+    from condinit.kernels import attention as attn
+    for kind in ("fwd", "jvp", "dkdv", "dq"):
+        for elem_bytes in (2, 4):
+            tuner = attn._tuned(kind, elem_bytes, 128, 1)
+            assert {"tune_q", "tune_k", "BLOCK_D", "CAUSAL"} <= set(tuner.keys)
+            if kind in ("fwd", "jvp"):
+                assert {"JVP", "PROBES_PER_PROGRAM"} <= set(tuner.keys)
+            assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuner.configs] == [
+                (c.kwargs, c.num_warps, c.num_stages) for c in attn._configs(kind, elem_bytes, 128, 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA kernels: nvcc --resource-usage against the launchers' choices
+# ------------------------------------------------------------------------------------------------
+
+# The nvcc flags setup.py builds the extension with.
+NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+CUDA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+# Prints, for the opt-in limit given as argv[1], the tile and dynamic shared memory that
+# launch_fwd_jvp / launch_bwd pick (their rule: the first kTiles entry whose layout fits) and the
+# threads per block they launch, for every head dim, dtype size and mode.
+_CUDA_LAUNCH_PROBE = r"""
+#include "attention/attention_kernels.cu"
+#include <cstdio>
+#include <cstdlib>
+using namespace condinit::attention_cuda;
+int main(int argc, char** argv) {
+  const size_t limit = (size_t)atol(argv[1]);
+  const int dims[] = {%(dims)s};
+  for (int d : dims) {
+    for (int sz : {4, 2}) {
+      for (int mode = 0; mode < 3; ++mode) {  // 0 fwd, 1 jvp, 2 bwd
+        int a = 0, b = 0;
+        size_t need = 0;
+        for (const auto& t : kTiles) {
+          need = mode == 2 ? bwd_layout(t[1], t[0], d, sz).total : fwd_layout(t[0], t[1], d, sz, mode == 1).total;
+          if (need <= limit) { a = t[0]; b = t[1]; break; }
+        }
+        // fwd/jvp: BM = a, BN = b, threads 32 * BM / 16; bwd: BN = a, BM = b, threads 32 * BN / 16.
+        printf("%%s %%d %%d %%d %%d %%zu %%d\n", mode == 0 ? "fwd" : mode == 1 ? "jvp" : "bwd", d, sz,
+               mode == 2 ? b : a, mode == 2 ? a : b, a ? need : 0, 32 * (a / 16));
+      }
+    }
+  }
+  return 0;
+}
+"""
+
+
+def _nvcc():
+    """nvcc of CUDA_HOME (or on PATH) together with its headers, or None."""
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").is_file() and (Path(home) / "include" / "cuda_runtime.h").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def parse_nvcc_resource_usage(text: str) -> dict:
+    """``{(kernel, dtype): dict(regs, stack, spill_stores, static_shared)}`` from ``nvcc
+    --resource-usage`` (ptxas -v) output."""
+    dtypes = {"I13__nv_bfloat16E": "bf16", "I6__halfE": "fp16", "IfE": "fp32"}
+    out = {}
+    for block in re.split(r"ptxas info\s+: Compiling entry function ", text)[1:]:
+        name = re.match(r"'([^']+)'", block).group(1)
+        kernel = "fwd_jvp" if "attention_fwd_jvp_kernel" in name else "bwd" if "attention_bwd_kernel" in name else None
+        if kernel is None:
+            continue
+        dtype = next(v for k, v in dtypes.items() if k in name)
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", block)
+        used = re.search(r"Used (\d+) registers", block)
+        smem = re.search(r"(\d+) bytes smem", block)
+        out[(kernel, dtype)] = dict(regs=int(used.group(1)), stack=int(frame.group(1)),
+                                    spill_stores=int(frame.group(2)), static_shared=int(smem.group(1)) if smem else 0)
+    return out
+
+
+def cuda_resources(workdir: Path) -> tuple:
+    """nvcc resource usage per (arch, kernel, dtype), and the launch choices per arch:
+    ``[dict(arch, mode, d, elem_bytes, bm, bn, dynamic_shared, threads)]``."""
+    nvcc = _nvcc()
+    probe = workdir / "launch_probe.cu"
+    probe.write_text(_CUDA_LAUNCH_PROBE % dict(dims=", ".join(map(str, CUDA_HEAD_DIMS))))
+    usage = {}
+    # sm_90: the probe program, built with the kernels (one nvcc run gives both); sm_80: the kernels.
+    cmds = {90: [nvcc, *NVCC_FLAGS, "--resource-usage", "-arch=sm_90", f"-I{ROOT / 'csrc'}", str(probe),
+                 "-o", str(workdir / "launch_probe")],
+            80: [nvcc, *NVCC_FLAGS, "--resource-usage", "-arch=sm_80", f"-I{ROOT / 'csrc'}", "-c", str(CU_SOURCE),
+                 "-o", str(workdir / "kernels_sm80.o")]}
+    procs = {arch: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for arch, cmd in cmds.items()}
+    for arch, p in procs.items():
+        text = p.communicate()[0]
+        assert p.returncode == 0, f"nvcc for sm_{arch} failed:\n{text[-4000:]}"
+        for key, rec in parse_nvcc_resource_usage(text).items():
+            usage[(arch,) + key] = rec
+    launches = []
+    for arch, t in TARGETS.items():
+        lines = subprocess.run([str(workdir / "launch_probe"), str(t["smem_block"])], capture_output=True,
+                               text=True, check=True).stdout.split()
+        for i in range(0, len(lines), 7):
+            mode, d, sz, bm, bn, smem, threads = lines[i:i + 7]
+            launches.append(dict(arch=arch, mode=mode, d=int(d), elem_bytes=int(sz), bm=int(bm), bn=int(bn),
+                                 dynamic_shared=int(smem), threads=int(threads)))
+    return usage, launches
+
+
+def cuda_launch_problems(usage: dict, launch: dict) -> list:
+    """Why a CUDA launch the host code makes would fail, or spill heavily, on its target."""
+    t = TARGETS[launch["arch"]]
+    if launch["bm"] == 0:
+        return [f"no tile fits {t['smem_block']} B of shared memory"]
+    out = []
+    for dtype, size in DTYPES.items():
+        if size != launch["elem_bytes"]:
+            continue
+        rec = usage[(launch["arch"], "bwd" if launch["mode"] == "bwd" else "fwd_jvp", dtype)]
+        smem = rec["static_shared"] + launch["dynamic_shared"]
+        if smem > t["smem_block"]:
+            out.append(f"{dtype}: shared memory {smem} B > {t['smem_block']}")
+        if rec["regs"] * launch["threads"] > t["regs_sm"]:
+            out.append(f"{dtype}: {rec['regs']} registers x {launch['threads']} threads > {t['regs_sm']}")
+        if launch["threads"] > 128:
+            out.append(f"{dtype}: {launch['threads']} threads > __launch_bounds__(128)")
+        if rec["stack"] > CUDA_SPILL_LIMIT:
+            out.append(f"{dtype}: {rec['stack']} B/thread of spills > {CUDA_SPILL_LIMIT}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def cuda_usage(tmp_path_factory):
+    return cuda_resources(tmp_path_factory.mktemp("nvcc"))
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc with CUDA headers not found (CUDA_HOME)")
+def test_cuda_kernels_fit_every_launch(cuda_usage):
+    usage, launches = cuda_usage
+    for arch in TARGETS:
+        for kernel in ("fwd_jvp", "bwd"):
+            for dtype in DTYPES:
+                assert (arch, kernel, dtype) in usage, f"no ptxas report for {kernel}<{dtype}> on sm_{arch}"
+    assert len(launches) == len(TARGETS) * len(CUDA_HEAD_DIMS) * 2 * 3
+    bad = {f"sm_{x['arch']} {x['mode']} d={x['d']} {x['elem_bytes']}B": cuda_launch_problems(usage, x)
+           for x in launches}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc with CUDA headers not found (CUDA_HOME)")
+def test_cuda_check_rejects_a_launch_over_the_limit(cuda_usage):
+    usage, launches = cuda_usage
+    over = dict(launches[0], dynamic_shared=TARGETS[launches[0]["arch"]]["smem_block"] + 1)
+    assert any("shared memory" in p for p in cuda_launch_problems(usage, over))
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points: the compile worker, and the tables of BENCHMARKS.md
+# ------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        _worker_main()
