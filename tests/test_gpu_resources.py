@@ -566,6 +566,109 @@ def test_cuda_check_rejects_a_launch_over_the_limit(cuda_usage):
 # Entry points: the compile worker, and the tables of BENCHMARKS.md
 # ------------------------------------------------------------------------------------------------
 
+def table_jobs(head_dims=(64, 128, 256), dtypes=("bf16", "fp32")) -> list:
+    """Every config of every list for the BENCHMARKS.md tables (causal, both targets), one job
+    per distinct (kernel, dtype, head dim, probes per program, config)."""
+    from condinit.kernels import attention as attn
+    jobs, seen = [], set()
+    for kind, dtype, d, n_probes in _kernel_cases(head_dims, dtypes):
+        block_d = max(16, 1 << (d - 1).bit_length())
+        ppp = attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
+        for i in range(_list_length(kind, dtype, d, n_probes)):
+            if (kind, dtype, d, ppp, i) in seen:
+                continue
+            seen.add((kind, dtype, d, ppp, i))
+            for arch in (90, 80):
+                jobs.append(dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes,
+                                 arch=arch, config=i))
+    return jobs
+
+
+def _tool_versions() -> str:
+    import triton
+    ptxas = subprocess.run([triton.knobs.nvidia.ptxas.path, "--version"], capture_output=True,
+                           text=True).stdout
+    release = re.search(r"release ([\d.]+)", ptxas)
+    return f"triton {triton.__version__}, its ptxas {release.group(1) if release else '?'}"
+
+
+def print_tables(recs: list, cuda=None) -> None:
+    """Markdown tables: one per Triton kernel (sm_90 and sm_80 side by side), one for CUDA."""
+    from condinit.kernels import attention as attn
+    by_key = {}
+    for r in recs:
+        if "error" in r:
+            print(f"ERROR {_job_id(r)}: {r['error'][:300]}")
+            continue
+        key = (r["kind"], r["dtype"], r["head_dim"], r["probes_per_program"], r["config"], r["causal"])
+        by_key.setdefault(key, {})[r["arch"]] = r
+    titles = {"fwd": "Forward", "jvp": "Forward + JVP", "dkdv": "Backward dK/dV", "dq": "Backward dQ",
+              "pre": "Backward rowsum(dO o O)"}
+    for kind, title in titles.items():
+        rows = sorted((k, v) for k, v in by_key.items() if k[0] == kind)
+        if not rows:
+            continue
+        print(f"\n**{title}** (`{'_attn_bwd_preprocess_kernel' if kind == 'pre' else attn._KERNELS[kind].__name__}`)\n")
+        print("| dtype | d | probes/program | list entry | BLOCK_M x BLOCK_N | warps | stages | "
+              "sm_90 smem [KiB] | regs | spills [B] | blocks/SM (limit) | sm_80 smem [KiB] | regs | spills [B] |")
+        print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+        for (_, dtype, d, ppp, cfg, causal), per_arch in rows:
+            any_rec = next(iter(per_arch.values()))
+            tile = (f"{any_rec['block_m']} x {any_rec['block_n']}" if "block_m" in any_rec else "-")
+            cells = []
+            for arch in (90, 80):
+                r = per_arch.get(arch)
+                if r is None:
+                    cells += ["-"] * (4 if arch == 90 else 3)
+                    continue
+                bad = problems(r, attn.SPILL_LIMIT[DTYPES[dtype]]) if kind != "pre" else problems(r, 512)
+                mark = " **(!)**" if bad else ""
+                cells += [f"{(r['shared'] + r['static_shared']) / 1024:.1f}{mark}", str(r["regs"]), str(spill_bytes(r))]
+                if arch == 90:
+                    n, lim = blocks_per_sm(r)
+                    cells.append(f"{n} ({lim})")
+            entry = str(cfg + 1) if kind != "pre" else "-"
+            print(f"| {dtype} | {d} | {ppp} | {entry} | {tile} | {any_rec['warps']} | {any_rec['stages']} | "
+                  + " | ".join(cells) + " |")
+    if cuda is not None:
+        usage, launches = cuda
+        print("\n**CUDA kernels** (`nvcc --resource-usage`, per template instance)\n")
+        print("| kernel | dtype | sm_90 regs | spills [B] | static smem [B] | sm_80 regs | spills [B] | static smem [B] |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for kernel in ("fwd_jvp", "bwd"):
+            for dtype in DTYPES:
+                a, b = usage[(90, kernel, dtype)], usage[(80, kernel, dtype)]
+                print(f"| attention_{kernel}_kernel | {dtype} | {a['regs']} | {a['stack']} | {a['static_shared']} | "
+                      f"{b['regs']} | {b['stack']} | {b['static_shared']} |")
+        print("\n**CUDA launches** (the tile the launcher picks at each target's opt-in limit)\n")
+        print("| mode | bytes/elem | d | sm_90 BM x BN | threads | dyn. smem [KiB] | blocks/SM (limit) | "
+              "sm_80 BM x BN | threads | dyn. smem [KiB] |")
+        print("| --- | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: |")
+        index = {(x["arch"], x["mode"], x["elem_bytes"], x["d"]): x for x in launches}
+        for mode in ("fwd", "jvp", "bwd"):
+            for sz in (2, 4):
+                for d in CUDA_HEAD_DIMS:
+                    a, b = index[(90, mode, sz, d)], index[(80, mode, sz, d)]
+                    dt = next(k for k, v in DTYPES.items() if v == sz and k != "fp16")
+                    rec = dict(usage[(90, "bwd" if mode == "bwd" else "fwd_jvp", dt)], arch=90,
+                               warps=a["threads"] // 32, shared=a["dynamic_shared"], local=0)
+                    n, lim = blocks_per_sm(rec)
+                    print(f"| {mode} | {sz} | {d} | {a['bm']} x {a['bn']} | {a['threads']} | "
+                          f"{a['dynamic_shared'] / 1024:.1f} | {n} ({lim}) | {b['bm']} x {b['bn']} | "
+                          f"{b['threads']} | {b['dynamic_shared'] / 1024:.1f} |")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
         _worker_main()
+    elif sys.argv[1:2] == ["--table"]:
+        import platform
+        start = time.time()
+        jobs = full_jobs() if "--full" in sys.argv else table_jobs()
+        recs = compile_jobs(jobs)
+        cuda = cuda_resources(Path(tempfile.mkdtemp(prefix="condinit-nvcc-"))) if _nvcc() else None
+        print(f"{len(recs)} Triton compiles ({_tool_versions()}), {platform.machine()}, "
+              f"{os.cpu_count()} CPUs, {JOBS} processes, {time.time() - start:.0f} s")
+        print_tables(recs, cuda)
+    else:
+        sys.exit("usage: python tests/test_gpu_resources.py --table [--full]")

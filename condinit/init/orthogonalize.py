@@ -100,14 +100,6 @@ _U32 = 2.0 ** -24
 # ---------------------------------------------------------------------------------------------------
 # helpers shared with condinit.init.functional
 
-def check_method(method) -> str:
-    return check_choice("method", method, METHODS)
-
-
-def _check_floating(t, name: str) -> torch.Tensor:
-    return check_tensor(name, t, floating=True)
-
-
 def resolve_method(m: int, n: int, method: str) -> str:
     """The concrete method ``"auto"`` stands for, for an ``m x n`` block."""
     if method != "auto":
@@ -520,7 +512,7 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
         torch.Size([300, 20])
     """
     check_tensor("stack", stack, floating=True, min_dim=2)
-    check_method(method)
+    check_choice("method", method, METHODS)
     check_tensor("out", out, floating=True, allow_none=True)
     check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
     check_int("memory_budget", memory_budget, min=1, allow_none=True)

@@ -53,9 +53,16 @@ orthogonal complement:
 
 The operator never modifies the layer (weights and ``x`` are copied, detached, at construction,
 so later optimizer steps do not change it), keeps no autograd graph, and draws no random numbers.
+It computes in its own ``dtype`` whatever the caller's autocast state (autocast is switched off
+inside its methods), and it is built only from finite data: NaN or Inf in ``x``, in ``q, k, v``
+or in the layer's weights, biases or ``W_O`` (in the compute dtype) raises
+:class:`NonFiniteError` at construction, so a diverged layer fails there with a clear message
+rather than as NaN from ``mv`` or an SVD failure inside an estimator.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Optional
 
@@ -65,7 +72,7 @@ from torch import Tensor, nn
 from condinit import _backends
 from condinit._validate import check_bool, check_choice, check_int, check_real, check_tensor
 
-__all__ = ["JacobianOperator", "WRT", "DENSE_MAX_ENTRIES"]
+__all__ = ["JacobianOperator", "NonFiniteError", "WRT", "DENSE_MAX_ENTRIES", "autocast_disabled"]
 
 WRT = ("weights", "input", "qkv")
 DENSE_MAX_ENTRIES = 4_000_000   # .dense(): 32 MB of float64
@@ -79,6 +86,33 @@ def check_dtype(name: str, dtype, *, allow_none: bool = True) -> Optional[torch.
         what = "a floating-point torch.dtype" + (" or None" if allow_none else "")
         raise TypeError(f"{name} must be {what}, got {dtype!r}")
     return dtype
+
+
+class NonFiniteError(ValueError):
+    """A probe's input (``x``, ``q, k, v``, or a layer's weights) holds NaN or Inf."""
+
+
+def _check_finite(what: str, t: Tensor) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(f"{what} must be finite, got NaN or Inf (in {t.dtype})")
+
+
+def autocast_disabled(device: torch.device):
+    """A context with autocast off on ``device``'s type: the probes compute in their own dtype
+    (their tangents must match the primal's dtype), whatever autocast region the caller is in."""
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is not None and available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _no_autocast(method):
+    """Run an operator method with autocast off on the operator's device (see :func:`autocast_disabled`)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with autocast_disabled(self.device):
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def _null_rtol(dtype: torch.dtype) -> float:
@@ -235,6 +269,10 @@ class JacobianOperator:
         self.Wq, self.Wk, self.Wv = (p.view().to(self.device, cdt).clone() for p in (spec.q, spec.k, spec.v))
         self.bq, self.bk, self.bv = (None if _proj_bias(p) is None else _proj_bias(p).to(self.device, cdt).clone()
                                      for p in (spec.q, spec.k, spec.v))
+        for name, w, b in (("q", self.Wq, self.bq), ("k", self.Wk, self.bk), ("v", self.Wv, self.bv)):
+            _check_finite(f"layer: the {name} projection's weight", w)
+            if b is not None:
+                _check_finite(f"layer: the {name} projection's bias", b)
         self.scale = float(scale) if scale is not None else _layer_scale(module, self.d)
         if self.include_output_proj:
             wo = _output_proj(module)
@@ -245,6 +283,7 @@ class JacobianOperator:
                 raise ValueError(f"include_output_proj=True: output projection is {tuple(wo.shape)}, expected "
                                  f"[*, {self.H * self.d}] (num_heads * head_dim)")
             self._wo = wo.to(self.device, cdt).clone()
+            _check_finite("layer: the output projection's weight", self._wo)
         check_tensor("x", x, floating=True)
         if x.dim() == 2:
             x = x.unsqueeze(0)
@@ -253,6 +292,7 @@ class JacobianOperator:
                              f"shape {tuple(x.shape)}")
         self._x_src_dtype = x.dtype
         self.X = x.detach().to(self.device, cdt).clone()
+        _check_finite("x", self.X)
         self.B, self.N = x.shape[0], x.shape[1]
         self._qkv_given = None
 
@@ -276,6 +316,8 @@ class JacobianOperator:
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
         self._x_src_dtype = q.dtype
         self._qkv_given = tuple(t.detach().to(self.device, cdt).clone() for t in (q, k, v))
+        for name, t in zip("qkv", self._qkv_given):
+            _check_finite(name, t)
         self.X = None
 
     # -- properties -----------------------------------------------------------------------------
@@ -296,6 +338,7 @@ class JacobianOperator:
         return {op.name: op.choose(self.device, self.backend, dtype=self.dtype, head_dim=self.d)
                 for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP)}
 
+    @_no_autocast
     def _primal(self):
         """(q, k, v, out, lse) at the linearization point; computed once, no graph."""
         if self._primals is None:
@@ -329,16 +372,24 @@ class JacobianOperator:
 
     # -- vector plumbing ------------------------------------------------------------------------
 
+    @staticmethod
+    def _check_real(t: Tensor, name: str) -> None:
+        # J is real: casting a complex vector to the compute dtype would silently drop its imaginary part
+        if t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real (floating-point or integer) tensor, got {t.dtype}")
+
     def _as_tensor(self, t, size: int, name: str) -> Tensor:
         if isinstance(t, (tuple, list)):
             t = torch.cat([torch.as_tensor(p).reshape(-1) for p in t])
         t = torch.as_tensor(t)
+        self._check_real(t, name)
         if t.dim() != 1 or t.shape[0] != size:
             raise ValueError(f"{name} must be a vector of length {size}, got shape {tuple(t.shape)}")
         return t.to(self.device, self.dtype)
 
     def _as_block(self, T, size: int, name: str) -> Tensor:
         T = torch.as_tensor(T)
+        self._check_real(T, name)
         if T.dim() != 2 or T.shape[0] != size:
             raise ValueError(f"{name} must be [{size}, P], got shape {tuple(T.shape)}")
         return T.to(self.device, self.dtype)
@@ -369,6 +420,7 @@ class JacobianOperator:
             return (self._unheads(tout) @ self._wo.t()).reshape(P, -1)
         return tout.reshape(P, -1)
 
+    @_no_autocast
     def _matmat_rows(self, T: Tensor) -> Tensor:
         """[P, n] -> [P, m]: one fused multi-probe JVP launch."""
         q, k, v, _, _ = self._primal()
@@ -390,6 +442,7 @@ class JacobianOperator:
 
     # -- reverse mode ---------------------------------------------------------------------------
 
+    @_no_autocast
     def _rmatmat_rows(self, U: Tensor) -> Tensor:
         """[P, m] -> [P, n]: the flash VJP with the probes folded into the batch."""
         q, k, v, out, lse = self._primal()
@@ -469,6 +522,7 @@ class JacobianOperator:
 
     # -- known null directions ------------------------------------------------------------------
 
+    @_no_autocast
     def _null_info(self):
         if self._nulls is None:
             self._nulls = self._compute_nulls()
@@ -557,6 +611,12 @@ class JacobianOperator:
             wq = wq + torch.outer(self.bq.to(f64), self._w_raw)
         wq = (wq @ pi_q).reshape(Hkv, G, d, D)                        # W~_Q per group
         wk = (self.Wk.to(f64) @ pi_k).reshape(Hkv, d, D)
+        # one common power of two for W~_Q and W~_K keeps the Gram matrices below in range for any
+        # weight scale; the projection is invariant under it (E scales by its inverse), and exact
+        amax = float(torch.maximum(wq.abs().max(), wk.abs().max()))
+        if amax > 0:
+            unit = math.ldexp(1.0, -max(-1000, min(1000, math.frexp(amax)[1])))
+            wq, wk = wq * unit, wk * unit
         A = torch.einsum("gjdD,gjeD->gde", wq, wq)                   # sum_h W~_Q,h W~_Q,h^T
         C = wk @ wk.transpose(-1, -2)
         # E restricted to E b_Q,h = 0: Pi = I - projector onto span{b_Q,h : h in g}
@@ -613,9 +673,11 @@ class JacobianOperator:
         l = "; ".join(info["left"]) or "none"
         return f"input side: {r}. output side: {l}."
 
+    @_no_autocast
     def project_input(self, T: Tensor) -> Tensor:
         """Orthogonal projection of ``[..., n]`` onto the complement of the known input-side nulls."""
         self._null_info()
+        self._check_real(torch.as_tensor(T), "T")
         T = T.to(self.device, self.dtype)
         parts = list(self.split_input(T))
         if self.wrt == "qkv":
@@ -638,8 +700,10 @@ class JacobianOperator:
         lead = T.shape[:-1]
         return torch.cat([p.reshape(*lead, -1) for p in parts], dim=-1)
 
+    @_no_autocast
     def project_output(self, U: Tensor) -> Tensor:
         """Orthogonal projection of ``[..., m]`` onto the complement of the known output-side nulls."""
+        self._check_real(torch.as_tensor(U), "U")
         U = U.to(self.device, self.dtype)
         if not self._null_info()["left_dims"]:
             return U

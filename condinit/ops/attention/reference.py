@@ -1,6 +1,8 @@
-"""Tiled PyTorch reference of fused attention: forward (with log-sum-exp), VJP and fused JVP.
+"""Tiled PyTorch reference of fused attention: forward (with log-sum-exp), VJP, fused JVP and
+the backward through the JVP.
 
-This is the ``torch`` backend of the ``attention_fwd`` / ``attention_bwd`` / ``attention_jvp`` ops
+This is the ``torch`` backend of the ``attention_fwd`` / ``attention_bwd`` / ``attention_jvp`` /
+``attention_jvp_bwd`` ops
 and the readable statement of what the Triton and C++ kernels compute (docs/design.md, "Attention"). It
 walks blocks of queries x blocks of keys with an online softmax, so besides the inputs and outputs
 it holds O(block_q * block_k) scores at a time, never an N x N matrix. Accumulation is in float32
@@ -26,7 +28,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_jvp", "attention_naive", "BLOCK_Q", "BLOCK_K"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_jvp", "attention_jvp_bwd", "attention_naive",
+           "BLOCK_Q", "BLOCK_K"]
 
 # Big enough that the Python loop is not the cost on CPU, small enough that a block of scores
 # ([B, H, BLOCK_Q, BLOCK_K] per probe) stays cache- and memory-friendly.
