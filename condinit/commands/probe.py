@@ -11,6 +11,12 @@ sigma_min of the weight Jacobian (sigma_min on the complement of its known null 
 upper bound on kappa(J) of :func:`condinit.probe.condition_number_bound`. Decoder presets use the
 causal mask.
 ``--plot`` and ``--json`` are written atomically.
+
+A layer whose weights or captured input hold NaN or Inf (a diverged checkpoint: the NaN also
+reaches every later layer's input) is listed with the reason instead of values; the other layers
+are probed as usual. Values that overflow float32 print as ``nan`` with the reason in the JSON
+``notes``. One token (``--seq-len 1``) is fine: the bound is then vacuous (one key per query,
+the softmax Jacobian is 0), printed as ``-``.
 """
 from __future__ import annotations
 
@@ -38,6 +44,17 @@ def add_arguments(p):
 
 def _fmt(v, spec=".3e"):
     return "-" if v is None else format(v, spec)
+
+
+def _finite_or_none(v):
+    """``v`` with every NaN / inf float replaced by None (JSON has no NaN)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_or_none(x) for x in v]
+    return v
 
 
 def _load(path, preset):
@@ -99,7 +116,8 @@ def _batch(model, family, batch, seq_len, seed):
 def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", max_layers=None):
     """One record per attention layer: Lanczos sigma/kappa, Hutchinson Frobenius, the kappa bound.
 
-    Layer ``i``'s estimators are seeded with ``(seed + i) mod 2**64``.
+    Layer ``i``'s estimators are seeded with ``(seed + i) mod 2**64``. A layer whose weights or
+    input are not finite gets a record with ``skipped`` set to the reason (and None values).
     """
     import time
 
@@ -109,6 +127,7 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
     from condinit.models import find_attention
     from condinit.probe import (InputCapture, JacobianOperator, condition_number_bound, frobenius_hutchinson,
                                 lanczos_svd)
+    from condinit.probe.operator import NonFiniteError
 
     layers = find_attention(model)
     if not layers:
@@ -126,19 +145,32 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
         causal = bool(getattr(l.module, "is_causal", False))
         t0 = time.perf_counter()
         layer_seed = (seed + i) % SEED_MAX
-        op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32)
+        try:
+            op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32)
+        except NonFiniteError as exc:
+            # a diverged layer (or one fed by one): reported in its row, the others are still probed
+            rows.append({"layer": l.index, "name": l.name, "causal": causal, "skipped": f"not probed: {exc}",
+                         **{k: None for k in _VALUE_KEYS}})
+            continue
         est = lanczos_svd(op, steps=steps, seed=layer_seed)
         fro = frobenius_hutchinson(op, samples=samples, seed=layer_seed)
         bnd = condition_number_bound(l.module, x, causal=causal, measure=False)
-        rows.append({"layer": l.index, "name": l.name, "causal": causal, "shape": list(op.shape),
+        rows.append({"layer": l.index, "name": l.name, "causal": causal, "skipped": None, "shape": list(op.shape),
                      "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                      "rank_deficient": est.rank_deficient, "converged": est.converged,
                      "residual_max": est.residual_max, "residual_min": est.residual_min,
                      "frobenius": fro.frobenius, "frobenius_ci": [fro.ci_low, fro.ci_high],
                      "bound": bnd.bound, "bound_terms": {k: getattr(bnd, k) for k in (
                          "kappa_X", "kappa_WQ", "kappa_WK", "kappa_WV", "kappa_Lambda", "kappa_softmax")},
+                     "bound_notes": bnd.notes, "notes": "; ".join(n for n in (est.notes, fro.notes) if n),
                      "subspace": est.subspace, "time_s": time.perf_counter() - t0})
     return rows
+
+
+# the value fields of a probed row (None in a skipped one)
+_VALUE_KEYS = ("shape", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged", "residual_max",
+               "residual_min", "frobenius", "frobenius_ci", "bound", "bound_terms", "bound_notes", "notes",
+               "subspace", "time_s")
 
 
 def _plot(rows, out, title):
@@ -195,23 +227,28 @@ def run(args) -> int:
           f"{inputs['input_ids'].shape[1] if 'input_ids' in inputs else 'image'} tokens, {args.steps} Lanczos steps")
     print(head)
     for r in rows:
+        if r["skipped"] is not None:
+            print(f"{r['layer']:>5}  {r['name'][-34:]:<34} {r['skipped']}")
+            continue
         kappa = "rank-def." if r["rank_deficient"] else _fmt(r["kappa"])
         flag = "" if r["converged"] else " (not converged: sigma_min is an upper bound, kappa a lower bound)"
         print(f"{r['layer']:>5}  {r['name'][-34:]:<34} {_fmt(r['sigma_max']):>10} {_fmt(r['sigma_min']):>10} "
               f"{kappa:>10} {_fmt(r['frobenius']):>10} {_fmt(r['bound']):>10}{flag}")
     print("bound: upper bound on kappa(J) of each head and sequence, the largest shown "
           "(condinit.probe.condition_number_bound)")
-    if any(r["bound"] is None for r in rows):
-        print("bound '-': vacuous for that layer (kappa(X) or a weight block's kappa is infinite, e.g. repeated "
-              "tokens give a rank-deficient X)")
-    print("* sigma_min on the orthogonal complement of the known null directions: " + rows[0]["subspace"])
+    probed = [r for r in rows if r["skipped"] is None]
+    if any(r["bound"] is None for r in probed):
+        print("bound '-': vacuous for that layer (a term is infinite: e.g. repeated tokens give a rank-deficient "
+              "X, one token a zero softmax Jacobian; the JSON's bound_notes says which)")
+    if probed:
+        print("* sigma_min on the orthogonal complement of the known null directions: " + probed[0]["subspace"])
     if out_json:
         with atomic_output(out_json) as tmp:
             with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump({"file": args.file, "preset": args.preset, "wrt": args.wrt, "batch": args.batch,
-                           "seq_len": args.seq_len, "steps": args.steps, "seed": args.seed, "layers": rows},
-                          fh, indent=1, default=lambda v: None if isinstance(v, float) and not math.isfinite(v)
-                          else str(v))
+                json.dump(_finite_or_none({"file": args.file, "preset": args.preset, "wrt": args.wrt,
+                                           "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
+                                           "seed": args.seed, "layers": rows}),
+                          fh, indent=1, allow_nan=False, default=str)
         print(f"wrote {out_json}")
     if plot:
         _plot(rows, plot, f"{args.preset}: attention Jacobian ({args.wrt})")

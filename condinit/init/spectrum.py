@@ -12,6 +12,12 @@
 
 ``auto`` takes ``gram`` when the long side is at least twice the short side, ``svd`` otherwise.
 
+Every block is first scaled by a power of two that brings its largest entry into ``[0.5, 1)``, and
+the singular values are scaled back: exact, and it keeps the Gram (and the SVD) in range for any
+finite scale, so ``1e30 W`` and ``1e-30 W`` give ``1e30`` / ``1e-30`` times the singular values of
+``W`` and the same ``cond``. A block holding NaN or Inf gets NaN ``sigma_max``, ``sigma_min`` and
+``cond`` (the other blocks are unaffected); an all-zero block gets 0, 0 and ``inf``.
+
 :func:`recondition_` clamps every block's singular values to ``[sigma_max / max_cond, sigma_max]``
 in place, keeping its singular vectors: ``W <- U diag(max(s, sigma_max / max_cond)) V^T``
 (``svd`` route), or ``W <- U diag(max(s, floor) / s) U^T W`` with ``W W^T = U diag(s^2) U^T``
@@ -56,6 +62,35 @@ def _chunks(num: int, m: int, n: int):
         yield s, min(num, s + step)
 
 
+def _times_pow2(t: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``t * 2**e`` per leading index (``e`` int, broadcast over trailing dims), exact unless the
+    result under/overflows; in two halves so that ``2**e`` itself stays finite for ``|e| > 1023``."""
+    e = e.reshape(e.shape + (1,) * (t.dim() - e.dim()))
+    half = torch.div(e, 2, rounding_mode="floor")
+    one = torch.ones(e.shape, dtype=t.dtype, device=t.device)
+    return t * torch.ldexp(one, half) * torch.ldexp(one, e - half)
+
+
+def _unit_exponent(X: torch.Tensor) -> torch.Tensor:
+    """Per block of X [k, m, n] (finite, not all zero): ``e`` with ``max |X 2**-e|`` in ``[0.5, 1)``."""
+    return torch.frexp(X.abs().amax(dim=(1, 2)))[1]
+
+
+def _extremes(X: torch.Tensor, route: str):
+    """(sigma_max, sigma_min) of the float64 blocks X [k, m, n] (entries of order 1)."""
+    if route == "gram":
+        s = _gram_eig(X, False)[0]
+        hi, lo = s[:, -1], s[:, 0]
+        redo = ~(hi <= GRAM_MAX_COND * lo)
+        if bool(redo.any()):
+            sv = torch.linalg.svdvals(X[redo])
+            hi = hi.clone(); lo = lo.clone()
+            hi[redo], lo[redo] = sv[:, 0], sv[:, -1]
+        return hi, lo
+    sv = torch.linalg.svdvals(X)
+    return sv[:, 0], sv[:, -1]
+
+
 def _gram_eig(X: torch.Tensor, vectors: bool):
     """Eigen-decomposition of the small Gram of float64 blocks X [k, m, n] (ascending)."""
     Xw = X if X.shape[1] <= X.shape[2] else X.transpose(1, 2)
@@ -72,6 +107,8 @@ def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
 
     Each field is a float64 tensor of shape ``stack.shape[:-2]`` (0-d for one ``[m, n]`` matrix).
     ``sigma_min`` is the ``min(m, n)``-th singular value; ``cond`` is ``inf`` where it is 0.
+    A block with a NaN or Inf entry gets NaN in all three fields; any finite scale is exact (each
+    block is scaled by a power of two before the decomposition and the result scaled back).
     ``method``: ``"auto"``, ``"svd"`` or ``"gram"`` (module docstring).
 
     Examples:
@@ -88,23 +125,37 @@ def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
     route = _route(m, n, method)
     smax = torch.empty(blocks.shape[0], dtype=torch.float64, device=stack.device)
     smin = torch.empty_like(smax)
+    cond = torch.empty_like(smax)
     if stack.device.type != "meta":
         with torch.no_grad():
             for a, b in _chunks(blocks.shape[0], m, n):
                 X = blocks[a:b].double()
-                if route == "gram":
-                    s = _gram_eig(X, False)[0]
-                    hi, lo = s[:, -1], s[:, 0]
-                    redo = ~(hi <= GRAM_MAX_COND * lo)
-                    if bool(redo.any()):
-                        sv = torch.linalg.svdvals(X[redo])
-                        hi = hi.clone(); lo = lo.clone()
-                        hi[redo], lo[redo] = sv[:, 0], sv[:, -1]
+                amax = X.abs().amax(dim=(1, 2))               # NaN where a block holds NaN
+                good = torch.isfinite(amax) & (amax > 0)
+                # zero blocks: 0, 0, inf; non-finite blocks: NaN (their SVD is undefined)
+                finite = torch.isfinite(amax)
+                zero = torch.zeros_like(amax)
+                nan = torch.full_like(amax, math.nan)
+                hi, lo = torch.where(finite, zero, nan), torch.where(finite, zero, nan)
+                kappa = torch.where(finite, torch.full_like(amax, math.inf), nan)
+                if bool(good.all()):
+                    idx = None
+                    Xg = X
                 else:
-                    sv = torch.linalg.svdvals(X)
-                    hi, lo = sv[:, 0], sv[:, -1]
-                smax[a:b], smin[a:b] = hi, lo
-    cond = torch.where(smin > 0, smax / smin, torch.full_like(smax, math.inf))
+                    idx = good.nonzero().flatten()
+                    Xg = X[idx]
+                if Xg.shape[0]:
+                    e = _unit_exponent(Xg)
+                    s_hi, s_lo = _extremes(_times_pow2(Xg, -e), route)
+                    k = torch.where(s_lo > 0, s_hi / s_lo, torch.full_like(s_hi, math.inf))
+                    s_hi, s_lo = _times_pow2(s_hi, e), _times_pow2(s_lo, e)
+                    if idx is None:
+                        hi, lo, kappa = s_hi, s_lo, k
+                    else:
+                        hi[idx], lo[idx], kappa[idx] = s_hi, s_lo, k
+                smax[a:b], smin[a:b], cond[a:b] = hi, lo, kappa
+    else:
+        cond = torch.where(smin > 0, smax / smin, torch.full_like(smax, math.inf))
     return Spectrum(smax.reshape(lead), smin.reshape(lead), cond.reshape(lead))
 
 
@@ -155,9 +206,12 @@ def recondition_(stack_or_weight: torch.Tensor, *, max_cond: float, head_dim: Op
     with torch.no_grad():
         for a, b in _chunks(target.shape[0], m, n):
             X = target[a:b].double()
-            new, idx = _clamp_chunk(X, float(max_cond), route)
+            # exact power-of-two scaling per block keeps the Gram in range at any scale (module doc)
+            amax = X.abs().amax(dim=(1, 2))
+            e = torch.where(amax > 0, torch.frexp(amax)[1], torch.zeros_like(amax, dtype=torch.int32))
+            new, idx = _clamp_chunk(_times_pow2(X, -e), float(max_cond), route)
             if idx.numel():
-                target[a:b].index_copy_(0, idx, new.to(target.dtype))
+                target[a:b].index_copy_(0, idx, _times_pow2(new, e[idx]).to(target.dtype))
         if blocks is None:
             w.copy_(target.view(w.shape))
     return w

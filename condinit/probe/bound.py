@@ -24,8 +24,13 @@ The bound covers one head on one sequence; the layer's value is the maximum over
 elements (``per_head`` holds them all). The measured kappa(J) beside it (``measured``) is the whole
 layer's weight Jacobian (all heads, the whole batch, on the complement of its known nulls; see
 :mod:`condinit.probe.estimators`), which is not itself covered by a per-head bound: read the two as
-the predicted and the observed quantity side by side. A rank-deficient ``X`` makes the bound
-vacuous (reported as None; so does a rank-deficient weight block, reported with kappa None).
+the predicted and the observed quantity side by side.
+
+Vacuous cases: the bound is reported as None, with the reason in ``notes``, whenever a term is
+infinite or undefined: a rank-deficient ``X_b`` (repeated tokens, ``x = 0``: ``kappa(X) = inf``), a
+rank-deficient weight block, a singular attention matrix ``P``, or a softmax Jacobian that is 0
+(every row attends a single key, e.g. one token, ``N = 1``: ``Lambda(P) = 0`` has no nonzero
+singular value). Non-finite ``x`` or weights raise :class:`~condinit.probe.operator.NonFiniteError`.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ import torch
 from torch import Tensor, nn
 
 from condinit._validate import check_bool, check_int, check_seed
+
+from .operator import autocast_disabled
 
 __all__ = ["ConditionNumberBound", "condition_number_bound", "softmax_jacobian_kappa"]
 
@@ -55,6 +62,7 @@ class ConditionNumberBound:
     per_head: list            # [B][H] bound per (sequence, head), None where vacuous
     measured_kappa: Optional[float] = None
     measured: Optional[object] = None     # SpectrumEstimate
+    notes: str = ""                       # why the bound is vacuous (None), when it is
     definition: str = ("bound = max over (b, h) of kappa(X_b)^3 kappa(Lambda(P_bh)) kappa(W_V,g) (kappa(W_Q,h) + "
                        "kappa(W_K,g)) + kappa(X_b) kappa(P_bh); kappa(Lambda) over nonzero singular values of the "
                        "row-block-diagonal softmax Jacobian; see condinit.probe.bound")
@@ -86,9 +94,11 @@ def softmax_jacobian_kappa(P: Tensor) -> Tensor:
     """kappa over nonzero singular values of ``blockdiag_i(Diag(p_i) - p_i p_i^T)`` for ``P`` ``[..., N, N]``.
 
     Zero entries (masked keys) are outside the row's support. Returns ``[...]``; inf if every row
-    attends a single key.
+    attends a single key (always so for ``N = 1``: then ``Lambda(P) = 0``).
     """
     P = P.to(torch.float64)
+    if P.shape[-1] < 2:
+        return torch.full(P.shape[:-2], math.inf, dtype=torch.float64, device=P.device)
     ps, _ = torch.sort(P, dim=-1)                      # ascending
     N = P.shape[-1]
     nz = (ps > 0).sum(-1)                              # support size per row
@@ -105,6 +115,11 @@ def softmax_jacobian_kappa(P: Tensor) -> Tensor:
     small = torch.where(ok, lam2, torch.full_like(lam2, math.inf)).amin(-1)
     return torch.where(torch.isfinite(small) & (small > 0), big / small.clamp_min(1e-300),
                        torch.full_like(big, math.inf))
+
+
+def _where_inf(k: Tensor) -> str:
+    idx = torch.isinf(k).nonzero().flatten().tolist()
+    return ", ".join(map(str, idx[:8])) + (", ..." if len(idx) > 8 else "")
 
 
 def _fin(x) -> Optional[float]:
@@ -138,7 +153,7 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale)
     B, N, H, Hkv, d, G = op.B, op.N, op.H, op.Hkv, op.d, op.G
     f64 = torch.float64
-    with torch.no_grad():
+    with torch.no_grad(), autocast_disabled(op.device):
         X = op.X.to(f64)
         kX = _kappa(torch.linalg.svdvals(X))                                  # [B]
         blocks = lambda w, h: w.to(f64).reshape(h, d, -1)                     # noqa: E731
@@ -151,17 +166,38 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
         if causal:
             S = S.masked_fill(torch.ones(N, N, dtype=torch.bool, device=S.device).triu(1), -math.inf)
         P = torch.softmax(S, dim=-1)
-        kP = _kappa(torch.linalg.svdvals(P))                                  # [B, H]
-        kL = softmax_jacobian_kappa(P)                                        # [B, H]
+        scores_finite = bool(torch.isfinite(P).all())
+        if scores_finite:
+            kP = _kappa(torch.linalg.svdvals(P))                              # [B, H]
+            kL = softmax_jacobian_kappa(P)                                    # [B, H]
+        else:   # scores overflow float64: P (and every term built on it) is undefined
+            kP = kL = torch.full((B, H), math.nan, dtype=f64, device=P.device)
         kx = kX[:, None]
         bound = kx ** 3 * kL * kV * (kQ + kK) + kx * kP                       # [B, H]
     per_head = [[_fin(v) for v in row] for row in bound.tolist()]
     finite = [v for row in per_head for v in row if v is not None]
-    vacuous = any(v is None for row in per_head for v in row)
+    vacuous = not finite or any(v is None for row in per_head for v in row)
+    reasons = []
+    if not scores_finite:
+        reasons.append(f"the scores overflow {f64} (softmax not finite): kappa(P) and kappa(Lambda(P)) undefined")
+    if bool(torch.isinf(kX).any()):
+        reasons.append(f"kappa(X_b) = inf for sequence(s) {_where_inf(kX)}: X_b is rank-deficient (e.g. repeated "
+                       f"tokens, x = 0)")
+    for name, kw in (("W_Q,h", kQ), ("W_K,g", kK), ("W_V,g", kV)):
+        if bool(torch.isinf(kw).any()):
+            reasons.append(f"kappa({name}) = inf: a head's weight block is rank-deficient")
+    if scores_finite and bool(torch.isinf(kL).any()):
+        reasons.append("kappa(Lambda(P)) undefined: every row attends a single key, so the softmax Jacobian is 0"
+                       + (" (N = 1: one token)" if N == 1 else ""))
+    if scores_finite and bool(torch.isinf(kP).any()):
+        reasons.append("kappa(P) = inf: the attention matrix is singular (e.g. repeated tokens)")
+    if vacuous and not reasons:
+        reasons.append("the product of the (finite) terms overflows float64")
     res = ConditionNumberBound(
-        bound=None if vacuous or not finite else max(finite), kappa_X=_fin(kX.max()), kappa_WQ=_fin(kQ.max()),
+        bound=None if vacuous else max(finite), kappa_X=_fin(kX.max()), kappa_WQ=_fin(kQ.max()),
         kappa_WK=_fin(kK.max()), kappa_WV=_fin(kV.max()), kappa_Lambda=_fin(kL.max()),
-        kappa_softmax=_fin(kP.max()), per_head=per_head)
+        kappa_softmax=_fin(kP.max()), per_head=per_head,
+        notes=("bound vacuous: " + "; ".join(reasons)) if vacuous else "")
     if measure:
         est = lanczos_svd(op, steps=steps, seed=seed)
         res.measured, res.measured_kappa = est, est.kappa

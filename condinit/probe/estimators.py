@@ -22,6 +22,15 @@ bidiagonalization runs on ``A^T`` so that ``sigma_r`` is its smallest singular v
 in words. A ``sigma_min`` below ``rank_rtol * sigma_max`` is reported as ``rank_deficient`` (kappa
 None) rather than as a noisy number or inf: the layer has a null direction beyond the known ones.
 
+Degenerate data. When the complement is empty (``r = 0``: every input, or every output, direction
+is a known null, e.g. ``x = 0`` for ``wrt="weights"``), ``J = 0`` exactly: the estimate is
+``sigma_max = sigma_min = 0``, ``rank_deficient`` (kappa None), ``converged``, with the reason in
+``notes``. The operator refuses non-finite data (:class:`~condinit.probe.operator.NonFiniteError`);
+when finite data overflow the operator's dtype (the attention output, or ``J v`` / ``J^T u``, is
+not finite: e.g. huge weights in float32) the estimators return NaN values, ``converged`` False,
+and the reason in ``notes``, instead of failing inside an SVD. The estimators run with autocast
+off (in the operator's dtype), also when called inside an autocast region.
+
 Randomness comes from a private ``torch.Generator`` seeded with ``seed``: the user's RNG streams
 are never touched, and results are deterministic given the seed. Each function takes one operator
 or a sequence of them (layers are estimated one after another; the probes of one layer share launches).
@@ -37,7 +46,7 @@ from torch import Tensor
 
 from condinit._validate import check_choice, check_int, check_real, check_seed
 
-from .operator import JacobianOperator
+from .operator import JacobianOperator, autocast_disabled
 
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "default_rank_rtol"]
@@ -56,6 +65,9 @@ class SpectrumEstimate:
 
     ``sigma_min`` / ``kappa`` refer to ``J`` on the complement of its known null directions
     (``subspace``); ``kappa`` is None when ``rank_deficient`` and for ``power`` (no sigma_min).
+    ``J = 0`` (an empty complement, e.g. ``x = 0``) gives ``sigma_max = sigma_min = 0``,
+    ``rank_deficient``; values that overflow the operator's dtype give NaN sigmas and
+    ``converged`` False; ``notes`` says why in both cases.
     Residuals are relative: ``||A^T u - sigma v|| / sigma`` for the Ritz pair of each value.
     Lanczos Ritz values bracket from inside: ``sigma_max`` is a lower bound and ``sigma_min`` an upper
     bound of the true values (so an unconverged ``kappa`` is a lower bound).
@@ -81,7 +93,7 @@ class SpectrumEstimate:
         return asdict(self)
 
     def __str__(self):
-        if self.sigma_min is None:
+        if self.sigma_min is None or math.isnan(self.sigma_min):
             tail = ""
         elif self.rank_deficient:
             tail = f", sigma_min {self.sigma_min:.3e} (rank-deficient beyond the known nulls)"
@@ -94,7 +106,10 @@ class SpectrumEstimate:
 
 @dataclass
 class FrobeniusEstimate:
-    """Hutchinson estimate of ``||J||_F`` with a confidence interval (t interval on ``||J z||^2``)."""
+    """Hutchinson estimate of ``||J||_F`` with a confidence interval (t interval on ``||J z||^2``).
+
+    NaN values (with the reason in ``notes``) when ``J z`` overflows the operator's dtype.
+    """
 
     method: str
     frobenius: float
@@ -107,6 +122,7 @@ class FrobeniusEstimate:
     shape: tuple
     seed: int
     wrt: str = ""
+    notes: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,9 +148,42 @@ def _check_operators(op) -> list:
 
 
 def _many(op, ops: list, fn, **kw):
-    """``fn`` on each operator: one result for a single operator, a list for a sequence."""
-    results = [fn(o, **kw) for o in ops]
+    """``fn`` on each operator (autocast off): one result for a single operator, a list for a sequence."""
+    results = []
+    for o in ops:
+        with autocast_disabled(o.device):
+            results.append(fn(o, **kw))
     return results[0] if isinstance(op, JacobianOperator) else results
+
+
+def _overflow(op: JacobianOperator) -> Optional[str]:
+    """Why the operator cannot be evaluated in its dtype (its attention output is not finite), or None."""
+    _, _, _, out, lse = op._primal()
+    if bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all()):
+        return None
+    return (f"the attention output at this input is not finite in {op.dtype} (the scores overflow: weights or "
+            f"inputs too large for the dtype; try dtype=torch.float64)")
+
+
+def _nonfinite_estimate(op: JacobianOperator, method: str, reason: str, *, iterations: int, seed: int,
+                        subspace: str, sigma_min: bool = True) -> "SpectrumEstimate":
+    nan = math.nan
+    return SpectrumEstimate(
+        method=method, sigma_max=nan, sigma_min=nan if sigma_min else None, kappa=None, iterations=iterations,
+        residual_max=nan, residual_min=None, converged=False, rank_deficient=False, subspace=subspace,
+        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt,
+        notes=f"not estimated: {reason}")
+
+
+def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int) -> "SpectrumEstimate":
+    """The exact result when the complement is empty (r = 0): every direction is a known null, J = 0."""
+    side = "input" if eff.n_c == 0 else "output"
+    return SpectrumEstimate(
+        method=method, sigma_max=0.0, sigma_min=0.0, kappa=None, iterations=0, residual_max=0.0, residual_min=0.0,
+        converged=True, rank_deficient=True, subspace=eff.subspace(), null_dims=tuple(op.null_dims),
+        shape=tuple(op.shape), seed=seed, wrt=op.wrt,
+        notes=f"J = 0 exactly: every {side} direction is a known null direction (r = 0; e.g. x = 0 for "
+              f"wrt='weights'), so sigma_max = sigma_min = 0 and kappa is not defined")
 
 
 def _generator(op: JacobianOperator, seed: int) -> torch.Generator:
@@ -202,7 +251,13 @@ class _Basis:
 # Golub-Kahan-Lanczos
 
 def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Optional[float], tol: float):
+    method = "golub-kahan-lanczos"
     eff = _Effective(op)
+    if eff.r == 0:
+        return _zero_estimate(op, eff, method, seed)
+    reason = _overflow(op)
+    if reason is not None:
+        return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
     gen = _generator(op, seed)
     eps = torch.finfo(op.dtype).eps
     v = eff.proj_in(_randn(op, eff.size_in, gen))
@@ -221,6 +276,9 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
             u = u - beta * u_prev
         u = U.reorth(u)
         alpha = float(torch.linalg.vector_norm(u))
+        if not math.isfinite(alpha):
+            return _nonfinite_estimate(op, method, f"J v is not finite in {op.dtype} at step {it} (overflow)",
+                                       iterations=it, seed=seed, subspace=eff.subspace())
         scale_est = max(scale_est, alpha, beta)
         if alpha <= 100 * eps * max(scale_est, 1e-300):
             alphas.append(0.0)       # A v = 0 on the complement: B_k ends with a zero column
@@ -232,6 +290,9 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         w = eff.rmv(u) - alpha * V.last()
         w = V.reorth(w)
         beta = float(torch.linalg.vector_norm(w))
+        if not math.isfinite(beta):
+            return _nonfinite_estimate(op, method, f"J^T u is not finite in {op.dtype} at step {it} (overflow)",
+                                       iterations=it, seed=seed, subspace=eff.subspace())
         betas.append(beta)
         scale_est = max(scale_est, beta)
         if beta <= 100 * eps * scale_est or it == k_max:
@@ -256,11 +317,13 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
     notes = []
     if not complete and res_min > tol:
         notes.append("sigma_min not converged: Ritz values approach sigma_min from above; raise steps")
+    if smax == 0.0:
+        notes.append("J vanishes on the Krylov space of the start vector (sigma_max = 0); kappa not reported")
     if rank_def and smax > 0:
         notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has null directions "
                      f"beyond the known ones (e.g. N <= head_dim, causal early rows under GQA); kappa not reported")
     return SpectrumEstimate(
-        method="golub-kahan-lanczos", sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin,
+        method=method, sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin,
         iterations=k, residual_max=res_max, residual_min=None if math.isinf(res_min) else res_min,
         converged=bool(converged), rank_deficient=bool(rank_def), subspace=eff.subspace(),
         null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt, notes="; ".join(notes))
@@ -323,7 +386,12 @@ def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], st
 def _dense_one(op: JacobianOperator, *, rank_rtol):
     eff = _Effective(op)
     J = op.dense()
+    if eff.r == 0:
+        return _zero_estimate(op, eff, "dense-svd", 0)
     Jc = op.project_output(op.project_input(J).t()).t()
+    if not bool(torch.isfinite(Jc).all()):
+        reason = _overflow(op) or f"J is not finite in {op.dtype} (overflow)"
+        return _nonfinite_estimate(op, "dense-svd", reason, iterations=0, seed=0, subspace=eff.subspace())
     s = torch.linalg.svdvals(Jc.to(torch.float64))
     smax, smin = float(s[0]), float(s[eff.r - 1]) if eff.r > 0 else 0.0
     rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
@@ -338,6 +406,10 @@ def _dense_one(op: JacobianOperator, *, rank_rtol):
 # power iteration
 
 def _power_one(op: JacobianOperator, *, iters: int, seed: int, tol: float):
+    reason = _overflow(op)
+    if reason is not None:
+        return _nonfinite_estimate(op, "power", reason, iterations=0, seed=seed, subspace="n/a (sigma_max only)",
+                                   sigma_min=False)
     gen = _generator(op, seed)
     v = _randn(op, op.n, gen)
     v = v / torch.linalg.vector_norm(v)
@@ -345,10 +417,17 @@ def _power_one(op: JacobianOperator, *, iters: int, seed: int, tol: float):
     for it in range(1, iters + 1):
         u = op.mv(v)
         sigma = float(torch.linalg.vector_norm(u))
+        if not math.isfinite(sigma):
+            return _nonfinite_estimate(op, "power", f"J v is not finite in {op.dtype} at iteration {it} (overflow)",
+                                       iterations=it, seed=seed, subspace="n/a (sigma_max only)", sigma_min=False)
         if sigma == 0.0:
             res = 0.0
             break
         w = op.rmv(u)                                  # J^T J v
+        if not bool(torch.isfinite(w).all()):
+            return _nonfinite_estimate(op, "power", f"J^T J v is not finite in {op.dtype} at iteration {it} "
+                                       f"(overflow)", iterations=it, seed=seed, subspace="n/a (sigma_max only)",
+                                       sigma_min=False)
         # relative residual of the eigenpair (sigma^2, v) of J^T J
         res = float(torch.linalg.vector_norm(w - sigma ** 2 * v)) / sigma ** 2
         v = w / torch.linalg.vector_norm(w)
@@ -392,6 +471,12 @@ def _t_quantile(p: float, dof: int) -> float:
 
 
 def _hutch_one(op: JacobianOperator, *, samples: int, seed: int, probes_per_launch: int, confidence: float):
+    reason = _overflow(op)
+    if reason is not None:
+        nan = math.nan
+        return FrobeniusEstimate(method="hutchinson-rademacher", frobenius=nan, ci_low=nan, ci_high=nan,
+                                 confidence=confidence, samples=0, std_err=nan, probes_per_launch=probes_per_launch,
+                                 shape=tuple(op.shape), seed=seed, wrt=op.wrt, notes=f"not estimated: {reason}")
     gen = _generator(op, seed)
     vals = []
     done = 0
@@ -402,6 +487,12 @@ def _hutch_one(op: JacobianOperator, *, samples: int, seed: int, probes_per_laun
         vals.append(Jz.to(torch.float64).pow(2).sum(dim=1).cpu())
         done += p
     x = torch.cat(vals)
+    if not bool(torch.isfinite(x).all()):
+        nan = math.nan
+        return FrobeniusEstimate(method="hutchinson-rademacher", frobenius=nan, ci_low=nan, ci_high=nan,
+                                 confidence=confidence, samples=samples, std_err=nan,
+                                 probes_per_launch=probes_per_launch, shape=tuple(op.shape), seed=seed, wrt=op.wrt,
+                                 notes=f"not estimated: ||J z||^2 is not finite in {op.dtype} (overflow)")
     mean = float(x.mean())
     se = float(x.std(unbiased=True)) / math.sqrt(samples) if samples > 1 else math.inf
     q = _t_quantile(0.5 + confidence / 2, samples - 1) if samples > 1 else math.inf

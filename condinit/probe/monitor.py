@@ -20,6 +20,15 @@ any user RNG); no module is called, so no module state, train/eval mode, buffer 
 touched. A seeded training loop gives bit-identical losses and parameters with the monitor on or off
 (tests/test_monitor.py checks it).
 
+It never raises into the training loop because of the data. Estimates run with autocast off, in the
+operator's dtype (float32 for a float32 model trained under ``torch.autocast`` with bfloat16: the
+captured input and weights are cast up, the estimate is not skipped). A layer whose captured input
+or weights hold NaN or Inf (a diverged step), whose estimate overflows its dtype (NaN values), or
+that the operator cannot read, is logged as a record with ``skipped`` set to the reason; an
+all-zero input gives the exact answer ``J = 0`` (``sigma_max`` 0, ``rank_deficient``, the reason in
+``notes``). Programming errors in the call itself (a negative or non-int ``step``, a closed
+monitor) do raise, at the call.
+
 Budget: ``budget`` seconds of estimator work per sampled step (None: no limit; <= 0: ValueError),
 ``max_layers`` layers per sampled step, ``max_tokens`` / ``max_batch`` to subsample the captured input.
 The time budget is checked between layers (a layer already started finishes). Layers are visited
@@ -43,12 +52,13 @@ from torch import nn
 from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_real, check_seed
 
 from .capture import InputCapture
+from .operator import autocast_disabled
 
 __all__ = ["JacobianMonitor"]
 
 _CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged",
                "residual_max", "residual_min", "lanczos_steps", "frobenius", "frobenius_ci_low", "frobenius_ci_high",
-               "batch", "tokens", "time_s", "skipped")
+               "batch", "tokens", "time_s", "skipped", "notes")
 
 
 class JacobianMonitor:
@@ -172,17 +182,23 @@ class JacobianMonitor:
         causal = self.causal if self.causal is not None else bool(getattr(module, "is_causal", False))
         from .operator import JacobianOperator
         try:
-            # copies x and the weights now: the estimate refers to this forward's weights
+            # copies x and the weights now (cast to the compute dtype, whatever autocast does in this
+            # forward): the estimate refers to this forward's weights
             self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype)
         except (ValueError, TypeError) as exc:
-            # a layer the operator cannot read is logged as skipped with the reason; training goes on
+            # non-finite data (NonFiniteError) or a layer the operator cannot read: logged as skipped
+            # with the reason; training goes on
             self._errors[idx] = str(exc)
 
     # -- estimation -----------------------------------------------------------------------------
 
     def step(self, step: Optional[int] = None) -> list[dict]:
         """End of a training step: estimate what was captured (if this step was sampled), log it,
-        advance the step counter (or set it to ``step + 1``). Returns this step's records."""
+        advance the step counter (or set it to ``step + 1``). Returns this step's records.
+
+        Raises only for a wrong call: ``step`` not an int ``>= 0`` (TypeError / ValueError), or a
+        closed monitor (RuntimeError). Problems of the data are records with ``skipped`` set.
+        """
         if self._capture is None:
             raise RuntimeError("JacobianMonitor is closed")
         step = check_int("step", step, min=0, allow_none=True)
@@ -222,15 +238,23 @@ class JacobianMonitor:
                 continue
             t0 = time.perf_counter()
             seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
-            with torch.no_grad():
+            with torch.no_grad(), autocast_disabled(op.device):
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
                 fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
-                    if self.frobenius_samples else None
+                    if self.frobenius_samples and math.isfinite(est.sigma_max) else None
+            if not math.isfinite(est.sigma_max):
+                # the estimators report an overflow of the compute dtype as NaN values with the reason
+                records.append({**base, "batch": op.B, "tokens": op.N, "time_s": time.perf_counter() - t0,
+                                "skipped": est.notes})
+                done += 1
+                self._cursor = (idx + 1) % len(self.layers)
+                continue
             rec = {**base, "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                    "rank_deficient": est.rank_deficient, "converged": est.converged,
                    "residual_max": est.residual_max, "residual_min": est.residual_min,
                    "lanczos_steps": est.iterations, "batch": op.B, "tokens": op.N,
-                   "null_dims": list(est.null_dims), "time_s": time.perf_counter() - t0, "skipped": None}
+                   "null_dims": list(est.null_dims), "time_s": time.perf_counter() - t0, "skipped": None,
+                   "notes": est.notes}
             if fro is not None:
                 rec.update(frobenius=fro.frobenius, frobenius_ci_low=fro.ci_low, frobenius_ci_high=fro.ci_high)
             records.append(rec)

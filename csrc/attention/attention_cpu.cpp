@@ -9,6 +9,10 @@
 //        The probes share the primal tiles (S, exp, m, l are computed once per tile).
 //   bwd: flash backward from the saved lse: D = rowsum(dO o O), P = exp(S - lse), dP = dO V^T,
 //        dS = P o (dP - D), dQ = s dS K, dK = s dS^T Q, dV = P^T dO.
+//   jvp_bwd: gradients of a loss on (O, O'_p) w.r.t. (Q, K, V, Q'_p, K'_p, V'_p) from the saved
+//        O, O'_p, lse: r_p = rowsum(P o S'_p) (recomputed), d'_p = rowsum(gO'_p o O),
+//        D = rowsum(gO o O) + sum_p (rowsum(gO'_p o O'_p) - r_p d'_p), gS'_p = P o (gO'_p V^T - d'_p),
+//        gP = gO V^T + sum_p (gO'_p V'_p^T + dP'_p o (S'_p - r_p) - S'_p d'_p), gS = P o (gP - D).
 // Layouts: q [B, H, Nq, d]; k, v [B, Hkv, Nk, d] with Hkv | H (q head h reads kv head h / (H / Hkv));
 // tangents carry a leading probe dimension [P, ...]. Causal masks are bottom-right aligned: query i
 // sees key j iff j <= i + (Nk - Nq). A row that sees no key gets out 0, tangent 0, lse -inf, grads 0.
@@ -265,7 +269,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
       const int64_t row = bh * Nq + i0 + i;
       T* o = out + row * d;
       const T l = lrow[i];
-      if (!(l > T(0))) {  // nothing visible
+      if (l == T(0)) {  // nothing visible (a NaN l is not: NaN inputs must come out as NaN)
         std::fill(o, o + d, T(0));
         lse[row] = ninf;
         for (int64_t p = 0; p < P; ++p) {
@@ -341,6 +345,216 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
     }
     std::copy(dK, dK + n * d, dk + (bhk * Nk + j0) * d);
     std::copy(dV, dV + n * d, dv + (bhk * Nk + j0) * d);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tangent backward (the backward of the JVP; docs/design.md, "Attention"). Two passes, each task
+// owning the rows it writes, so the result does not depend on the thread count or schedule:
+//   pass 1, per (batch, head, query tile): sweep the keys for r_p, finish D, sweep them again
+//           for dQ and dQ'_p (and store r_p and D for pass 2);
+//   pass 2, per (batch, kv head, key tile): walk the query heads of the group and their query
+//           tiles for dK, dV, dK'_p, dV'_p.
+// Both recompute P = exp(S - lse) and S'_p per tile. Per tile and probe the elementwise step is
+// tangent_row; the products are BLAS calls. Memory: four [BM x BN] tiles and the accumulators of
+// one tile per worker, plus O(N) row statistics.
+
+template <typename T>
+struct JvpBwdArgs {
+  T scale;
+  const T *gout, *gtout, *q, *k, *v, *tq, *tk, *tv, *lse;
+  const T* dlt;  // d'_p = rowsum(gO'_p o O)                 [P, B, H, Nq]
+  T* rvec;       // r_p = rowsum(P o S'_p), written by pass 1   [P, B, H, Nq]
+  T* Dvec;       // rowsum(gO o O) + sum_p rowsum(gO'_p o O'_p) on entry; D after pass 1  [B, H, Nq]
+  T *dq, *dk, *dv, *dtq, *dtk, *dtv;
+};
+
+// With S'_p, dP'_p = gO'_p V^T and gP of one row: gP += dP' o (S' - r) - S' d', S' <- P o (S' - r)
+// (= P'_p), dP' <- P o (dP' - d') (= gS'_p).
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void tangent_row(const T* __restrict p, T* __restrict sp, T* __restrict dpt, T* __restrict gp, int64_t n,
+                 T r, T dl) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const T s = sp[j], t = dpt[j];
+    gp[j] += t * (s - r) - s * dl;
+    sp[j] = p[j] * (s - r);
+    dpt[j] = p[j] * (t - dl);
+  }
+}
+
+// S <- P = exp(s Q K^T - lse) of an [m x n] tile (0 where masked and on rows that see no key).
+template <typename T>
+void probs_tile(T* S, const T* Q, const T* K, const T* L, int64_t m, int64_t n, int64_t d, T scale,
+                bool causal, int64_t i0, int64_t j0, int64_t off) {
+  gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
+  if (causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
+  for (int64_t i = 0; i < m; ++i) {
+    T* row = S + i * kBlockN;
+    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
+    else exp_shift_sum(row, n, L[i]);
+  }
+}
+
+// SP <- S' = s (Q' K^T + Q K'^T) of an [m x n] tile (unmasked: it only enters multiplied by P).
+template <typename T>
+void tangent_scores_tile(T* SP, const T* Q, const T* TQ, const T* K, const T* TK, int64_t m, int64_t n,
+                         int64_t d, T scale) {
+  gemm(false, true, m, n, d, scale, TQ, d, K, d, T(0), SP, kBlockN);
+  gemm(false, true, m, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
+}
+
+template <typename T>
+void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
+  const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
+  const int64_t G = H / Hkv, off = Nk - Nq, BH = B * H, BHk = B * Hkv;
+  const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
+  const T scale = a.scale;
+  run_tasks(BH * nqt, [&](int64_t t, int64_t) {
+    thread_local std::vector<T> buf;
+    const int64_t need = 4 * kBlockM * kBlockN + kBlockM * d * (1 + P) + kBlockM * P;
+    if ((int64_t)buf.size() < need) buf.resize(need);
+    T* S = buf.data();                 // [BM, BN] P
+    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p, then P'_p
+    T* dPt = SP + kBlockM * kBlockN;   // [BM, BN] dP'_p, then gS'_p
+    T* gP = dPt + kBlockM * kBlockN;   // [BM, BN] gP, then gS
+    T* dQ = gP + kBlockM * kBlockN;    // [BM, d]
+    T* dtQ = dQ + kBlockM * d;         // [P, BM, d]
+    T* r = dtQ + P * kBlockM * d;      // [P, BM]
+
+    const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
+    const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
+    const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
+    const T* Q = a.q + (bh * Nq + i0) * d;
+    const T* gO = a.gout + (bh * Nq + i0) * d;
+    const T* K = a.k + bhk * Nk * d;
+    const T* V = a.v + bhk * Nk * d;
+    const T* L = a.lse + bh * Nq + i0;
+    const int64_t jend = D.causal ? std::min(Nk, i0 + m + off) : Nk;  // keys < jend can be visible
+    auto TQ = [&](int64_t p) { return a.tq + ((p * BH + bh) * Nq + i0) * d; };
+    auto gtO = [&](int64_t p) { return a.gtout + ((p * BH + bh) * Nq + i0) * d; };
+    auto TK = [&](int64_t p, int64_t j0) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
+    auto TV = [&](int64_t p, int64_t j0) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
+    auto rows = [&](const T* x, int64_t p) { return x + (p * BH + bh) * Nq + i0; };  // [P, B, H, Nq]
+
+    // Sweep 1: r_p, then D = (saved part) - sum_p r_p d'_p.
+    std::fill(r, r + P * kBlockM, T(0));
+    for (int64_t j0 = 0; j0 < jend; j0 += kBlockN) {
+      const int64_t n = std::min(kBlockN, jend - j0);
+      probs_tile(S, Q, K + j0 * d, L, m, n, d, scale, D.causal, i0, j0, off);
+      for (int64_t p = 0; p < P; ++p) {
+        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), m, n, d, scale);
+        for (int64_t i = 0; i < m; ++i) r[p * kBlockM + i] += mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
+      }
+    }
+    T* Drow = a.Dvec + bh * Nq + i0;
+    for (int64_t p = 0; p < P; ++p) {
+      const T* dl = rows(a.dlt, p);
+      T* rout = a.rvec + (p * BH + bh) * Nq + i0;
+      for (int64_t i = 0; i < m; ++i) {
+        rout[i] = r[p * kBlockM + i];
+        Drow[i] -= r[p * kBlockM + i] * dl[i];
+      }
+    }
+
+    // Sweep 2: dQ = s (gS K + sum_p gS'_p K'_p), dQ'_p = s gS'_p K.
+    std::fill(dQ, dQ + m * d, T(0));
+    std::fill(dtQ, dtQ + P * kBlockM * d, T(0));
+    for (int64_t j0 = 0; j0 < jend; j0 += kBlockN) {
+      const int64_t n = std::min(kBlockN, jend - j0);
+      probs_tile(S, Q, K + j0 * d, L, m, n, d, scale, D.causal, i0, j0, off);
+      gemm(false, true, m, n, d, T(1), gO, d, V + j0 * d, d, T(0), gP, kBlockN);             // gO V^T
+      for (int64_t p = 0; p < P; ++p) {
+        const T* dl = rows(a.dlt, p);
+        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), m, n, d, scale);
+        gemm(false, true, m, n, d, T(1), gtO(p), d, V + j0 * d, d, T(0), dPt, kBlockN);     // dP'
+        gemm(false, true, m, n, d, T(1), gtO(p), d, TV(p, j0), d, T(1), gP, kBlockN);       // gO' V'^T
+        for (int64_t i = 0; i < m; ++i)
+          tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, n,
+                      r[p * kBlockM + i], dl[i]);
+        gemm(false, false, m, d, n, scale, dPt, kBlockN, TK(p, j0), d, T(1), dQ, d);        // gS' K'
+        gemm(false, false, m, d, n, scale, dPt, kBlockN, K + j0 * d, d, T(1),               // gS' K
+             dtQ + p * kBlockM * d, d);
+      }
+      for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
+      gemm(false, false, m, d, n, scale, gP, kBlockN, K + j0 * d, d, T(1), dQ, d);          // gS K
+    }
+    std::copy(dQ, dQ + m * d, a.dq + (bh * Nq + i0) * d);
+    for (int64_t p = 0; p < P; ++p)
+      std::copy(dtQ + p * kBlockM * d, dtQ + p * kBlockM * d + m * d, a.dtq + ((p * BH + bh) * Nq + i0) * d);
+  });
+}
+
+template <typename T>
+void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
+  const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
+  const int64_t G = H / Hkv, off = Nk - Nq, BH = B * H, BHk = B * Hkv;
+  const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
+  const T scale = a.scale;
+  run_tasks(BHk * nkt, [&](int64_t t, int64_t) {
+    thread_local std::vector<T> buf;
+    const int64_t need = 4 * kBlockM * kBlockN + 2 * kBlockN * d * (1 + P);
+    if ((int64_t)buf.size() < need) buf.resize(need);
+    T* S = buf.data();                 // [BM, BN] P
+    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p, then P'_p
+    T* dPt = SP + kBlockM * kBlockN;   // [BM, BN] dP'_p, then gS'_p
+    T* gP = dPt + kBlockM * kBlockN;   // [BM, BN] gP, then gS
+    T* dK = gP + kBlockM * kBlockN;    // [BN, d]
+    T* dV = dK + kBlockN * d;          // [BN, d]
+    T* dtK = dV + kBlockN * d;         // [P, BN, d]
+    T* dtV = dtK + P * kBlockN * d;    // [P, BN, d]
+
+    const int64_t kt = t / BHk;  // first key tiles are seen by the most queries under causal
+    const int64_t bhk = t % BHk, b = bhk / Hkv, hk = bhk % Hkv;
+    const int64_t j0 = kt * kBlockN, n = std::min(kBlockN, Nk - j0);
+    const T* K = a.k + (bhk * Nk + j0) * d;
+    const T* V = a.v + (bhk * Nk + j0) * d;
+    auto TK = [&](int64_t p) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
+    auto TV = [&](int64_t p) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
+    std::fill(dK, dK + n * d, T(0));
+    std::fill(dV, dV + n * d, T(0));
+    std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
+
+    const int64_t qstart = D.causal ? std::max<int64_t>(0, j0 - off) : 0;  // first query seeing j0
+    for (int64_t g = 0; g < G && qstart < Nq; ++g) {
+      const int64_t h = hk * G + g, bh = b * H + h;
+      for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < Nq; i0 += kBlockM) {
+        const int64_t m = std::min(kBlockM, Nq - i0);
+        const T* Q = a.q + (bh * Nq + i0) * d;
+        const T* gO = a.gout + (bh * Nq + i0) * d;
+        const T* L = a.lse + bh * Nq + i0;
+        const T* Drow = a.Dvec + bh * Nq + i0;
+        probs_tile(S, Q, K, L, m, n, d, scale, D.causal, i0, j0, off);
+        gemm(true, false, n, d, m, T(1), S, kBlockN, gO, d, T(1), dV, d);                  // dV += P^T gO
+        gemm(false, true, m, n, d, T(1), gO, d, V, d, T(0), gP, kBlockN);                  // gO V^T
+        for (int64_t p = 0; p < P; ++p) {
+          const T* TQ = a.tq + ((p * BH + bh) * Nq + i0) * d;
+          const T* gtO = a.gtout + ((p * BH + bh) * Nq + i0) * d;
+          const T* r = a.rvec + (p * BH + bh) * Nq + i0;
+          const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
+          T* dtKp = dtK + p * kBlockN * d;
+          T* dtVp = dtV + p * kBlockN * d;
+          tangent_scores_tile(SP, Q, TQ, K, TK(p), m, n, d, scale);
+          gemm(false, true, m, n, d, T(1), gtO, d, V, d, T(0), dPt, kBlockN);              // dP'
+          gemm(false, true, m, n, d, T(1), gtO, d, TV(p), d, T(1), gP, kBlockN);           // gO' V'^T
+          for (int64_t i = 0; i < m; ++i)
+            tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, n, r[i], dl[i]);
+          gemm(true, false, n, d, m, T(1), SP, kBlockN, gtO, d, T(1), dV, d);              // dV += P'^T gO'
+          gemm(true, false, n, d, m, scale, dPt, kBlockN, TQ, d, T(1), dK, d);             // dK += s gS'^T Q'
+          gemm(true, false, n, d, m, scale, dPt, kBlockN, Q, d, T(1), dtKp, d);            // dK' = s gS'^T Q
+          gemm(true, false, n, d, m, T(1), S, kBlockN, gtO, d, T(1), dtVp, d);             // dV' = P^T gO'
+        }
+        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
+        gemm(true, false, n, d, m, scale, gP, kBlockN, Q, d, T(1), dK, d);                 // dK += s gS^T Q
+      }
+    }
+    std::copy(dK, dK + n * d, a.dk + (bhk * Nk + j0) * d);
+    std::copy(dV, dV + n * d, a.dv + (bhk * Nk + j0) * d);
+    for (int64_t p = 0; p < P; ++p) {
+      std::copy(dtK + p * kBlockN * d, dtK + p * kBlockN * d + n * d, a.dtk + ((p * BHk + bhk) * Nk + j0) * d);
+      std::copy(dtV + p * kBlockN * d, dtV + p * kBlockN * d + n * d, a.dtv + ((p * BHk + bhk) * Nk + j0) * d);
+    }
   });
 }
 
@@ -450,6 +664,27 @@ void check_bwd_args(const Tensor& dout, const Tensor& q, const Tensor& k, const 
               ": dout, out, lse must be contiguous (call .contiguous())");
 }
 
+void check_jvp_bwd_args(const Tensor& gout, const Tensor& gtout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& tq, const Tensor& tk, const Tensor& tv, const Tensor& out, const Tensor& tout,
+                        const Tensor& lse, const char* op) {
+  check_jvp_args(q, k, v, tq, tk, tv, op);
+  const int64_t P = tq.size(0);
+  for (const auto& [name, t, like] : {std::tuple<const char*, const Tensor&, const Tensor&>{"gout", gout, q},
+                                      {"out", out, q}, {"gtout", gtout, tq}, {"tout", tout, tq}}) {
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have the dtype of q (", q.scalar_type(),
+                "), got ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ", t.sizes());
+    TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on ", q.device(), ", got ", t.device());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
+  }
+  TORCH_CHECK(P >= 1, op, ": the probe count must be >= 1");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat || lse.scalar_type() == at::kDouble, op,
+              ": lse must be float32 or float64, got ", lse.scalar_type());
+  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), op, ": lse must have shape [B, H, Nq] = ",
+              q.sizes().slice(0, 3), ", got ", lse.sizes());
+  TORCH_CHECK(lse.device() == q.device() && lse.is_contiguous(), op, ": lse must be contiguous on ", q.device());
+}
+
 namespace {
 
 std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -495,6 +730,44 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const 
   return {dq.to(dt), dk.to(dt), dv.to(dt)};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu(
+    const Tensor& gout_, const Tensor& gtout_, const Tensor& q_, const Tensor& k_, const Tensor& v_,
+    const Tensor& tq_, const Tensor& tk_, const Tensor& tv_, const Tensor& out_, const Tensor& tout_,
+    const Tensor& lse_, bool causal, double scale) {
+  check_jvp_bwd_args(gout_, gtout_, q_, k_, v_, tq_, tk_, tv_, out_, tout_, lse_, "attention_jvp_bwd");
+  const auto dt = q_.scalar_type(), ct = compute_type(dt);
+  const int64_t P = tq_.size(0);
+  const Dims D = dims_of(q_, k_, causal, P);
+  auto c = [&](const Tensor& x) { return x.to(ct).contiguous(); };
+  Tensor q = c(q_), k = c(k_), v = c(v_), tq = c(tq_), tk = c(tk_), tv = c(tv_);
+  Tensor gout = c(gout_), gtout = c(gtout_), out = c(out_);
+  // Row statistics from the saved outputs (O(N)): d'_p = rowsum(gO'_p o O) and the part of D that
+  // does not need r; pass 1 subtracts sum_p r_p d'_p.
+  Tensor dlt = (gtout * out.unsqueeze(0)).sum(-1).contiguous();
+  Tensor Dvec = ((gout * out).sum(-1) + (gtout * c(tout_)).sum(-1).sum(0)).contiguous();
+  // As in attention_bwd: fp64 recomputes lse in fp64 (an fp32 lse would cap the accuracy at ~1e-7).
+  Tensor lse = ct == at::kDouble ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale,
+                                                           /*lse_in_compute_type=*/true))
+                                 : c(lse_);
+  Tensor rvec = at::empty({P, D.B, D.H, D.Nq}, q.options());
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
+  Tensor dv = at::empty(v.sizes(), v.options());
+  Tensor dtq = at::empty(tq.sizes(), tq.options()), dtk = at::empty(tk.sizes(), tk.options());
+  Tensor dtv = at::empty(tv.sizes(), tv.options());
+  AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_jvp_bwd_cpu", [&] {
+    JvpBwdArgs<scalar_t> a{(scalar_t)scale,
+                           gout.data_ptr<scalar_t>(), gtout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                           k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
+                           tk.data_ptr<scalar_t>(), tv.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                           dlt.data_ptr<scalar_t>(), rvec.data_ptr<scalar_t>(), Dvec.data_ptr<scalar_t>(),
+                           dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                           dtq.data_ptr<scalar_t>(), dtk.data_ptr<scalar_t>(), dtv.data_ptr<scalar_t>()};
+    jvp_bwd_query_pass<scalar_t>(D, a);  // r and D are complete before pass 2 reads them
+    jvp_bwd_key_pass<scalar_t>(D, a);
+  });
+  return {dq.to(dt), dk.to(dt), dv.to(dt), dtq.to(dt), dtk.to(dt), dtv.to(dt)};
+}
+
 // Shapes only, for torch.compile / FakeTensor tracing.
 std::tuple<Tensor, Tensor> attention_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool, double) {
   check_fwd_args(q, k, v, "attention_fwd");
@@ -516,6 +789,14 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_meta(const Tensor& dout, const 
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_meta(
+    const Tensor& gout, const Tensor& gtout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& tq,
+    const Tensor& tk, const Tensor& tv, const Tensor& out, const Tensor& tout, const Tensor& lse, bool, double) {
+  check_jvp_bwd_args(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, "attention_jvp_bwd");
+  return {at::empty_like(q), at::empty_like(k), at::empty_like(v),
+          at::empty_like(tq), at::empty_like(tk), at::empty_like(tv)};
+}
+
 }  // namespace
 }  // namespace attention_cpu
 }  // namespace condinit
@@ -526,16 +807,21 @@ TORCH_LIBRARY_FRAGMENT(condinit_C, m) {
         "float scale) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("attention_jvp(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, bool causal, "
         "float scale) -> (Tensor out, Tensor tout, Tensor lse)");
+  m.def("attention_jvp_bwd(Tensor gout, Tensor gtout, Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, "
+        "Tensor tv, Tensor out, Tensor tout, Tensor lse, bool causal, float scale) -> (Tensor dq, Tensor dk, "
+        "Tensor dv, Tensor dtq, Tensor dtk, Tensor dtv)");
 }
 
 TORCH_LIBRARY_IMPL(condinit_C, CPU, m) {
   m.impl("attention_fwd", &condinit::attention_cpu::attention_fwd_cpu);
   m.impl("attention_bwd", &condinit::attention_cpu::attention_bwd_cpu);
   m.impl("attention_jvp", &condinit::attention_cpu::attention_jvp_cpu);
+  m.impl("attention_jvp_bwd", &condinit::attention_cpu::attention_jvp_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(condinit_C, Meta, m) {
   m.impl("attention_fwd", &condinit::attention_cpu::attention_fwd_meta);
   m.impl("attention_bwd", &condinit::attention_cpu::attention_bwd_meta);
   m.impl("attention_jvp", &condinit::attention_cpu::attention_jvp_meta);
+  m.impl("attention_jvp_bwd", &condinit::attention_cpu::attention_jvp_bwd_meta);
 }

@@ -44,7 +44,6 @@ __all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "A
 # Head dims the Triton and CUDA kernels are compiled, tuned and tested for.
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_CPU_DTYPES = KERNEL_DTYPES + (torch.float64,)
 _GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": KERNEL_HEAD_DIMS}
 _ANY = (_backends.ANY_DEVICE,)
 
@@ -87,7 +86,8 @@ def _jvp_triton(q, k, v, tq, tk, tv, causal, scale):
     return _triton().attention_jvp(q, k, v, *_zeros_tangents(q, k, v, tq, tk, tv), causal, scale)
 
 
-# native: one condinit_C schema with a CPU kernel (cpp-cpu, any head dim) and a CUDA kernel
+# native: one condinit_C schema with a CPU kernel (cpp-cpu, any head dim) and a CUDA kernel. The
+# kernels return a float32 lse; float64 inputs therefore run on the reference (float64 lse).
 def _fwd_native(q, k, v, causal, scale):
     return tuple(torch.ops.condinit_C.attention_fwd(q, k, v, causal, scale))
 
@@ -102,7 +102,7 @@ def _jvp_native(q, k, v, tq, tk, tv, causal, scale):
 
 
 for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (ATTENTION_JVP, _jvp_native)):
-    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": _CPU_DTYPES}, native_op=_op.name)(_fn)
+    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES}, native_op=_op.name)(_fn)
     # The CUDA backward accumulates dQ with atomicAdd: its bits depend on the thread schedule,
     # so the automatic choice never takes it (Triton's backward is deterministic).
     _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name,
@@ -110,7 +110,15 @@ for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (AT
 
 
 def _choose(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
-    return op.choose(q.device, backend, dtype=q.dtype, head_dim=q.shape[-1])
+    return _choose_cached(op.name, q.device, backend, q.dtype, int(q.shape[-1]))
+
+
+@torch.compiler.assume_constant_result
+def _choose_cached(op_name: str, device: torch.device, backend: Optional[str], dtype: torch.dtype,
+                   head_dim: int) -> str:
+    # A pure function of its arguments and the (cached) build facts: torch.compile records the
+    # chosen name as a constant instead of tracing the availability queries.
+    return _backends.get(op_name).choose(device, backend, dtype=dtype, head_dim=head_dim)
 
 
 # --------------------------------------------------------------------------------------------

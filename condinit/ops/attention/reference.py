@@ -95,8 +95,8 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
     are computed once and shared by all ``P`` probes. When every tangent is None only the
     forward runs and ``tout`` is None.
 
-    Differentiable with plain torch autograd (every op is), which is how
-    :func:`condinit.attention_jvp` gets its gradients.
+    Differentiable with plain torch autograd (every op is); :func:`condinit.attention_jvp` gets
+    its gradients from :func:`attention_jvp_bwd` instead, which holds no per-block intermediates.
     """
     B, H, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -167,7 +167,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
                     upd = upd + p @ tvg[..., j0:j1, :]                  # accA
                 acc_tangent = upd
             m = m_new
-        nonempty = l > 0
+        nonempty = l != 0   # l is 0 exactly when the row sees no key; a NaN l must stay NaN
         l_safe = torch.where(nonempty, l, torch.ones_like(l))
         o = torch.where(nonempty[..., None], acc / l_safe[..., None], torch.zeros_like(acc))
         outs.append(o)
@@ -226,6 +226,135 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dqs.append(dq)
     dq = _ungrouped(torch.cat(dqs, dim=-2)) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _tangent_scores(qb: Tensor, tqb: Optional[Tensor], kb: Tensor, tkb: Optional[Tensor]
+                    ) -> Optional[Tensor]:
+    """``S' = (s Q') K^T + (s Q) K'^T`` of a block, ``[P, ..., bq, bk]``; None when both tangents
+    are None (S' = 0). ``qb`` and ``tqb`` carry the scale."""
+    ds = tqb @ kb.transpose(-1, -2) if tqb is not None else None
+    if tkb is not None:
+        part = qb @ tkb.transpose(-1, -2)
+        ds = part if ds is None else ds + part
+    return ds
+
+
+def attention_jvp_bwd(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                      tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
+                      out: Tensor, tout: Tensor, lse: Tensor, causal: bool, scale: float,
+                      block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward through the fused JVP: ``(dq, dk, dv, dtq, dtk, dtv)`` of a loss on
+    ``(out, tout)`` with upstream gradients ``gout`` ``[B, H, Nq, d]`` and ``gtout``
+    ``[P, B, H, Nq, d]``, from the saved ``out``, ``tout`` ``[P, ...]`` and ``lse``.
+
+    Per probe, with ``P = exp(S - lse)`` and ``S'`` recomputed per block (docs/design.md,
+    "Attention")::
+
+        r   = rowsum(P * S')            d'  = rowsum(gO' * O)
+        D   = rowsum(gO * O) + sum_p (rowsum(gO'_p * O'_p) - r_p d'_p)
+        dP' = gO' V^T                   gS' = P * (dP' - d')
+        gP  = gO V^T + sum_p (gO'_p V'_p^T + dP'_p * (S'_p - r_p) - S'_p d'_p)
+        gS  = P * (gP - D)
+        dq  = s (gS K + sum_p gS'_p K'_p)     dk = s (gS^T Q + sum_p gS'_p^T Q'_p)
+        dv  = P^T gO + sum_p P'_p^T gO'_p     (P' = P * (S' - r))
+        dtq = s gS' K      dtk = s gS'^T Q     dtv = P^T gO'
+
+    ``r`` is not saved by the forward (the JVP op's outputs are the same on every backend):
+    each query block first sweeps its keys for ``r`` (the products of ``S`` and ``S'``), then
+    sweeps them again for the gradients. Memory: the inputs, the gradients and O(block_q *
+    block_k) scores per probe and head; never an N x N matrix. ``dk``, ``dv``, ``dtk``, ``dtv``
+    sum over the query heads of each group, ``dq`` and ``dk`` over the probes. A None tangent
+    is a zero tangent (its products are skipped) and still gets its gradient.
+    """
+    B, H, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    P = gtout.shape[0]
+    acc_dtype = _acc_dtype(q.dtype)
+    # Scale folded into Q and Q' as in the forward: S = (s Q) K^T, and dk = gS^T (s Q) etc.
+    qg = _grouped(q, Hkv).to(acc_dtype) * scale                              # [B, Hkv, G, Nq, d]
+    kg = k.to(acc_dtype).unsqueeze(2)                                        # [B, Hkv, 1, Nk, d]
+    vg = v.to(acc_dtype).unsqueeze(2)
+    tqg = _grouped(tq, Hkv).to(acc_dtype) * scale if tq is not None else None  # [P, B, Hkv, G, Nq, d]
+    tkg = tk.to(acc_dtype).unsqueeze(3) if tk is not None else None          # [P, B, Hkv, 1, Nk, d]
+    tvg = tv.to(acc_dtype).unsqueeze(3) if tv is not None else None
+    gog = _grouped(gout, Hkv).to(acc_dtype)
+    gtog = _grouped(gtout, Hkv).to(acc_dtype)                                # [P, B, Hkv, G, Nq, d]
+    og = _grouped(out, Hkv).to(acc_dtype)
+    lseg = lse.to(acc_dtype).reshape(B, Hkv, H // Hkv, Nq)
+    # Empty rows (lse = -inf) have P = exp(-inf - 0) = 0 everywhere, hence zero gradients.
+    lseg = torch.where(lseg == _NEG_INF, torch.zeros_like(lseg), lseg)
+    # Row statistics from the saved outputs; D gets its -sum_p r_p d'_p once r is known.
+    delta_t = (gtog * og).sum(-1)                                            # d' [P, B, Hkv, G, Nq]
+    D_saved = (gog * og).sum(-1) + (gtog * _grouped(tout, Hkv).to(acc_dtype)).sum(-1).sum(0)
+
+    dk = torch.zeros(B, Hkv, Nk, d, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    dtk = torch.zeros((P,) + tuple(dk.shape), dtype=acc_dtype, device=q.device)
+    dtv = torch.zeros_like(dtk)
+    dqs, dtqs = [], []
+    for i0 in range(0, Nq, block_q):
+        i1 = min(Nq, i0 + block_q)
+        qb, gob, gtob = qg[..., i0:i1, :], gog[..., i0:i1, :], gtog[..., i0:i1, :]
+        tqb = tqg[..., i0:i1, :] if tqg is not None else None
+        lb = lseg[..., i0:i1, None]
+        dlt = delta_t[..., i0:i1, None]                                      # [P, B, Hkv, G, bq, 1]
+        key_blocks = [(j0, min(Nk, j0 + block_k))
+                      for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k)]
+
+        def probs(j0: int, j1: int) -> Tensor:
+            """P = exp(S - lse) of the block, 0 where masked."""
+            s = qb @ kg[..., j0:j1, :].transpose(-1, -2)                     # [B, Hkv, G, bq, bk]
+            mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
+            if mask is not None:
+                s = s.masked_fill(~mask, _NEG_INF)
+            return torch.exp(s - lb)
+
+        def scores_t(j0: int, j1: int) -> Optional[Tensor]:
+            return _tangent_scores(qb, tqb, kg[..., j0:j1, :],
+                                   tkg[..., j0:j1, :] if tkg is not None else None)
+
+        # Sweep 1: r = rowsum(P * S') per probe (0 when S' = 0).
+        r = qb.new_zeros((P,) + qb.shape[:-1] + (1,))                        # [P, B, Hkv, G, bq, 1]
+        if tqg is not None or tkg is not None:
+            for j0, j1 in key_blocks:
+                r += (probs(j0, j1) * scores_t(j0, j1)).sum(-1, keepdim=True)
+        D = D_saved[..., i0:i1, None] - (r * dlt).sum(0)                     # [B, Hkv, G, bq, 1]
+
+        # Sweep 2: the gradients.
+        dq = torch.zeros_like(qb)
+        dtq = qb.new_zeros((P,) + qb.shape)
+        for j0, j1 in key_blocks:
+            kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
+            tkb = tkg[..., j0:j1, :] if tkg is not None else None
+            p = probs(j0, j1)
+            ds = scores_t(j0, j1)                                            # S' or None
+            dpt = gtob @ vb.transpose(-1, -2)                                # dP' [P, B, Hkv, G, bq, bk]
+            gp = gob @ vb.transpose(-1, -2)                                  # gP  [B, Hkv, G, bq, bk]
+            if tvg is not None:
+                gp = gp + (gtob @ tvg[..., j0:j1, :].transpose(-1, -2)).sum(0)
+            if ds is not None:
+                gp = gp + (dpt * (ds - r) - ds * dlt).sum(0)
+            gst = p * (dpt - dlt)                                            # gS' [P, ...]
+            gs = p * (gp - D)                                                # gS
+            dq += gs @ kb
+            if tkb is not None:
+                dq += (gst @ tkb).sum(0)
+            dtq += gst @ kb
+            dk[..., j0:j1, :] += (gs.transpose(-1, -2) @ qb).sum(2)
+            if tqb is not None:
+                dk[..., j0:j1, :] += (gst.transpose(-1, -2) @ tqb).sum((0, 3))
+            dv[..., j0:j1, :] += (p.transpose(-1, -2) @ gob).sum(2)
+            if ds is not None:                                               # P' = 0 when S' = 0
+                dv[..., j0:j1, :] += ((p * (ds - r)).transpose(-1, -2) @ gtob).sum((0, 3))
+            dtk[..., j0:j1, :] += (gst.transpose(-1, -2) @ qb).sum(3)
+            dtv[..., j0:j1, :] += (p.transpose(-1, -2) @ gtob).sum(3)
+        dqs.append(dq)
+        dtqs.append(dtq)
+    dq = _ungrouped(torch.cat(dqs, dim=-2)) * scale
+    dtq = _ungrouped(torch.cat(dtqs, dim=-2)) * scale
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtq.to(q.dtype), dtk.to(k.dtype),
+            dtv.to(v.dtype))
 
 
 def attention_naive(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
