@@ -8,6 +8,10 @@ fails because triton or the native extension is missing):
   :func:`spectrum`, :func:`recondition_`;
 * fused attention with forward- and reverse-mode AD (``condinit.attention``):
   :func:`attention`, :func:`attention_jvp`;
+* forward-mode AD through existing models (``condinit.ops.attention.sdpa``,
+  ``condinit.integrations``): :func:`sdpa` (``F.scaled_dot_product_attention`` on the fused op),
+  :func:`patch_sdpa` (route ``F.scaled_dot_product_attention`` to it), :func:`register_hf_attention`
+  (Hugging Face ``attn_implementation="condinit"``);
 * real models (``condinit.models``): :func:`apply`, :func:`register_adapter`, :func:`find_attention`;
 * attention Jacobian probes (``condinit.probe``): :class:`JacobianOperator`, :class:`JacobianMonitor`,
   :func:`lanczos_svd`, :func:`power_sigma_max`, :func:`condition_number`,
@@ -32,6 +36,9 @@ _LAZY = {
     "recondition_": "condinit.init",
     "attention": "condinit.ops.attention",
     "attention_jvp": "condinit.ops.attention",
+    "sdpa": "condinit.ops.attention.sdpa",
+    "patch_sdpa": "condinit.ops.attention.sdpa",
+    "register_hf_attention": "condinit.integrations.hf",
     "conditioned_blocks": "condinit.init",
     "apply": "condinit.models",
     "register_adapter": "condinit.models",

@@ -362,11 +362,27 @@ class _Job:
     fill: Callable
     sink: Callable
     direct: Optional[Callable]
+    width: int = 0                 # columns of the work buffer: n, or n rounded up (see buffers)
+
+    def __post_init__(self):
+        m, n = self.shape
+        # MKL's kernels give different bits for a block depending on its address modulo 64 bytes,
+        # and in a [C, m, n] buffer block i starts at i*m*n floats: unless m*n is a multiple of
+        # 16, the same block would get other bits at another position in its chunk (so sharded,
+        # chunked and whole-model runs would differ). On the CPU the work buffer therefore has n
+        # rounded up to a multiple of 16, the extra columns zero: every block and row is aligned,
+        # and zero columns change nothing in the math (Gram, triangular apply, polar steps and
+        # QR of A^T keep them exactly zero).
+        self.width = (n + 15) // 16 * 16 if self.device.type == "cpu" else n
 
     def buffers(self):
-        """One worker's chunk buffer and scratch."""
-        A = torch.empty((self.rows, *self.shape), dtype=torch.float32, device=self.device)
-        return A, (torch.empty_like(A) if self.method in ("cholqr2", "polar") else None)
+        """One worker's chunk buffer and scratch (and, with padded columns, a staging buffer)."""
+        m, n = self.shape
+        A = torch.zeros((self.rows, m, self.width), dtype=torch.float32, device=self.device)
+        scratch = torch.empty_like(A) if self.method in ("cholqr2", "polar") else None
+        staging = (torch.empty((self.rows, m, n), dtype=torch.float32, device=self.device)
+                   if self.width != n else None)
+        return A, scratch, staging
 
     def run(self, index: int, buffers, chunk_math: Callable) -> None:
         """Chunk ``index``, in ``buffers``, by ``chunk_math`` (:func:`_torch_chunk` or
@@ -377,16 +393,23 @@ class _Job:
             size = self.padded
         else:  # CPU: at least 2 blocks, except for the methods LAPACK runs matrix by matrix
             size = k if self.method in ("householder", "svd") else max(2, k)
-        A_full, S_full = buffers
+        A_full, S_full, staging = buffers
         A = A_full[:size]
         S = S_full[:size] if S_full is not None else None
-        self.fill(start, stop, A[:k])
+        n = self.shape[1]
+        if staging is None:
+            self.fill(start, stop, A[:k])
+        else:
+            self.fill(start, stop, staging[:k])
+            A[:k, :, :n].copy_(staging[:k])
+            A[:k, :, n:].zero_()
         if k < size:  # pad with copies of a real block; their results are discarded
-            A[k:].copy_(A[k - 1:k].expand(size - k, *self.shape))
-        dest = self.direct(start, stop) if (self.direct is not None and k == size) else None
+            A[k:].copy_(A[k - 1:k].expand(size - k, *A.shape[1:]))
+        dest = (self.direct(start, stop) if (self.direct is not None and k == size and staging is None)
+                else None)
         chunk_math(A, self.method, dest if dest is not None else A, S, self.gemm)
         if dest is None:
-            self.sink(start, stop, A[:k])
+            self.sink(start, stop, A[:k] if staging is None else staging[:k].copy_(A[:k, :, :n]))
 
 
 def _plan(num_blocks: int, block_shape, method: str, device: torch.device, fill, sink, direct,

@@ -745,10 +745,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   // does not need r; pass 1 subtracts sum_p r_p d'_p.
   Tensor dlt = (gtout * out.unsqueeze(0)).sum(-1).contiguous();
   Tensor Dvec = ((gout * out).sum(-1) + (gtout * c(tout_)).sum(-1).sum(0)).contiguous();
-  // As in attention_bwd: fp64 recomputes lse in fp64 (an fp32 lse would cap the accuracy at ~1e-7).
-  Tensor lse = ct == at::kDouble ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale,
-                                                           /*lse_in_compute_type=*/true))
-                                 : c(lse_);
+  // fp64 with an fp32 lse recomputes it in fp64 (an fp32 lse would cap the accuracy at ~1e-7).
+  const bool recompute_lse = ct == at::kDouble && lse_.scalar_type() != at::kDouble;
+  Tensor lse = recompute_lse ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale,
+                                                       /*lse_in_compute_type=*/true))
+                             : c(lse_);
   Tensor rvec = at::empty({P, D.B, D.H, D.Nq}, q.options());
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   Tensor dv = at::empty(v.sizes(), v.options());

@@ -15,12 +15,14 @@ graph or a saved autograd context replays the same kernel):
 * ``condinit::attention_fwd(q, k, v, causal, scale, impl) -> (out, lse)``
 * ``condinit::attention_bwd(dout, q, k, v, out, lse, causal, scale, impl) -> (dq, dk, dv)``
 * ``condinit::attention_jvp(q, k, v, tq?, tk?, tv?, causal, scale, impl) -> (out, tout, lse)``
+* ``condinit::attention_jvp_bwd(gout, gtout, q, k, v, tq?, tk?, tv?, out, tout, lse, causal, scale,
+  impl) -> (dq, dk, dv, dtq, dtk, dtv)`` (the backward through the tangent output)
 
 Each has a fake (meta) kernel, so ``torch.compile`` traces them, and a vmap rule that folds the
 vmapped dimension into the batch dimension, so ``torch.vmap`` / ``jacfwd`` / ``jacrev`` work.
 On top of them, :func:`attention` (a ``torch.autograd.Function``: backward = flash VJP from the
 saved log-sum-exp, ``jvp`` = the fused JVP op) and :func:`attention_jvp` (the single-pass JVP
-with several probes, differentiable in all six inputs).
+with several probes, differentiable in all six inputs through ``attention_jvp_bwd``).
 
 The math: ``docs/design.md``, "Attention".
 """
@@ -34,7 +36,7 @@ from condinit._validate import check_bool, check_real, check_tensor
 from condinit.ops.attention import reference
 
 __all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "ATTENTION_FWD",
-           "ATTENTION_BWD", "ATTENTION_JVP"]
+           "ATTENTION_BWD", "ATTENTION_JVP", "ATTENTION_JVP_BWD"]
 
 # --------------------------------------------------------------------------------------------
 # Backend tables: what each implementation runs. The choice and `condinit info` read these rows;
@@ -50,6 +52,9 @@ _ANY = (_backends.ANY_DEVICE,)
 ATTENTION_FWD = _backends.Op("attention_fwd")
 ATTENTION_BWD = _backends.Op("attention_bwd")
 ATTENTION_JVP = _backends.Op("attention_jvp")
+# Gradients through attention_jvp's tangent output. No Triton / CUDA kernel yet: on GPUs the
+# automatic choice is the tiled torch reference (O(N) memory, not fused).
+ATTENTION_JVP_BWD = _backends.Op("attention_jvp_bwd")
 
 
 def _zeros_tangents(q, k, v, tq, tk, tv):
@@ -69,6 +74,7 @@ def _triton():
 ATTENTION_FWD.register("torch", devices=_ANY)(reference.attention_fwd)
 ATTENTION_BWD.register("torch", devices=_ANY)(reference.attention_bwd)
 ATTENTION_JVP.register("torch", devices=_ANY)(reference.attention_jvp)
+ATTENTION_JVP_BWD.register("torch", devices=_ANY)(reference.attention_jvp_bwd)
 
 
 @ATTENTION_FWD.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
@@ -107,6 +113,17 @@ for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (AT
     # so the automatic choice never takes it (Triton's backward is deterministic).
     _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name,
                  deterministic=_op is not ATTENTION_BWD)(_fn)
+
+
+# The tangent backward's C++ kernel takes float64 too: it computes in float64 and recomputes a
+# float32 lse in float64 (the forward on float64 runs on the reference, which saves a float64 lse).
+@ATTENTION_JVP_BWD.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES + (torch.float64,)},
+                            native_op="attention_jvp_bwd")
+def _jvp_bwd_native(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale):
+    z = lambda x: x.new_zeros((gtout.shape[0],) + tuple(x.shape))  # noqa: E731  (None = zero tangent)
+    tq, tk, tv = (t if t is not None else z(x) for t, x in ((tq, q), (tk, k), (tv, v)))
+    return tuple(torch.ops.condinit_C.attention_jvp_bwd(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
+                                                        causal, scale))
 
 
 def _choose(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
@@ -204,6 +221,26 @@ def _(q, k, v, tq, tk, tv, causal, scale, impl):
             q.new_empty((B, H, Nq), dtype=_lse_dtype(q.dtype)))
 
 
+@torch.library.custom_op("condinit::attention_jvp_bwd", mutates_args=())
+def _attention_jvp_bwd_op(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                          tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], out: Tensor,
+                          tout: Tensor, lse: Tensor, causal: bool, scale: float, impl: str
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward through the fused JVP on backend ``impl``: ``(dq, dk, dv, dtq, dtk, dtv)`` for
+    upstream ``gout`` and ``gtout`` ``[P, ...]``. A None tangent is zero and still gets its
+    gradient (the caller drops it)."""
+    grads = ATTENTION_JVP_BWD(impl, *(x.contiguous() for x in (gout, gtout, q, k, v)), _c(tq), _c(tk),
+                              _c(tv), *(x.contiguous() for x in (out, tout, lse)), causal, scale)
+    return tuple(grads)
+
+
+@_attention_jvp_bwd_op.register_fake
+def _(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, impl):
+    P = gtout.shape[0]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            *(x.new_empty((P,) + tuple(x.shape)) for x in (q, k, v)))
+
+
 # vmap rules: move the vmapped dim to the front and fold it into B ([V, B, ...] -> [V*B, ...]);
 # tangents [P, B, ...] become [P, V*B, ...]. Unbatched inputs are expanded.
 
@@ -251,6 +288,17 @@ def _(info, in_dims, q, k, v, tq, tk, tv, causal, scale, impl):
     tangents = [_fold_tangent(x, d, n) for x, d in zip((tq, tk, tv), in_dims[3:6])]
     out, tout, lse = _attention_jvp_op(*primals, *tangents, causal, scale, impl)
     return (_unfold(out, n), _unfold(tout, n, lead=1), _unfold(lse, n)), (0, 1, 0)
+
+
+@torch.library.register_vmap("condinit::attention_jvp_bwd")
+def _(info, in_dims, gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, impl):
+    n = info.batch_size
+    fold = [_fold, _fold_tangent, _fold, _fold, _fold, _fold_tangent, _fold_tangent, _fold_tangent,
+            _fold, _fold_tangent, _fold]
+    args = [f(x, d, n) for f, x, d in zip(fold, (gout, gtout, q, k, v, tq, tk, tv, out, tout, lse), in_dims)]
+    grads = _attention_jvp_bwd_op(*args, causal, scale, impl)
+    return (tuple(_unfold(g, n) for g in grads[:3]) + tuple(_unfold(g, n, lead=1) for g in grads[3:]),
+            (0, 0, 0, 1, 1, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,49 +467,74 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 # attention_jvp: the fused single-pass JVP, differentiable in all six inputs
 # --------------------------------------------------------------------------------------------
 
-def _reference_jvp_outputs(causal, scale, present):
-    """f(q, k, v, *given tangents) -> (out, tout) through the tiled reference (for the VJP)."""
-    def f(q, k, v, *ts):
-        it = iter(ts)
-        tq, tk, tv = (next(it) if p else None for p in present)
-        out, tout, _ = reference.attention_jvp(q, k, v, tq, tk, tv, causal, scale)
-        return out, tout
-    return f
-
-
 class _AttentionJVP(torch.autograd.Function):
-    """``(out, tout, lse)`` from the fused JVP op; backward recomputes through the tiled torch
-    reference with autograd (whatever backend ran forward), so it is itself differentiable."""
+    """``(out, tout, lse)`` from the fused JVP op; backward = ``condinit::attention_jvp_bwd``, the
+    tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
+
+    ``impls`` holds the backends of the JVP and of its backward. The backward is not itself
+    differentiable: second-order gradients through it raise (``once_differentiable``).
+    """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, impl):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impl)
+    def forward(q, k, v, tq, tk, tv, causal, scale, impls):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impls[0])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, impl = inputs
+        q, k, v, tq, tk, tv, causal, scale, impls = inputs
         ctx.mark_non_differentiable(output[2])
         ctx.present = tuple(t is not None for t in (tq, tk, tv))
-        ctx.save_for_backward(q, k, v, *(t for t in (tq, tk, tv) if t is not None))
-        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, tq, tk, tv, *output)
+        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, gout, gtout, _glse):
-        saved = ctx.saved_tensors
-        f = _reference_jvp_outputs(ctx.causal, ctx.scale, ctx.present)
-        _, vjp_fn = torch.func.vjp(f, *saved)
-        grads = iter(vjp_fn((gout, gtout)))
-        dq, dk, dv = next(grads), next(grads), next(grads)
-        dt = [next(grads) if p else None for p in ctx.present]
+        q, k, v, tq, tk, tv, out, tout, lse = ctx.saved_tensors
+        dq, dk, dv, *dt = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
+                                                ctx.causal, ctx.scale, ctx.impls[1])
+        dt = [g if p else None for g, p in zip(dt, ctx.present)]
         return (dq, dk, dv, *dt, None, None, None)
+
+
+class _AttentionJVPOutGrad(torch.autograd.Function):
+    """``(out, tout, lse)`` from the fused JVP op with ``tout`` not differentiable: backward = the
+    flash VJP of ``out`` alone (``condinit::attention_bwd``, itself differentiable)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, tq, tk, tv, causal, scale, impls):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impls[0])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, tq, tk, tv, causal, scale, impls = inputs
+        out, tout, lse = output
+        ctx.mark_non_differentiable(tout, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
+
+    @staticmethod
+    def backward(ctx, gout, _gtout, _glse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _attention_bwd_op(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.impls[1])
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
+    """The backward's backend: the one forced for the forward where ``op`` has a row for it
+    (attention_jvp_bwd has no Triton / CUDA kernel yet), else the automatic choice."""
+    return _choose(op, q, backend if backend is None or backend in op.impls else "auto")
 
 
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
                   tk: Optional[Tensor] = None, tv: Optional[Tensor] = None, *,
                   causal: bool = False, scale: Optional[float] = None,
-                  backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+                  backend: Optional[str] = None, grad_through_tangent: bool = True
+                  ) -> tuple[Tensor, Tensor]:
     """Attention and its Jacobian-vector product in one fused pass: ``(out, tangent_out)``.
 
     With ``S = scale Q K^T (+ mask)``, ``P = softmax(S)``, ``O = P V``::
@@ -475,22 +548,38 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
         tq, tk, tv: tangents shaped like their primal, or with a leading probe dim ``[P, ...]``
             (all given ones alike); None means a zero tangent (its work is skipped where the
             backend allows). The ``P`` probes share the primal tiles in one pass.
-        causal, scale, backend: as in :func:`attention`.
+        causal, scale: as in :func:`attention`.
+        backend: as in :func:`attention`, for the JVP. The backward uses the same backend where
+            its table has that row, else the automatic choice: the backward through the tangent
+            has kernels for ``"cpp-cpu"`` and ``"torch"`` only (on GPUs the tiled torch reference
+            runs).
+        grad_through_tangent: if True (default), gradients flow through both outputs. If False,
+            ``tangent_out`` is returned detached (no gradient reaches q, k, v or the tangents
+            through it) and the backward is the plain flash backward of ``out``, about 3x
+            cheaper: for callers whose loss does not use the tangent.
 
     Returns ``out`` ``[B, H, Nq, d]`` and ``tangent_out`` ``[B, H, Nq, d]`` or
     ``[P, B, H, Nq, d]``, both in the input dtype.
 
-    Differentiable: gradients reach q, k, v, tq, tk, tv through both outputs (e.g. to train on a
-    JVP-based loss). The backward recomputes through the tiled PyTorch reference with autograd,
-    whatever backend ran the forward (it holds the block intermediates: O(N^2 / block) memory).
+    Gradients: a loss on ``(out, tangent_out)`` gets gradients with respect to q, k, v (summed
+    over the probes) and each probe's tq, tk, tv (None for a None tangent) from one tiled
+    backward pass (``docs/design.md``, "Attention": backward through the tangent output). It
+    recomputes the scores and ``rowsum(P * S')`` from the saved ``out``, ``tangent_out`` and
+    log-sum-exp and never holds an N x N matrix: O(N) memory for every backend. fp16 / bf16
+    accumulate in fp32. The backward is not itself differentiable: a second-order gradient
+    through it raises (``grad_through_tangent=False`` keeps the flash backward, which is).
 
     Examples:
         >>> q, k, v = (torch.randn(1, 4, 256, 64) for _ in range(3))
         >>> out, tout = condinit.attention_jvp(q, k, v, tq=torch.randn_like(q))       # one probe
         >>> out, touts = condinit.attention_jvp(q, k, v, tk=torch.randn(8, 1, 4, 256, 64))  # 8 probes
+        >>> q.requires_grad_()
+        >>> out, tout = condinit.attention_jvp(q, k, v, tq=torch.randn_like(q))
+        >>> (out.square().sum() + tout.square().sum()).backward()                    # q.grad
     """
     _check_primals(q, k, v)
     scale, backend = _check_options(causal, scale, backend, q.shape[-1])
+    check_bool("grad_through_tangent", grad_through_tangent)
     has_p, P = _check_tangents((("q", q), ("k", k), ("v", v)), (("tq", tq), ("tk", tk), ("tv", tv)))
     impl = _choose(ATTENTION_JVP, q, backend)
     if tq is None and tk is None and tv is None:
@@ -500,11 +589,15 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
     for t in (tq, tk, tv):
         if t is not None and not has_p:
             t = t.unsqueeze(0)
+        if t is not None and not grad_through_tangent:
+            t = t.detach()  # no gradient path through tangent_out
         tangents.append(_c(t))
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, *tangents))
+    differentiable = (q, k, v, *tangents) if grad_through_tangent else (q, k, v)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in differentiable)
     if needs_grad:
-        out, tout, _ = _AttentionJVP.apply(q, k, v, *tangents, causal, scale, impl)
+        fn, bwd_op = ((_AttentionJVP, ATTENTION_JVP_BWD) if grad_through_tangent
+                      else (_AttentionJVPOutGrad, ATTENTION_BWD))
+        out, tout, _ = fn.apply(q, k, v, *tangents, causal, scale, (impl, _backward_backend(bwd_op, q, backend)))
     else:
         out, tout, _ = _attention_jvp_op(q, k, v, *tangents, causal, scale, impl)
     return out, (tout if has_p else tout.squeeze(0))

@@ -1,0 +1,621 @@
+"""An independent reading of every attention layer of a model, and tiny models of every architecture.
+
+Used by ``tests/test_coverage.py`` (the acceptance test of :func:`condinit.apply`'s coverage) and by
+``tools/coverage_table.py`` (the README's "Which models" table). Nothing here uses condinit's own
+discovery, adapters or report: where a model keeps its Q/K/V weights, and how their rows are split
+into heads, is read from what the model computes.
+
+**Finding attention.** The model runs once on a tiny input while the places where attention is
+computed are intercepted: ``torch.nn.functional.scaled_dot_product_attention``, transformers'
+attention interface (``AttentionInterface``: the ``sdpa`` entry), and the hand-written pattern
+``softmax(q @ k^T ...) @ v`` (``matmul`` / ``bmm`` / ``baddbmm`` / ``einsum`` / ``@`` between two
+computed tensors, a softmax over a tensor of the scores' shape, then a product of that with ``v``).
+Each computation is charged to the innermost running module that holds a weight matrix. A module
+whose class name says "attention" or "attn" and holds weights, but where no attention computation
+was seen, is reported as not read (the check then fails).
+
+**Reading the weights.** Each such module is run again on the inputs it received, with its own
+parameters requiring grad, and the query, key and value tensors ``[B, H, N, d]`` that reach the
+attention computation are captured. The gradient of each element ``(h, i)`` of ``q[0, :, 0, :]``
+(first token) with respect to each weight matrix of the module is ``u v^T``: ``v`` the projection's
+input, ``u`` how the element depends on the projection's output channels. The matrix whose
+gradients are rank one along a shared input axis, with ``u`` supported on one head's rows, is the Q
+projection, stored either way round (``nn.Linear`` ``[out, in]`` or GPT-2 ``Conv1D`` ``[in, out]``).
+The rows that feed head ``h`` are the union of the supports of its elements: exact for plain
+reshapes, for rotary embeddings (a rotation inside each head) and for per-head q/k norms. When q/k
+norms span all heads, each element's dominant row is used instead. Fused and interleaved layouts
+(``[q | k | v]``, per-head ``[q_h, k_h, v_h]``, grouped queries) need no special case; key/value
+heads repeated for grouped-query attention are recognized as identical row sets. Bias vectors
+(1-D parameters named ``*bias*`` outside norm layers) that the element depends on are the Q/K/V
+biases.
+
+**What conditioned means** (``docs/design.md``, "The method"): per head, the Q and K row blocks have
+orthonormal rows (``max |W W^T - I| <= 1e-5`` in fp32); V, the value heads' rows in the order the
+attention sees them, is exactly the rectangular identity ``[H_kv * d_v, in]``; the Q/K/V biases are
+exactly zero; every other parameter and buffer is bit for bit what it was before.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+ORTHO_ATOL = 1e-5          # fp32: max |W W^T - I| per Q/K head block
+RANK_ONE_RTOL = 1e-5       # second singular value / first, for "the gradient is rank one"
+SUPPORT_RTOL = 1e-6        # an output channel counts as feeding an element above this share of the largest
+DOMINANCE = 2.0            # dominant-row reading: the largest dependence must be this many times the next
+
+ATTENTION_NAME = re.compile(r"attention|attn", re.I)
+
+
+class Unreadable(Exception):
+    """The independent reading cannot say where a module's Q, K or V comes from."""
+
+
+# ------------------------------------------------------------------------------------------------
+# interception of attention computations
+
+@dataclass
+class Event:
+    """One attention computation: where it was seen and its query, key, value as [B, H, N, d]."""
+
+    kind: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    owners: tuple = ()       # running modules holding weights, innermost first (discovery only)
+
+
+def _as_bhnd(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 4:
+        return t
+    if t.dim() == 3:
+        return t.unsqueeze(0)
+    if t.dim() == 2:
+        return t[None, None]
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _computed(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point()
+
+
+def _einsum_as_bmm(eq: str, a: torch.Tensor, b: torch.Tensor):
+    """``einsum(eq, a, b)`` as ``A @ B`` with ``A [S, I, C]``, ``B [S, C, J]``; None if it is not one."""
+    if "..." in eq or "->" not in eq:
+        return None
+    ins, out = eq.replace(" ", "").split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    la, lb = parts
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or a.dim() != len(la) or b.dim() != len(lb):
+        return None
+    shared = [c for c in la if c in lb and c in out]
+    contracted = [c for c in la if c in lb and c not in out]
+    only_a = [c for c in la if c not in lb]
+    only_b = [c for c in lb if c not in la]
+    if not contracted or any(c not in out for c in only_a + only_b):
+        return None
+    A = a.permute([la.index(c) for c in shared + only_a + contracted])
+    B = b.permute([lb.index(c) for c in shared + contracted + only_b])
+    s = int(torch.tensor([a.shape[la.index(c)] for c in shared]).prod()) if shared else 1
+    A = A.reshape(s, -1, int(torch.tensor([a.shape[la.index(c)] for c in contracted]).prod()))
+    B = B.reshape(s, A.shape[-1], -1)
+    return A, B
+
+
+class Interceptor:
+    """Patches the functions that compute attention for the duration of a ``with`` block.
+
+    ``on_event(event)`` is called for every attention computation; the patched functions compute
+    exactly what the originals do. ``owners()`` (optional) names the running modules to charge it to.
+    """
+
+    def __init__(self, on_event: Callable[[Event], None], owners: Optional[Callable[[], tuple]] = None):
+        self.on_event = on_event
+        self.owners = owners or (lambda: ())
+        self.depth = 0            # > 0 inside an intercepted attention function: nothing inside counts
+        self.candidates = []      # (a, b, scores shape) of products of two computed tensors, newest last
+        self.softmax_shapes = []  # trailing shapes of tensors softmaxed since the candidates
+        self._saved = []
+
+    # -- patching
+    def _patch(self, obj, name, wrapper_factory):
+        orig = getattr(obj, name)
+        self._saved.append((obj, name, orig))
+        setattr(obj, name, wrapper_factory(orig))
+
+    def __enter__(self):
+        self._patch(F, "scaled_dot_product_attention", self._wrap_sdpa)
+        try:
+            from transformers.modeling_utils import AttentionInterface
+        except ImportError:
+            AttentionInterface = None
+        if AttentionInterface is not None and "sdpa" in AttentionInterface._global_mapping:
+            self._patch_mapping(AttentionInterface._global_mapping, "sdpa")
+        for obj, name in ((torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"),
+                          (torch, "bmm"), (torch.Tensor, "bmm")):
+            self._patch(obj, name, self._wrap_mm)
+        for obj in (torch, torch.Tensor):
+            self._patch(obj, "baddbmm", self._wrap_baddbmm)
+        self._patch(torch, "einsum", self._wrap_einsum)
+        for obj, name in ((F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax")):
+            self._patch(obj, name, self._wrap_softmax)
+        return self
+
+    def _patch_mapping(self, mapping, key):
+        orig = mapping[key]
+        self._saved.append((mapping, key, orig))
+
+        def interface(module, query, key_, value, *args, **kwargs):
+            return self._attention("transformers", orig, (query, key_, value), (module, query, key_, value) + args, kwargs)
+        mapping[key] = interface
+
+    def __exit__(self, *exc):
+        for obj, name, orig in reversed(self._saved):
+            if isinstance(obj, dict):
+                obj[name] = orig
+            else:
+                setattr(obj, name, orig)
+        self._saved.clear()
+        return False
+
+    # -- events
+    def _attention(self, kind, fn, qkv, args, kwargs):
+        if self.depth == 0:
+            q, k, v = qkv
+            self.candidates.clear()
+            self.softmax_shapes.clear()
+            self.on_event(Event(kind, _as_bhnd(q), _as_bhnd(k), _as_bhnd(v), self.owners()))
+        self.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.depth -= 1
+
+    def _wrap_sdpa(self, orig):
+        def sdpa(query, key, value, *args, **kwargs):
+            return self._attention("sdpa", orig, (query, key, value), (query, key, value) + args, kwargs)
+        return sdpa
+
+    def _product(self, a, b):
+        """A product ``a @ b`` ([..., N, C] x [..., C, M]) between two computed tensors was taken."""
+        if self.depth or not (_computed(a) and _computed(b)) or a.dim() < 2 or b.dim() < 2:
+            return
+        trailing = (a.shape[-2], b.shape[-1])
+        for shape in self.softmax_shapes:
+            if tuple(a.shape[-2:]) == shape:
+                for qa, kb, scores in self.candidates:
+                    if scores == shape:
+                        self.candidates.clear()
+                        self.softmax_shapes.clear()
+                        self.on_event(Event("softmax(q k^T) v", _as_bhnd(qa), _as_bhnd(kb.transpose(-1, -2)),
+                                            _as_bhnd(b), self.owners()))
+                        return
+        self.candidates.append((a, b, trailing))
+        del self.candidates[:-16]
+
+    def _wrap_mm(self, orig):
+        def mm(a, b, *args, **kwargs):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                self._product(a, b)
+            return orig(a, b, *args, **kwargs)
+        return mm
+
+    def _wrap_baddbmm(self, orig):
+        def baddbmm(input, batch1, batch2, *args, **kwargs):
+            self._product(batch1, batch2)
+            return orig(input, batch1, batch2, *args, **kwargs)
+        return baddbmm
+
+    def _wrap_einsum(self, orig):
+        def einsum(eq, *operands, **kwargs):
+            ops = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+            if isinstance(eq, str) and len(ops) == 2 and all(isinstance(o, torch.Tensor) for o in ops):
+                ab = _einsum_as_bmm(eq, *ops)
+                if ab is not None:
+                    self._product(*ab)
+            return orig(eq, *operands, **kwargs)
+        return einsum
+
+    def _wrap_softmax(self, orig):
+        def softmax(x, *args, **kwargs):
+            if self.depth == 0 and self.candidates and isinstance(x, torch.Tensor) and x.dim() >= 2:
+                self.softmax_shapes.append(tuple(x.shape[-2:]))
+            return orig(x, *args, **kwargs)
+        return softmax
+
+
+# ------------------------------------------------------------------------------------------------
+# discovery: which modules compute attention, and with which inputs
+
+def _weight_holders(model: nn.Module) -> set:
+    """ids of the modules that hold (themselves or below) a parameter with >= 2 dimensions."""
+    holders = set()
+    for mod in model.modules():
+        if any(p.dim() >= 2 for p in mod.parameters()):
+            holders.add(id(mod))
+    return holders
+
+
+def _snapshot(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_snapshot(v) for v in x)
+    if isinstance(x, list):
+        return [_snapshot(v) for v in x]
+    if isinstance(x, dict):
+        return type(x)((k, _snapshot(v)) for k, v in x.items()) if type(x) is dict else x
+    return x
+
+
+@dataclass
+class Discovery:
+    owners: dict = field(default_factory=dict)       # name -> module, in the order first seen
+    chains: dict = field(default_factory=dict)       # name -> names of enclosing weight holders, innermost first
+    calls: dict = field(default_factory=dict)        # name -> (args, kwargs) of its first call
+    kinds: dict = field(default_factory=dict)        # name -> set of event kinds
+    name_only: list = field(default_factory=list)    # attention-named weight holders where nothing was seen
+
+
+def discover(model: nn.Module, run: Callable[[nn.Module], None]) -> Discovery:
+    """Run ``run(model)`` with attention computations intercepted; charge each to its module."""
+    names = {id(m): n for n, m in model.named_modules()}
+    holders = _weight_holders(model)
+    stack = []                       # (module, args, kwargs)
+    found = Discovery()
+    saved_calls = {}
+
+    def owners():
+        return tuple(names[id(m)] for m, _, _ in reversed(stack) if id(m) in holders and id(m) in names)
+
+    def on_event(ev: Event):
+        chain = ev.owners
+        if not chain:
+            return
+        inner = chain[0]
+        if inner not in found.owners:
+            found.owners[inner] = dict(model.named_modules())[inner]
+            found.chains[inner] = chain
+        found.kinds.setdefault(inner, set()).add(ev.kind)
+        for m, args, kwargs in stack:
+            n = names.get(id(m))
+            if n in chain and n not in saved_calls:
+                saved_calls[n] = (_snapshot(args), _snapshot(kwargs))
+
+    def pre(mod, args, kwargs):
+        stack.append((mod, args, kwargs))
+
+    def post(mod, args, kwargs, out):
+        if stack and stack[-1][0] is mod:
+            stack.pop()
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+    try:
+        with torch.enable_grad(), Interceptor(on_event, owners):
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    found.calls = saved_calls
+    covered = set(found.owners)
+    for n, m in model.named_modules():
+        if (ATTENTION_NAME.search(type(m).__name__) and id(m) in holders
+                and not any(n == o or n.startswith(o + ".") or o.startswith(n + ".") or n == "" for o in covered)):
+            found.name_only.append(n)
+    # keep only the outermost of nested attention-named leftovers
+    found.name_only = [n for n in found.name_only if not any(n.startswith(o + ".") for o in found.name_only)]
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# reading Q/K/V weights from gradients
+
+@dataclass
+class RoleReading:
+    """Where one of Q, K, V comes from: a weight matrix and, per distinct head, its rows."""
+
+    weight: str                     # parameter name, relative to the model
+    transposed: bool                # stored [in, out] (GPT-2 Conv1D) rather than [out, in]
+    heads: list                     # per distinct head: its rows (in the order the attention sees them)
+    rule: str                       # "support" (exact) or "dominant row"
+    biases: list                    # [(parameter name, [indices])]
+
+    @property
+    def rows(self) -> list:
+        return sorted({r for h in self.heads for r in h})
+
+
+@dataclass
+class AttentionReading:
+    name: str
+    cls: str
+    kinds: tuple
+    q: RoleReading
+    k: RoleReading
+    v: RoleReading
+
+
+def _matrix_view(p: torch.Tensor) -> Optional[torch.Tensor]:
+    if p.dim() == 2:
+        return p
+    if p.dim() == 4 and p.shape[-1] == p.shape[-2] == 1:
+        return p[..., 0, 0]
+    if p.dim() == 3 and p.shape[-1] == 1:
+        return p[..., 0]
+    return None
+
+
+def _heads_by_support(U: torch.Tensor, H: int, d: int):
+    """Per distinct head, its rows, if each head's elements draw on exactly d rows disjoint from the others'."""
+    supp = U > SUPPORT_RTOL * U.amax()
+    heads, seen = [], []
+    for h in range(H):
+        rows = torch.nonzero(supp[h * d:(h + 1) * d].any(0)).flatten().tolist()
+        if len(rows) != d:
+            return None
+        if rows in seen:
+            continue
+        if any(set(rows) & set(s) for s in seen):
+            return None
+        seen.append(rows)
+        # order: each element's row where its support is one row, else its dominant row
+        order = [int(U[h * d + i].argmax()) for i in range(d)]
+        heads.append(order if sorted(order) == rows else rows)
+    return heads
+
+
+def _heads_by_dominant(U: torch.Tensor, H: int, d: int):
+    top = U.topk(min(2, U.shape[1]), dim=1).values
+    if U.shape[1] > 1 and not bool((top[:, 0] > DOMINANCE * top[:, 1]).all()):
+        return None
+    arg = U.argmax(1).tolist()
+    heads = []
+    for h in range(H):
+        rows = arg[h * d:(h + 1) * d]
+        if len(set(rows)) != d:
+            return None
+        if rows in heads:
+            continue
+        if any(set(rows) & set(s) for s in heads):
+            return None
+        heads.append(rows)
+    return heads
+
+
+def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> RoleReading:
+    """grads: parameter name -> gradient [H*d, *shape] of the role's first-token elements."""
+    found = {"support": [], "dominant row": []}
+    for name, g in grads.items():
+        m = _matrix_view(g[0]) if g is not None else None
+        if m is None or not g.any():
+            continue
+        G = g.reshape(g.shape[0], *m.shape)
+        for transposed in (False, True):
+            M = G.transpose(1, 2) if transposed else G            # [E, out, in]
+            s = torch.linalg.svdvals(M.reshape(-1, M.shape[-1]).double())
+            if len(s) > 1 and s[1] > RANK_ONE_RTOL * s[0]:
+                continue
+            U = M.abs().amax(-1).double()                          # [E, out]
+            heads = _heads_by_support(U, H, d)
+            if heads is not None:
+                found["support"].append((name, transposed, heads))
+                continue
+            heads = _heads_by_dominant(U, H, d)
+            if heads is not None:
+                found["dominant row"].append((name, transposed, heads))
+    for rule in ("support", "dominant row"):
+        hits = {(n, t): h for n, t, h in found[rule]}
+        if len(hits) == 1:
+            (name, transposed), heads = next(iter(hits.items()))
+            break
+        if len(hits) > 1:
+            raise Unreadable(f"{role}: several weight matrices read as its projection ({', '.join(n for n, _ in hits)})")
+    else:
+        dep = [n for n, g in grads.items() if g is not None and g.any() and g.dim() >= 3]
+        raise Unreadable(f"{role}: no weight matrix reads as its projection (it depends on {dep or 'no weight'})")
+    biases = []
+    for bname, g in grads.items():
+        if g is None or g.dim() != 2 or "bias" not in bname.rsplit(".", 1)[-1] or bname in norm_params:
+            continue
+        idx = torch.nonzero((g != 0).any(0)).flatten().tolist()
+        if idx:
+            biases.append((bname, idx))
+    return RoleReading(name, transposed, heads, rule, biases)
+
+
+def _first_token(t: torch.Tensor) -> torch.Tensor:
+    return t[0, :, 0, :]
+
+
+def read_module(model: nn.Module, name: str, call, kinds=()) -> list:
+    """Run module ``name`` again on ``call = (args, kwargs)``; read Q/K/V of each attention it computes."""
+    mod = dict(model.named_modules())[name]
+    events = []
+    args, kwargs = _snapshot(call[0]), _snapshot(call[1])
+    try:
+        with torch.enable_grad(), Interceptor(events.append):
+            mod(*args, **kwargs)
+    except Exception as e:  # the reason goes into the report; the check then fails
+        raise Unreadable(f"running it again on its own inputs failed: {type(e).__name__}: {e}") from e
+    if not events:
+        raise Unreadable("no attention computation when run again on its own inputs")
+    params = [(n, p) for n, p in mod.named_parameters() if p.requires_grad and p.is_floating_point()]
+    if not params:
+        raise Unreadable("holds no trainable floating parameter")
+    prefix = name + "." if name else ""
+    norm_params = {prefix + n for mn, m in mod.named_modules() if "norm" in type(m).__name__.lower()
+                   for n in (mn + "." + pn if mn else pn for pn, _ in m.named_parameters(recurse=False))}
+    readings = []
+    for ev in events:
+        parts = [_first_token(t) for t in (ev.q, ev.k, ev.v)]
+        if not all(_computed(t) for t in parts):
+            raise Unreadable("its query, key or value does not depend on its own parameters")
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        grads = _jacobian(flat, [p for _, p in params])
+        roles, start = [], 0
+        for role, t in zip("qkv", parts):
+            n = t.numel()
+            per = {prefix + pn: (None if g is None else g[start:start + n]) for (pn, _), g in zip(params, grads)}
+            roles.append(_read_role(role, per, t.shape[0], t.shape[1], norm_params))
+            start += n
+        r = AttentionReading(name, type(mod).__name__, tuple(sorted(kinds or {ev.kind})), *roles)
+        if not any(_same_reading(r, o) for o in readings):
+            readings.append(r)
+    return readings
+
+
+def _same_reading(a: AttentionReading, b: AttentionReading) -> bool:
+    return all((x.weight, x.heads) == (y.weight, y.heads) for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)))
+
+
+def _jacobian(flat: torch.Tensor, params: list) -> list:
+    eye = torch.eye(flat.numel(), dtype=flat.dtype)
+    try:
+        grads = torch.autograd.grad(flat, params, grad_outputs=eye, is_grads_batched=True,
+                                    allow_unused=True, retain_graph=True)
+    except RuntimeError:
+        rows = [torch.autograd.grad(flat[i], params, allow_unused=True, retain_graph=True) for i in range(flat.numel())]
+        grads = [None if rows[0][j] is None else torch.stack([r[j] if r[j] is not None else torch.zeros_like(params[j])
+                                                               for r in rows]) for j in range(len(params))]
+    return [None if g is None else g.detach() for g in grads]
+
+
+# ------------------------------------------------------------------------------------------------
+# the whole reading of a model, and the check
+
+@dataclass
+class ModelReading:
+    attention: list = field(default_factory=list)   # AttentionReading
+    unread: dict = field(default_factory=dict)      # module name -> why it could not be read
+    name_only: list = field(default_factory=list)   # attention-named modules where no attention was seen
+
+    @property
+    def has_attention(self) -> bool:
+        return bool(self.attention or self.unread or self.name_only)
+
+    def problems(self) -> list:
+        out = [f"{n}: not read: {why}" for n, why in self.unread.items()]
+        out += [f"{n}: attention-named module holding weights, but no attention computation was seen in it"
+                for n in self.name_only]
+        return out
+
+
+def read_model(model: nn.Module, run: Callable[[nn.Module], None]) -> ModelReading:
+    """Find and read every attention module of ``model`` (run by ``run``), independently of condinit."""
+    found = discover(model, run)
+    reading = ModelReading(name_only=list(found.name_only))
+    for name in found.owners:
+        chain = found.chains[name]
+        errors = []
+        for outer in chain[:3]:
+            if outer not in found.calls:
+                continue
+            try:
+                reading.attention.extend(read_module(model, outer, found.calls[outer], found.kinds[name]))
+                break
+            except Unreadable as e:
+                errors.append(f"{outer or '<root>'}: {e}")
+        else:
+            reading.unread[name] = "; ".join(errors) or "its inputs were not captured"
+    # a module read twice (through two of its children) counts once
+    uniq = []
+    for r in reading.attention:
+        if not any(_same_reading(r, o) for o in uniq):
+            uniq.append(r)
+    reading.attention = uniq
+    return reading
+
+
+def state_snapshot(model: nn.Module) -> dict:
+    return {n: t.detach().clone() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (so NaN == NaN, and -0.0 != 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _param_rows(p: torch.Tensor, rows: list, transposed: bool) -> torch.Tensor:
+    m = _matrix_view(p.detach()).float()
+    return (m[:, rows].T if transposed else m[rows]).double()
+
+
+def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> list:
+    """Everything that is not as the method says, as messages (empty: conditioned)."""
+    failures = list(reading.problems())
+    params = dict(model.named_parameters())
+    changed_ok = {}                                 # parameter name -> (mask of entries allowed to change)
+    for r in reading.attention:
+        for role, rr in (("Q", r.q), ("K", r.k), ("V", r.v)):
+            p = params[rr.weight]
+            mask = changed_ok.setdefault(rr.weight, torch.zeros(_matrix_view(p).shape, dtype=torch.bool))
+            if rr.transposed:
+                mask[:, rr.rows] = True
+            else:
+                mask[rr.rows] = True
+            for bname, idx in rr.biases:
+                bmask = changed_ok.setdefault(bname, torch.zeros(params[bname].shape, dtype=torch.bool))
+                bmask[idx] = True
+                b = params[bname].detach()[idx]
+                if bool((b != 0).any()):
+                    failures.append(f"{r.name}: {role} bias {bname} not zero (max |b| {b.abs().max().item():.3g})")
+            if role in "QK":
+                for h, rows in enumerate(rr.heads):
+                    w = _param_rows(p, rows, rr.transposed)
+                    err = (w @ w.T - torch.eye(len(rows), dtype=w.dtype)).abs().max().item()
+                    if not err <= ORTHO_ATOL:
+                        failures.append(f"{r.name}: {role} head {h} ({rr.weight}) rows not orthonormal: "
+                                        f"max |W W^T - I| = {err:.3g}")
+                        break
+            else:
+                w = _param_rows(p, [x for h in rr.heads for x in h], rr.transposed)
+                eye = torch.eye(*w.shape, dtype=w.dtype)
+                if not torch.equal(w, eye):
+                    failures.append(f"{r.name}: V ({rr.weight}, {w.shape[0]} rows in attention order) is not the "
+                                    f"rectangular identity (max |W - I| = {(w - eye).abs().max().item():.3g})")
+    for n, t in model.state_dict(keep_vars=True).items():
+        old = before[n]
+        new = t.detach()
+        if n in changed_ok:
+            keep = ~changed_ok[n]
+            view_old, view_new = _matrix_view(old) if old.dim() > 1 else old, _matrix_view(new) if new.dim() > 1 else new
+            if not torch.equal(view_old[keep], view_new[keep]):
+                failures.append(f"{n}: entries outside the Q/K/V rows changed")
+        elif not bit_equal(old, new):
+            failures.append(f"{n}: changed, but it is not a Q/K/V weight or bias")
+    return failures
+
+
+# ------------------------------------------------------------------------------------------------
+# a per-model time cap
+
+class ModelTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_cap(seconds: float):
+    """Raise ModelTimeout in the main thread after ``seconds`` of wall time."""
+    def alarm(signum, frame):
+        raise ModelTimeout(f"over the {seconds:.0f} s per-model cap")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
