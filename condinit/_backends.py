@@ -63,6 +63,7 @@ class Impl:
     limits: tuple[tuple[str, tuple], ...] = ()   # (call key, allowed values)
     deterministic: bool = True
     native_op: Optional[str] = None              # condinit_C op that must have a kernel
+    native_fn: Optional[str] = None              # condinit._C function that must exist
 
     def not_supported(self, device_type: str, call: dict) -> Optional[str]:
         """None when this row accepts the call, else why not."""
@@ -96,7 +97,8 @@ class Op:
         _OPS[name] = self
 
     def register(self, backend: str, *, devices: tuple[str, ...], limits: Optional[dict] = None,
-                 deterministic: bool = True, native_op: Optional[str] = None):
+                 deterministic: bool = True, native_op: Optional[str] = None,
+                 native_fn: Optional[str] = None):
         """Decorator: ``fn`` is this op's implementation on ``backend``."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -104,7 +106,7 @@ class Op:
         def deco(fn):
             self.impls[backend] = Impl(backend, fn, tuple(devices),
                                        tuple((k, tuple(v)) for k, v in (limits or {}).items()),
-                                       deterministic, native_op)
+                                       deterministic, native_op, native_fn)
             return fn
 
         return deco
@@ -119,7 +121,7 @@ class Op:
             return "not implemented for this op"
         reason = impl.not_supported(device_type, call)
         if reason is None:
-            ok, why = available(backend, device_type, impl.native_op)
+            ok, why = available(backend, device_type, impl.native_op, impl.native_fn)
             reason = None if ok else why
         return reason
 
@@ -194,7 +196,8 @@ def _triton_import() -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def available(backend: str, device_type: str, native_op: Optional[str] = None) -> tuple[bool, str]:
+def available(backend: str, device_type: str, native_op: Optional[str] = None,
+              native_fn: Optional[str] = None) -> tuple[bool, str]:
     """(available, reason) for ``backend`` on ``device_type``; cached (see :func:`reset`)."""
     if backend == "torch":
         return True, "available"
@@ -220,6 +223,8 @@ def available(backend: str, device_type: str, native_op: Optional[str] = None) -
         key = "CUDA" if backend == "cuda" else "CPU"
         if not _ext.has_op(native_op, key):
             return False, f"condinit_C::{native_op} has no {key} kernel in this build"
+    if native_fn is not None and not hasattr(_ext.load(), native_fn):
+        return False, f"condinit._C has no {native_fn} in this build (rebuild the extension)"
     return True, "available"
 
 

@@ -1,7 +1,8 @@
 // The Python module condinit._C. Importing it loads the shared library, whose static
 // initializers register every kernel under the torch.library namespace `condinit_C`
-// (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL in each op's .cpp). This file only
-// exposes what the library was built with, for `python -m condinit info`.
+// (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL in each op's .cpp). This file exposes what the
+// library was built with (for `python -m condinit info`) and the chunk scheduler of the
+// orthogonalization engine (csrc/orthogonalize/parallel_chunks.cpp).
 #include <pybind11/pybind11.h>
 
 #ifdef _OPENMP

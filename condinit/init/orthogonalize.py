@@ -470,13 +470,9 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
 ORTHOGONALIZE = _backends.Op("orthogonalize")
 
 
-@ORTHOGONALIZE.register("cpp-cpu", devices=("cpu",))
+@ORTHOGONALIZE.register("cpp-cpu", devices=("cpu",), native_fn="run_chunks_in_parallel_region")
 def _orthogonalize_cpp_cpu(job: _Job) -> None:
-    runner = getattr(_ext.load(), "run_chunks_in_parallel_region", None)
-    if runner is None:
-        raise _backends.BackendUnavailableError(
-            "orthogonalize: this build of condinit._C has no run_chunks_in_parallel_region; rebuild "
-            "it (pip install --no-build-isolation -e .) or force backend='torch'")
+    runner = _ext.load().run_chunks_in_parallel_region
     buffers = {}   # worker -> its chunk buffers, allocated when it takes its first chunk
 
     def chunk(worker: int, index: int) -> None:

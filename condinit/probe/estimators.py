@@ -388,9 +388,11 @@ def _dense_one(op: JacobianOperator, *, rank_rtol):
     J = op.dense()
     if eff.r == 0:
         return _zero_estimate(op, eff, "dense-svd", 0)
+    reason = _overflow(op)
     Jc = op.project_output(op.project_input(J).t()).t()
-    if not bool(torch.isfinite(Jc).all()):
-        reason = _overflow(op) or f"J is not finite in {op.dtype} (overflow)"
+    if reason is None and not bool(torch.isfinite(Jc).all()):
+        reason = f"J is not finite in {op.dtype} (overflow)"
+    if reason is not None:
         return _nonfinite_estimate(op, "dense-svd", reason, iterations=0, seed=0, subspace=eff.subspace())
     s = torch.linalg.svdvals(Jc.to(torch.float64))
     smax, smin = float(s[0]), float(s[eff.r - 1]) if eff.r > 0 else 0.0

@@ -241,6 +241,24 @@ def _(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, impl):
             *(x.new_empty((P,) + tuple(x.shape)) for x in (q, k, v)))
 
 
+def _jvp_bwd_setup_context(ctx, inputs, output):
+    pass
+
+
+def _jvp_bwd_backward(ctx, *grads):
+    """The tangent backward is first order only. Registered (rather than marking the backward
+    ``once_differentiable``, which under ``torch.func`` silently yields zero second derivatives)
+    so that differentiating its gradients raises, in eager mode and under torch.func alike."""
+    raise RuntimeError(
+        "condinit.attention_jvp: second-order gradients through the backward of its tangent output "
+        "are not implemented (condinit::attention_jvp_bwd is not differentiable). A loss that does "
+        "not use tangent_out can pass grad_through_tangent=False, whose flash backward is.")
+
+
+torch.library.register_autograd("condinit::attention_jvp_bwd", _jvp_bwd_backward,
+                                setup_context=_jvp_bwd_setup_context)
+
+
 # vmap rules: move the vmapped dim to the front and fold it into B ([V, B, ...] -> [V*B, ...]);
 # tangents [P, B, ...] become [P, V*B, ...]. Unbatched inputs are expanded.
 
@@ -472,7 +490,8 @@ class _AttentionJVP(torch.autograd.Function):
     tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
 
     ``impls`` holds the backends of the JVP and of its backward. The backward is not itself
-    differentiable: second-order gradients through it raise (``once_differentiable``).
+    differentiable: second-order gradients through it raise (the autograd formula of
+    ``condinit::attention_jvp_bwd`` does).
     """
 
     generate_vmap_rule = True
@@ -490,7 +509,6 @@ class _AttentionJVP(torch.autograd.Function):
         ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, gout, gtout, _glse):
         q, k, v, tq, tk, tv, out, tout, lse = ctx.saved_tensors
         dq, dk, dv, *dt = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
