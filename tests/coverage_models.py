@@ -619,3 +619,119 @@ def time_cap(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+# ------------------------------------------------------------------------------------------------
+# tiny models: transformers (every architecture of its auto mappings), timm, torch.nn
+
+HIDDEN, HEADS, HEAD_DIM, INTER, VOCAB, EXPERTS = 32, 2, 16, 48, 256, 4
+SPECIAL_TOP = 32            # ids VOCAB-SPECIAL_TOP.. are kept for special tokens; inputs draw below
+TOKENS = 6                  # sequence length of text inputs
+IMAGE, PATCH = 32, 8
+
+_SET = (  # (tiny value, attribute names)
+    (HIDDEN, ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "word_embed_proj_dim",
+             "encoder_hidden_size", "decoder_hidden_size", "projection_dim", "d_embed", "n_embed",
+             "embedding_size", "text_embed_dim", "vision_embed_dim", "audio_embed_dim", "output_hidden_size",
+             "out_hidden_size", "projector_hidden_size", "encoder_embed_dim", "decoder_embed_dim")),
+    (1, ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+        "num_encoder_layers", "num_decoder_layers", "depth", "decoder_num_hidden_layers", "num_text_layers",
+        "num_vision_layers", "text_layers", "vision_layers", "num_mtp_layers", "num_nextn_predict_layers_unused")),
+    (HEADS, ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+            "decoder_attention_heads", "num_decoder_attention_heads", "decoder_num_attention_heads",
+            "text_num_heads", "vision_num_heads")),
+    (HEAD_DIM, ("head_dim", "d_kv", "attention_head_dim", "kv_channels", "attention_head_size", "v_head_dim",
+               "qk_head_dim", "index_head_dim")),
+    (INTER, ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "decoder_intermediate_size",
+            "ffn_hidden_size", "mlp_dim", "dim_feedforward", "intermediate_dim", "expert_intermediate_size")),
+    (EXPERTS, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
+    (2, ("num_experts_per_tok", "moe_topk", "index_n_heads")),
+    (8, ("qk_rope_head_dim", "qk_nope_head_dim", "index_topk")),
+    (24, ("kv_lora_rank", "q_lora_rank")),
+    (16, ("max_source_positions", "num_conv_pos_embeddings", "linear_key_head_dim", "linear_value_head_dim")),
+)
+
+_SET_ONE = ("n_group", "topk_group", "n_shared_experts", "num_shared_experts", "num_conv_pos_embedding_groups")
+_STANDARD_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id", "cls_token_id",
+                 "mask_token_id", "decoder_start_token_id")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def shrink_config(cfg, _seen=None):
+    """Set every known size attribute of ``cfg`` and its sub-configs to a tiny value (in place)."""
+    from transformers import PretrainedConfig
+    _seen = set() if _seen is None else _seen
+    if id(cfg) in _seen:
+        return cfg
+    _seen.add(id(cfg))
+    attrs = vars(cfg)
+    heads_before = attrs.get("num_attention_heads")
+    for key, val in list(attrs.items()):
+        if isinstance(val, PretrainedConfig):
+            shrink_config(val, _seen)
+            continue
+        if _is_int(val):
+            for new, keys in _SET:
+                if key in keys:
+                    setattr(cfg, key, new)
+            if key in _SET_ONE:
+                setattr(cfg, key, 1)
+            if key in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                       "linear_num_key_heads", "linear_num_value_heads"):
+                grouped = _is_int(heads_before) and val < heads_before
+                setattr(cfg, key, 1 if grouped else HEADS)
+            if key == "vocab_size" and val > VOCAB:
+                setattr(cfg, key, VOCAB)
+            if key == "image_size":
+                setattr(cfg, key, IMAGE)
+            if key == "patch_size" and val > 1:
+                setattr(cfg, key, PATCH if val >= PATCH else val)
+        elif isinstance(val, (list, tuple)) and val and all(_is_int(v) for v in val):
+            if key == "depths":
+                setattr(cfg, key, type(val)([1] * len(val)))
+            elif key in ("num_heads", "num_attention_heads", "encoder_attention_heads"):
+                setattr(cfg, key, type(val)([HEADS] * len(val)))
+            elif key in ("hidden_sizes", "embed_dims", "conv_dim", "encoder_hidden_sizes"):
+                setattr(cfg, key, type(val)([HIDDEN] * len(val)))
+            elif key == "image_size":
+                setattr(cfg, key, type(val)([IMAGE] * len(val)))
+    layer_types = attrs.get("layer_types")
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        distinct = list(dict.fromkeys(layer_types))
+        cfg.layer_types = type(layer_types)(distinct)
+        for key in ("num_hidden_layers", "num_layers", "n_layer"):
+            if _is_int(attrs.get(key)):
+                setattr(cfg, key, len(distinct))
+    rope = attrs.get("rope_parameters") or attrs.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), (list, tuple)):
+        sec = rope["mrope_section"]
+        half = (attrs.get("head_dim") or HEAD_DIM) // 2
+        base = [half // len(sec)] * len(sec)
+        base[0] += half - sum(base)
+        rope["mrope_section"] = base
+    _remap_special_ids(cfg)
+    return cfg
+
+
+def _remap_special_ids(cfg):
+    vocab = getattr(cfg, "vocab_size", None)
+    if not _is_int(vocab):
+        return
+    nxt = [vocab - 1]
+
+    def fresh(v, key):
+        if key in _STANDARD_IDS and 0 <= v < vocab - SPECIAL_TOP:
+            return v
+        nxt[0] -= 1
+        return max(nxt[0] + 1, 0)
+    for key, val in list(vars(cfg).items()):
+        if not (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_token_ids")):
+            continue
+        if _is_int(val):
+            setattr(cfg, key, fresh(val, key))
+        elif isinstance(val, list) and all(_is_int(v) for v in val):
+            setattr(cfg, key, [fresh(v, key) for v in val])

@@ -21,7 +21,7 @@ from condinit._backends import ANY_DEVICE, BackendUnavailableError
 
 def _fake_availability(monkeypatch, rule):
     """Replace the availability check (cached like the real one, which reset() clears)."""
-    fake = functools.lru_cache(maxsize=None)(lambda backend, device_type, native_op=None: rule(backend, device_type))
+    fake = functools.lru_cache(maxsize=None)(lambda backend, device_type, native_op=None, native_fn=None: rule(backend, device_type))
     monkeypatch.setattr(_backends, "available", fake)
 
 

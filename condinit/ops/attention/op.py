@@ -241,24 +241,6 @@ def _(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, impl):
             *(x.new_empty((P,) + tuple(x.shape)) for x in (q, k, v)))
 
 
-def _jvp_bwd_setup_context(ctx, inputs, output):
-    pass
-
-
-def _jvp_bwd_backward(ctx, *grads):
-    """The tangent backward is first order only. Registered (rather than marking the backward
-    ``once_differentiable``, which under ``torch.func`` silently yields zero second derivatives)
-    so that differentiating its gradients raises, in eager mode and under torch.func alike."""
-    raise RuntimeError(
-        "condinit.attention_jvp: second-order gradients through the backward of its tangent output "
-        "are not implemented (condinit::attention_jvp_bwd is not differentiable). A loss that does "
-        "not use tangent_out can pass grad_through_tangent=False, whose flash backward is.")
-
-
-torch.library.register_autograd("condinit::attention_jvp_bwd", _jvp_bwd_backward,
-                                setup_context=_jvp_bwd_setup_context)
-
-
 # vmap rules: move the vmapped dim to the front and fold it into B ([V, B, ...] -> [V*B, ...]);
 # tangents [P, B, ...] become [P, V*B, ...]. Unbatched inputs are expanded.
 
@@ -490,8 +472,7 @@ class _AttentionJVP(torch.autograd.Function):
     tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
 
     ``impls`` holds the backends of the JVP and of its backward. The backward is not itself
-    differentiable: second-order gradients through it raise (the autograd formula of
-    ``condinit::attention_jvp_bwd`` does).
+    differentiable: second-order gradients through it raise (:class:`_FirstOrderOnly`).
     """
 
     generate_vmap_rule = True
@@ -511,10 +492,42 @@ class _AttentionJVP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout, gtout, _glse):
         q, k, v, tq, tk, tv, out, tout, lse = ctx.saved_tensors
-        dq, dk, dv, *dt = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
-                                                ctx.causal, ctx.scale, ctx.impls[1])
+        grads = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
+                                      ctx.causal, ctx.scale, ctx.impls[1])
+        inputs = [x for x in (gout, gtout, q, k, v, tq, tk, tv) if x is not None]
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            grads = _FirstOrderOnly.apply(len(grads), *grads, *inputs)
+        dq, dk, dv, *dt = grads
         dt = [g if p else None for g, p in zip(dt, ctx.present)]
         return (dq, dk, dv, *dt, None, None, None)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``grads = _FirstOrderOnly.apply(n, *grads, *inputs)``: the ``n`` gradients unchanged, tied
+    to the ``inputs`` they were computed from by a node whose backward raises.
+
+    :class:`_AttentionJVP` applies it when its backward runs while a graph is recorded
+    (``create_graph=True``, nested ``torch.func`` transforms), so that a second-order gradient
+    through the tangent backward raises. (``once_differentiable`` does not do that under
+    ``torch.func``: there the second derivative silently comes out as zero.)
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n, *tensors):
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "condinit.attention_jvp: second-order gradients through the backward of its tangent "
+            "output are not implemented (that backward is not differentiable). A loss that does "
+            "not use tangent_out can pass grad_through_tangent=False, whose backward is.")
 
 
 class _AttentionJVPOutGrad(torch.autograd.Function):

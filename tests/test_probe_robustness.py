@@ -1,0 +1,374 @@
+"""Degenerate and non-finite data never crash the probes, the spectrum or the monitor.
+
+One token, an all-zero input, NaN / Inf in inputs or weights, weights at extreme (finite) scales
+and autocast regions each give a correct, documented result (exact values where the mathematics
+gives one, a clear error for non-finite data, a NaN value with the reason for an overflow), and the
+training-time monitor logs them as records instead of raising into the training loop.
+"""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import condinit
+from condinit.init import recondition_, spectrum
+from condinit.probe import (JacobianMonitor, JacobianOperator, condition_number, condition_number_bound,
+                            frobenius_hutchinson, lanczos_svd, power_sigma_max)
+from condinit.probe.bound import softmax_jacobian_kappa
+from condinit.probe.operator import NonFiniteError
+
+from conftest import F64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def mha(rng, D=16, H=2, dtype=F64):
+    m = nn.MultiheadAttention(D, H, batch_first=True, dtype=dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=rng, dtype=F64) / math.sqrt(D))
+    return m
+
+
+# ------------------------------------------------------------------------------------------------
+# one token, x = 0
+
+def test_one_token_bound_is_vacuous_and_measured_kappa_exact(rng):
+    """N = 1: softmax over one key is constant, so the bound's kappa(Lambda) is undefined (vacuous
+    bound, with the reason); J only sees W_V, J^T u = u x^T, so on the complement every singular
+    value is ||x|| (kappa 1)."""
+    m = mha(rng)
+    x = torch.randn(1, 1, 16, generator=rng, dtype=F64)
+    for causal in (False, True):
+        res = condition_number_bound(m, x, causal=causal, steps=50, seed=0)
+        assert res.bound is None and res.kappa_Lambda is None
+        assert "single key" in res.notes and "N = 1" in res.notes
+        assert res.per_head == [[None, None]]
+        norm = float(torch.linalg.vector_norm(x))
+        assert res.measured.sigma_max == pytest.approx(norm, rel=1e-10)
+        assert res.measured.sigma_min == pytest.approx(norm, rel=1e-10)
+        assert res.measured_kappa == pytest.approx(1.0, rel=1e-10)
+    assert torch.isinf(softmax_jacobian_kappa(torch.ones(3, 2, 1, 1, dtype=F64))).all()
+    assert softmax_jacobian_kappa(torch.ones(3, 2, 1, 1, dtype=F64)).shape == (3, 2)
+
+
+def test_zero_input_is_exactly_zero_jacobian(rng):
+    """x = 0 (wrt weights): every input direction is a known null (rows of dW in null(X) = R^D), so
+    J = 0: sigma_max = sigma_min = 0, rank-deficient, no kappa, the reason in notes."""
+    m = mha(rng)
+    x = torch.zeros(2, 5, 16, dtype=F64)
+    op = JacobianOperator(m, x, wrt="weights")
+    assert torch.count_nonzero(op.dense()) == 0
+    for est in (lanczos_svd(op, steps=10, seed=1), condition_number(op, seed=1),
+                condition_number(op, method="dense")):
+        assert (est.sigma_max, est.sigma_min, est.kappa) == (0.0, 0.0, None)
+        assert est.rank_deficient and est.converged and "J = 0 exactly" in est.notes
+        assert "r = min(m', n') = 0" in est.subspace
+    assert power_sigma_max(op, seed=1).sigma_max == 0.0
+    fro = frobenius_hutchinson(op, samples=4, seed=1)
+    assert (fro.frobenius, fro.ci_low, fro.ci_high) == (0.0, 0.0, 0.0)
+    res = condition_number_bound(m, x, steps=5)
+    assert res.bound is None and res.kappa_X is None and "kappa(X_b) = inf for sequence(s) 0, 1" in res.notes
+    assert res.measured.sigma_max == 0.0 and res.measured_kappa is None
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_data_is_refused_at_construction(rng, bad):
+    m = mha(rng)
+    x = torch.randn(1, 6, 16, generator=rng, dtype=F64)
+    x_bad = x.clone()
+    x_bad[0, 3, 5] = bad
+    with pytest.raises(ValueError, match=r"x must be finite, got NaN or Inf"):
+        JacobianOperator(m, x_bad)
+    with pytest.raises(NonFiniteError, match="x must be finite"):
+        condition_number_bound(m, x_bad)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=rng, dtype=F64) for _ in range(3))
+    k[0, 1, 2, 3] = bad
+    with pytest.raises(NonFiniteError, match="k must be finite"):
+        JacobianOperator((q, k, v), wrt="qkv")
+    with torch.no_grad():
+        m.in_proj_weight[20, 1] = bad             # a K row of the packed projection
+    with pytest.raises(NonFiniteError, match="the k projection's weight must be finite"):
+        JacobianOperator(m, x)
+    with torch.no_grad():
+        m.in_proj_weight[20, 1] = 0.0
+        m.out_proj.weight[0, 0] = bad
+    JacobianOperator(m, x)                          # W_O unused without include_output_proj
+    with pytest.raises(NonFiniteError, match="output projection's weight must be finite"):
+        JacobianOperator(m, x, include_output_proj=True)
+    # finite in float64, Inf in the requested compute dtype
+    with pytest.raises(NonFiniteError, match=r"x must be finite.*float32"):
+        JacobianOperator(mha(rng), x * 1e300, dtype=torch.float32)
+
+
+def test_real_vectors_and_tol_are_checked(rng):
+    op = JacobianOperator(mha(rng), torch.randn(1, 6, 16, generator=rng, dtype=F64))
+    for call, name, size in ((op.mv, "t", op.n), (op.rmv, "u", op.m)):
+        with pytest.raises(TypeError, match=rf"{name} must be a real .*complex128"):
+            call(torch.randn(size, dtype=torch.complex128))
+    with pytest.raises(TypeError, match=r"T must be a real .*complex64"):
+        op.matmat(torch.randn(op.n, 2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"U must be a real .*complex64"):
+        op.rmatmat(torch.randn(op.m, 2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"T must be a real"):
+        op.project_input(torch.randn(op.n, dtype=torch.complex128))
+    for bad, err in ((-1, "must be in"), (math.nan, "must be finite"), (math.inf, "must be finite")):
+        with pytest.raises(ValueError, match=f"tol {err}"):
+            lanczos_svd(op, tol=bad)
+        with pytest.raises(ValueError, match=f"tol {err}"):
+            power_sigma_max(op, tol=bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# overflow of the compute dtype
+
+def test_overflow_gives_nan_with_reason_not_an_error(rng):
+    """Finite float32 weights whose scores overflow float32: NaN values and the reason; the same
+    layer in float64 is estimated."""
+    m = mha(rng, dtype=torch.float32)
+    with torch.no_grad():
+        m.in_proj_weight[:32] *= 1e19               # Q and K rows: scores ~ 1e38 * |x|^2
+    x = torch.randn(1, 6, 16, generator=rng)
+    op = JacobianOperator(m, x)
+    for est in (lanczos_svd(op, steps=4), condition_number(op, method="dense"), power_sigma_max(op)):
+        assert math.isnan(est.sigma_max) and not est.converged and est.kappa is None
+        assert "not finite in torch.float32" in est.notes and "try dtype=torch.float64" in est.notes
+    fro = frobenius_hutchinson(op, samples=2)
+    assert math.isnan(fro.frobenius) and "not finite" in fro.notes
+    est64 = lanczos_svd(JacobianOperator(m, x, dtype=F64), steps=4)
+    assert math.isfinite(est64.sigma_max) and est64.sigma_max > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# spectrum / recondition_ / apply's report
+
+@pytest.mark.parametrize("method", ["svd", "gram"])
+def test_spectrum_non_finite_and_extreme_scales(rng, method):
+    W = torch.randn(3, 8, 24, generator=rng, dtype=F64)
+    s_ref = torch.linalg.svdvals(W)
+    ref_max, ref_min = s_ref[:, 0], s_ref[:, -1]
+    for scale in (1e30, 1e-30, 2.0 ** 600, 1e-200, 1e-300):
+        sp = spectrum(W * scale, method=method)
+        torch.testing.assert_close(sp.sigma_max, ref_max * scale, rtol=1e-12, atol=0)
+        torch.testing.assert_close(sp.sigma_min, ref_min * scale, rtol=1e-12, atol=0)
+        torch.testing.assert_close(sp.cond, ref_max / ref_min, rtol=1e-12, atol=0)
+    stack = torch.cat([W, torch.zeros(1, 8, 24, dtype=F64), W[:2]])
+    stack[0, 1, 2] = math.nan
+    stack[4, 0, 0] = -math.inf
+    sp = spectrum(stack, method=method)
+    for field in sp:
+        assert field.shape == (5,)
+        assert torch.isnan(field[[0, 4]]).all() and not torch.isnan(field[[1, 2, 3]]).any()
+    assert (sp.sigma_max[3], sp.sigma_min[3], sp.cond[3]) == (0.0, 0.0, math.inf)
+    torch.testing.assert_close(sp.sigma_max[1:3], ref_max[1:3], rtol=1e-12, atol=0)
+    torch.testing.assert_close(sp.cond[1:3], (ref_max / ref_min)[1:3], rtol=1e-12, atol=0)
+    one = spectrum(torch.full((4, 4), math.nan, dtype=torch.float32), method=method)
+    assert all(f.dim() == 0 and torch.isnan(f) for f in one)
+
+
+@pytest.mark.parametrize("method", ["svd", "gram"])
+def test_recondition_extreme_scales(rng, method):
+    W = torch.randn(2, 8, 24, generator=rng, dtype=F64)
+    W[:, :, 0] *= 50                                     # cond well above 2
+    ref = recondition_(W.clone(), max_cond=2.0, method=method)
+    for scale in (1e-200, 2.0 ** 600):
+        out = recondition_(W * scale, max_cond=2.0, method=method)
+        torch.testing.assert_close(out / scale, ref, rtol=1e-12, atol=0)
+        assert float(spectrum(out).cond.max()) <= 2.0 * (1 + 1e-12)
+
+
+def _packed_q_blocks(m):
+    D = m.embed_dim
+    return m.in_proj_weight.detach()[:D].reshape(m.num_heads, D // m.num_heads, D).to(F64)
+
+
+@pytest.mark.parametrize("dtype,poison", [(torch.float32, "nan"), (torch.float16, 1e30), (F64, 1e200)])
+def test_apply_reinitializes_diverged_or_extreme_weights(rng, dtype, poison):
+    """condinit.apply (default report) on a diverged layer (NaN, or 1e30 overflowing float16 to Inf)
+    re-initializes it and reports the old spectrum as NaN; a finite extreme scale is reported
+    exactly."""
+    m = mha(rng, dtype=dtype)
+    with torch.no_grad():
+        if poison == "nan":
+            m.in_proj_weight[3, 3] = math.nan
+        else:
+            m.in_proj_weight[:16] *= poison
+    finite_before = bool(torch.isfinite(m.in_proj_weight).all())
+    ref = torch.linalg.svdvals(_packed_q_blocks(m)) if finite_before else None
+    report = condinit.apply(m, seed=5)
+    assert torch.isfinite(m.in_proj_weight).all()
+    before, after = report.layers[0].before["q"], report.layers[0].after["q"]
+    if finite_before:
+        assert before.sigma_max == pytest.approx(float(ref[:, 0].max()), rel=1e-12)
+        assert before.sigma_min == pytest.approx(float(ref[:, -1].min()), rel=1e-12)
+    else:
+        assert math.isnan(before.sigma_max) and math.isnan(before.cond)
+    assert after.cond == pytest.approx(1.0, abs=1e-2)
+    assert "nan" in str(report) or finite_before
+
+
+# ------------------------------------------------------------------------------------------------
+# condinit probe
+
+class ToyLM(nn.Module):
+    """Three encoder layers behind an embedding, shaped like a preset model for the probe command."""
+
+    def __init__(self, vocab=11, D=16):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": vocab, "max_position_embeddings": None})()
+        self.emb = nn.Embedding(vocab, D)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, 2, dim_feedforward=24, dropout=0.0,
+                                                               batch_first=True) for _ in range(3))
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_cli_probe_one_token_and_nan_weight(tmp_path, capsys, monkeypatch):
+    """--seq-len 1 prints a vacuous bound; a NaN weight gives that layer (and the next, whose input
+    it poisons) a 'not probed' row with the reason; the other layers are probed; exit status 0."""
+    from safetensors.torch import save_file
+
+    from condinit.cli import main
+    from condinit.commands import probe
+
+    torch.manual_seed(0)
+    model = ToyLM().eval()
+    with torch.no_grad():
+        model.layers[1].self_attn.in_proj_weight[0, 0] = math.nan
+    monkeypatch.setattr(probe, "_load", lambda path, preset: (model, "toy"))
+    ckpt = tmp_path / "toy.safetensors"
+    save_file({"w": torch.zeros(1)}, str(ckpt))
+    out_json = tmp_path / "p.json"
+    args = ["probe", str(ckpt), "--preset", "tiny-llama", "--batch", "1", "--steps", "3", "--samples", "2"]
+    assert main(args + ["--seq-len", "1", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "not probed: layer: the q projection's weight must be finite" in out
+    assert "not probed: x must be finite" in out
+    rows = json.loads(out_json.read_text())["layers"]
+    assert [r["skipped"] is None for r in rows] == [True, False, False]
+    assert rows[0]["bound"] is None and "N = 1" in rows[0]["bound_notes"]
+    assert rows[0]["kappa"] == pytest.approx(1.0, rel=1e-4) and rows[1]["sigma_max"] is None
+    with torch.no_grad():
+        model.layers[1].self_attn.in_proj_weight[0, 0] = 0.0
+    assert main(args + ["--seq-len", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "not probed" not in out and "bound '-'" not in out
+
+
+# ------------------------------------------------------------------------------------------------
+# the monitor inside a training loop
+
+class PadLM(nn.Module):
+    """Token 0 is padding (a zero embedding: an all-padding batch is an all-zero attention input);
+    token ``vocab - 1`` has a NaN embedding when ``poison`` (a NaN activation in that forward)."""
+
+    def __init__(self, vocab=11, D=16, poison=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, D, padding_idx=0)
+        if poison:
+            with torch.no_grad():
+                self.emb.weight[vocab - 1] = math.nan
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, 2, dim_feedforward=24, dropout=0.1,
+                                                               batch_first=True) for _ in range(2))
+        self.head = nn.Linear(D, vocab)
+
+    def forward(self, tok):
+        h = self.emb(tok)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _train(scenario, monitor_kwargs=None, steps=3):
+    """A seeded loop that skips the optimizer step on a non-finite loss (as AMP's GradScaler does).
+    Scenario: 'autocast' (bf16 autocast around forward, backward and monitor.step), 'nan' (step 1's
+    batch holds the NaN token), 'zero' (step 1's batch is all padding)."""
+    torch.manual_seed(0)
+    model = PadLM(poison=scenario == "nan")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = JacobianMonitor(model, **monitor_kwargs) if monitor_kwargs is not None else None
+    losses = []
+    for step in range(steps):
+        tok = torch.randint(1, 10, (2, 6))
+        if step == 1 and scenario == "nan":
+            tok[0, 2] = 10
+        if step == 1 and scenario == "zero":
+            tok.zero_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scenario == "autocast"):
+            loss = nn.functional.cross_entropy(model(tok).float().reshape(-1, 11), tok.roll(1, 1).reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            if torch.isfinite(loss):
+                opt.step()
+            losses.append(loss.item())
+            if mon is not None:
+                mon.step()
+    return model, losses, mon
+
+
+@pytest.mark.parametrize("scenario", ["autocast", "nan", "zero"])
+def test_monitor_never_raises_and_never_changes_training(scenario, tmp_path):
+    kw = dict(every=1, steps=4, frobenius_samples=2, seed=1, log_dir=tmp_path, tensorboard=False)
+    model0, losses0, _ = _train(scenario)
+    model1, losses1, mon = _train(scenario, kw)
+    mon.close()
+    # bit-identical, NaN losses included
+    assert [repr(v) for v in losses0] == [repr(v) for v in losses1]
+    for (n0, p0), (n1, p1) in zip(model0.state_dict().items(), model1.state_dict().items()):
+        torch.testing.assert_close(p1, p0, rtol=0, atol=0, equal_nan=True, msg=n0)
+    recs = {(r["step"], r["layer"]): r for r in mon.history}
+    assert sorted(recs) == [(s, l) for s in range(3) for l in range(2)]
+    logged = {(r["step"], r["layer"]): r for r in map(json.loads, open(tmp_path / "jacobian.jsonl"))}
+    assert logged.keys() == recs.keys()
+    for key in ((0, 0), (0, 1), (2, 0), (2, 1)):
+        assert recs[key]["skipped"] is None and recs[key]["sigma_max"] > 0
+    if scenario == "autocast":
+        assert all(r["skipped"] is None for r in recs.values())
+    elif scenario == "nan":
+        for layer in (0, 1):
+            assert recs[(1, layer)]["skipped"] == "error: x must be finite, got NaN or Inf (in torch.float32)"
+            assert logged[(1, layer)]["skipped"] == recs[(1, layer)]["skipped"]
+    else:
+        r = recs[(1, 0)]
+        assert r["skipped"] is None and (r["sigma_max"], r["sigma_min"], r["kappa"]) == (0.0, 0.0, None)
+        assert r["rank_deficient"] and "J = 0 exactly" in r["notes"] and r["frobenius"] == 0.0
+        assert "J = 0 exactly" in logged[(1, 0)]["notes"]
+
+
+def test_monitor_under_autocast_estimates_in_float32():
+    """The first layer's input is the float32 embedding with or without autocast, and its weights
+    are the same at step 0: the estimate under bf16 autocast is the float32 one, bit for bit."""
+    kw = dict(every=10, steps=4, frobenius_samples=2, seed=7, tensorboard=False)
+    plain = _train("none", kw, steps=1)[2].history
+    under = _train("autocast", kw, steps=1)[2].history
+    fields = ("sigma_max", "sigma_min", "kappa", "frobenius", "frobenius_ci_low", "lanczos_steps")
+    assert [plain[0][f] for f in fields] == [under[0][f] for f in fields]
+    assert under[1]["skipped"] is None and under[1]["sigma_max"] > 0
+
+
+def test_monitor_logs_overflow_and_bad_step():
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 2, batch_first=True)
+    with torch.no_grad():
+        m.in_proj_weight[:32] *= 1e19
+    mon = JacobianMonitor(m, every=1, steps=4, frobenius_samples=2, tensorboard=False)
+    x = torch.randn(1, 6, 16)
+    m(x, x, x)
+    (rec,) = mon.step()
+    assert "not finite in torch.float32" in rec["skipped"] and "sigma_max" not in rec
+    # a wrong call raises at the call (steps count from 0); the data never do
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, inf\], got -5"):
+        mon.step(step=-5)
+    with pytest.raises(TypeError, match="step must be an int"):
+        mon.step(step=1.0)
+    assert mon.step_count == 1
+    mon.close()
