@@ -22,8 +22,8 @@ products and every exponential) once for the ``PROBES_PER_PROGRAM`` (1 or 2) pro
 probe adding its own 4 products. A pair of probes costs 10 products instead of 12, and the
 programs of one query tile (all its probe groups) are adjacent in the launch order, so their K and
 V tiles are read from L2 rather than HBM. Two probes per program, not more, because every probe
-adds a ``BLOCK_M x d`` fp32 accumulator to the register file (three at two probes); on a GPU the
-autotuner chooses between 1 and 2 (see ``_fwd_configs``).
+adds a ``BLOCK_M x d`` fp32 accumulator to the register file (three at two probes); the host takes
+2 whenever a two-probe list exists for the dtype and head dim (see ``_CONFIGS``).
 
 **Backward** (flash attention 2, deterministic, no atomics): ``D = rowsum(dO o O)``; one kernel per
 key tile of each KV head accumulates ``dV = P^T dO`` and ``dK = s dS^T Q`` with
@@ -41,16 +41,17 @@ rounded ``P~``, which frees the fp32 ``P~`` registers early); fp32 inputs use IE
 products (no TF32). Under ``TRITON_INTERPRET=1`` the operands are rounded to the input dtype and
 then upcast to fp32 (the interpreter has no bf16 arithmetic), so results match the GPU rounding.
 
-GPU launch choices (H100/H200 class; to be confirmed on a GPU): ``_fwd_configs`` and
-``_bwd_configs`` hold small per-head-dim autotune lists (BLOCK_M 64/128, BLOCK_N 32-128, 4/8
-warps, 2-3 stages), keyed on power-of-two buckets of (Nq, Nk), the causal flag and the dtypes.
-They were screened by compiling for sm_90 offline (registers, spills, shared memory): the
-JVP at d = 128 fits 128 x 32 tiles with 8 warps in 250-255 registers without spills, wider key
-tiles spill (two fp32 ``BLOCK_M x d`` accumulators plus S, S', P~ tiles). Causal programs stop
-the key loop at the diagonal and mask only the tiles straddling it (or a ragged last tile); the
-query tiles are issued heaviest first. ``CONDINIT_ATTN_AUTOTUNE=0`` skips the autotuner and runs
-the first config of each list. ``benchmarks/gpu_check.py`` checks and times them on a GPU.
-Under the interpreter one fixed 16 x 16 config runs.
+GPU launch choices (to be timed on a GPU): ``_CONFIGS`` holds one short autotune list per
+(kernel, bytes per element, head-dim bucket, probes per program); fp32 has its own smaller tiles.
+Every entry fits the shared memory of both sm_80 and sm_90 and spills little there, as compiled
+offline by tests/test_gpu_resources.py (figures in BENCHMARKS.md, "Static resource model of the
+GPU kernels"). The autotune key holds power-of-two buckets of (Nq, Nk), the padded head dim, the
+causal flag, the JVP flag and the probes per program, and the tensors' dtypes.
+``CONDINIT_ATTN_AUTOTUNE=0`` skips the autotuner and runs the first entry of the list for the
+call's dtype. Causal programs stop the key loop at the diagonal and mask only the tiles
+straddling it (or a ragged last tile); the query tiles are issued heaviest first.
+``benchmarks/gpu_check.py`` checks and times the kernels on a GPU. Under the interpreter one fixed
+16 x 16 config runs.
 """
 
 import functools
@@ -523,22 +524,28 @@ _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 # BLOCK_D rounded up to 64, 128 or 256. "fwd" and "jvp" are the forward kernel without and with
 # tangents; for "dkdv" BLOCK_N is the key tile that carries the two fp32 accumulators.
 #
-# Every entry was compiled offline for sm_80 and sm_90 (tests/test_gpu_resources.py, the
-# figures in BENCHMARKS.md, "Static resource model of the GPU kernels"): each fits both targets'
-# shared memory per block (163 KiB on sm_80, 227 KiB on sm_90), so one list serves both, and
-# spills at most SPILL_LIMIT bytes per thread there. The first entry is what runs with
-# CONDINIT_ATTN_AUTOTUNE=0. fp32 inputs take IEEE fp32 products (FMA, no tensor cores): every
-# thread then holds whole rows of the operands, so fp32 gets its own small tiles.
+# Every entry was compiled offline for sm_80 and sm_90 (tests/test_gpu_resources.py; figures in
+# BENCHMARKS.md, "Static resource model of the GPU kernels"): each fits both targets' shared
+# memory per block (163 KiB on sm_80, 227 KiB on sm_90), so one list serves both, and spills at
+# most _spill_limit bytes per thread on either. The first entry is what runs with
+# CONDINIT_ATTN_AUTOTUNE=0; entries are ordered by fewest spills on the two targets, then by
+# larger tiles. Wider tiles than these spill: at O3, ptxas 12.9 handles a kernel it cannot fit in
+# 255 registers by dropping to 32 registers and spilling 3-13 KB per thread (the JVP above all,
+# and more often for sm_80), so a tile that fits sm_90 may be unusable on sm_80.
+#
+# fp32 inputs take IEEE fp32 products (FMA, no tensor cores): each thread then holds whole rows of
+# both operands of a product, so fp32 gets small tiles over 8 warps, and two probes per program
+# only at d <= 64.
 _CONFIGS = {
     # bf16 / fp16
     ("fwd", 2, 64, 1): [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
     ("fwd", 2, 128, 1): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 2, 256, 1): [(128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
     ("jvp", 2, 64, 1): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-    ("jvp", 2, 64, 2): [(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
-    ("jvp", 2, 128, 1): [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
-    ("jvp", 2, 128, 2): [(128, 32, 8, 2), (64, 32, 8, 2)],
-    ("jvp", 2, 256, 1): [(64, 32, 8, 2)],
+    ("jvp", 2, 64, 2): [(128, 32, 8, 2), (128, 16, 8, 2), (64, 32, 4, 2)],
+    ("jvp", 2, 128, 1): [(128, 16, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2)],
+    ("jvp", 2, 128, 2): [(128, 16, 8, 2)],
+    ("jvp", 2, 256, 1): [(32, 16, 8, 2), (32, 32, 8, 2)],
     ("dkdv", 2, 64, 1): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
     ("dkdv", 2, 128, 1): [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
     ("dkdv", 2, 256, 1): [(32, 64, 8, 2), (32, 32, 4, 2)],
@@ -546,23 +553,31 @@ _CONFIGS = {
     ("dq", 2, 128, 1): [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
     ("dq", 2, 256, 1): [(64, 64, 8, 2), (64, 32, 4, 2)],
     # fp32
-    ("fwd", 4, 64, 1): [(32, 16, 4, 2)],
-    ("fwd", 4, 128, 1): [(32, 16, 4, 2)],
-    ("fwd", 4, 256, 1): [(32, 16, 4, 2)],
-    ("jvp", 4, 64, 1): [(32, 16, 4, 2)],
-    ("jvp", 4, 128, 1): [(32, 16, 4, 2)],
-    ("jvp", 4, 256, 1): [(32, 16, 4, 2)],
-    ("dkdv", 4, 64, 1): [(16, 32, 4, 2)],
-    ("dkdv", 4, 128, 1): [(16, 32, 4, 2)],
-    ("dkdv", 4, 256, 1): [(16, 32, 4, 2)],
-    ("dq", 4, 64, 1): [(32, 16, 4, 2)],
-    ("dq", 4, 128, 1): [(32, 16, 4, 2)],
-    ("dq", 4, 256, 1): [(32, 16, 4, 2)],
+    ("fwd", 4, 64, 1): [(32, 16, 8, 2), (64, 16, 8, 2)],
+    ("fwd", 4, 128, 1): [(32, 16, 8, 2), (64, 16, 8, 2)],
+    ("fwd", 4, 256, 1): [(32, 16, 8, 2), (16, 16, 4, 2)],
+    ("jvp", 4, 64, 1): [(16, 16, 8, 2), (32, 16, 8, 2)],
+    ("jvp", 4, 64, 2): [(16, 16, 8, 2)],
+    ("jvp", 4, 128, 1): [(16, 16, 8, 2)],
+    ("jvp", 4, 256, 1): [(16, 16, 8, 2)],
+    ("dkdv", 4, 64, 1): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    ("dkdv", 4, 128, 1): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    ("dkdv", 4, 256, 1): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    ("dq", 4, 64, 1): [(32, 16, 8, 2), (16, 16, 4, 2)],
+    ("dq", 4, 128, 1): [(32, 16, 8, 2), (16, 16, 4, 2)],
+    ("dq", 4, 256, 1): [(32, 16, 8, 2), (16, 16, 4, 2)],
 }
 
-# Largest stack frame (spilled registers, bytes per thread) an entry of _CONFIGS may need on
-# sm_80 or sm_90, per bytes per element; checked by tests/test_gpu_resources.py.
-SPILL_LIMIT = {2: 512, 4: 512}
+
+def _spill_limit(kind: str, elem_bytes: int, block_d: int) -> int:
+    """Largest stack frame (spilled registers, bytes per thread) an entry of _CONFIGS may need on
+    sm_80 or sm_90 (checked by tests/test_gpu_resources.py). One exception: the fp32 JVP at
+    d = 256 holds two fp32 BLOCK_M x 256 accumulators and Q, tQ as FMA operands, and spills
+    about 4.5 KB per thread with every tile tl.dot allows (16 x 16 and up); for fp32 at that size
+    the CUDA kernels (no spills) are the better backend."""
+    if (kind, elem_bytes, _head_dim_bucket(block_d)) == ("jvp", 4, 256):
+        return 5 * 1024
+    return 512
 
 
 def _head_dim_bucket(block_d: int) -> int:

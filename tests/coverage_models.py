@@ -327,6 +327,7 @@ class RoleReading:
     """Where one of Q, K, V comes from: a weight matrix and, per distinct head, its rows."""
 
     weight: str                     # parameter name, relative to the model
+    split: int                      # its first ``split`` dimensions index the matrix rows, the rest the columns
     transposed: bool                # stored [in, out] (GPT-2 Conv1D) rather than [out, in]
     heads: list                     # per distinct head: its rows (in the order the attention sees them)
     rule: str                       # "support" (exact) or "dominant row"
@@ -347,14 +348,12 @@ class AttentionReading:
     v: RoleReading
 
 
-def _matrix_view(p: torch.Tensor) -> Optional[torch.Tensor]:
-    if p.dim() == 2:
-        return p
-    if p.dim() == 4 and p.shape[-1] == p.shape[-2] == 1:
-        return p[..., 0, 0]
-    if p.dim() == 3 and p.shape[-1] == 1:
-        return p[..., 0]
-    return None
+def _matrix_view(p: torch.Tensor, split: int) -> torch.Tensor:
+    """``p`` as a matrix: its first ``split`` dimensions are the rows (``[out, in, 1, 1]`` convs: split 1)."""
+    rows = 1
+    for s in p.shape[:split]:
+        rows *= s
+    return p.reshape(rows, -1)
 
 
 def _heads_by_support(U: torch.Tensor, H: int, d: int):
@@ -398,30 +397,35 @@ def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> Role
     """grads: parameter name -> gradient [H*d, *shape] of the role's first-token elements."""
     found = {"support": [], "dominant row": []}
     for name, g in grads.items():
-        m = _matrix_view(g[0]) if g is not None else None
-        if m is None or not g.any():
+        if g is None or g.dim() < 3 or not g.any():
             continue
-        G = g.reshape(g.shape[0], *m.shape)
-        for transposed in (False, True):
-            M = G.transpose(1, 2) if transposed else G            # [E, out, in]
-            s = torch.linalg.svdvals(M.reshape(-1, M.shape[-1]).double())
-            if len(s) > 1 and s[1] > RANK_ONE_RTOL * s[0]:
-                continue
-            U = M.abs().amax(-1).double()                          # [E, out]
-            heads = _heads_by_support(U, H, d)
-            if heads is not None:
-                found["support"].append((name, transposed, heads))
-                continue
-            heads = _heads_by_dominant(U, H, d)
-            if heads is not None:
-                found["dominant row"].append((name, transposed, heads))
+        for split in range(1, g.dim() - 1):
+            G = _matrix_view(g[0], split).shape
+            G = g.reshape(g.shape[0], *G)
+            for transposed in (False, True):
+                M = G.transpose(1, 2) if transposed else G            # [E, out, in]
+                flat = M.reshape(-1, M.shape[-1]).double()
+                s = torch.linalg.svdvals(flat)
+                if len(s) > 1 and s[1] > RANK_ONE_RTOL * s[0]:
+                    continue
+                # the input factor is the projection's input: a vector, not one entry (an additive term)
+                if int((flat.abs().amax(0) > SUPPORT_RTOL * flat.abs().max()).sum()) < 2:
+                    continue
+                U = M.abs().amax(-1).double()                          # [E, out]
+                heads = _heads_by_support(U, H, d)
+                if heads is not None:
+                    found["support"].append((name, split, transposed, heads))
+                    continue
+                heads = _heads_by_dominant(U, H, d)
+                if heads is not None:
+                    found["dominant row"].append((name, split, transposed, heads))
     for rule in ("support", "dominant row"):
-        hits = {(n, t): h for n, t, h in found[rule]}
+        hits = {n: (sp, t, h) for n, sp, t, h in found[rule]}
         if len(hits) == 1:
-            (name, transposed), heads = next(iter(hits.items()))
+            name, (split, transposed, heads) = next(iter(hits.items()))
             break
         if len(hits) > 1:
-            raise Unreadable(f"{role}: several weight matrices read as its projection ({', '.join(n for n, _ in hits)})")
+            raise Unreadable(f"{role}: several weight matrices read as its projection ({', '.join(hits)})")
     else:
         dep = [n for n, g in grads.items() if g is not None and g.any() and g.dim() >= 3]
         raise Unreadable(f"{role}: no weight matrix reads as its projection (it depends on {dep or 'no weight'})")
@@ -432,7 +436,7 @@ def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> Role
         idx = torch.nonzero((g != 0).any(0)).flatten().tolist()
         if idx:
             biases.append((bname, idx))
-    return RoleReading(name, transposed, heads, rule, biases)
+    return RoleReading(name, split, transposed, heads, rule, biases)
 
 
 def _first_token(t: torch.Tensor) -> torch.Tensor:
@@ -549,8 +553,8 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _param_rows(p: torch.Tensor, rows: list, transposed: bool) -> torch.Tensor:
-    m = _matrix_view(p.detach()).float()
+def _param_rows(p: torch.Tensor, rows: list, split: int, transposed: bool) -> torch.Tensor:
+    m = _matrix_view(p.detach(), split).float()
     return (m[:, rows].T if transposed else m[rows]).double()
 
 
@@ -562,11 +566,12 @@ def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> 
     for r in reading.attention:
         for role, rr in (("Q", r.q), ("K", r.k), ("V", r.v)):
             p = params[rr.weight]
-            mask = changed_ok.setdefault(rr.weight, torch.zeros(_matrix_view(p).shape, dtype=torch.bool))
+            mask = changed_ok.setdefault(rr.weight, torch.zeros(p.shape, dtype=torch.bool))
+            flat_mask = _matrix_view(mask, rr.split)
             if rr.transposed:
-                mask[:, rr.rows] = True
+                flat_mask[:, rr.rows] = True
             else:
-                mask[rr.rows] = True
+                flat_mask[rr.rows] = True
             for bname, idx in rr.biases:
                 bmask = changed_ok.setdefault(bname, torch.zeros(params[bname].shape, dtype=torch.bool))
                 bmask[idx] = True
@@ -575,14 +580,14 @@ def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> 
                     failures.append(f"{r.name}: {role} bias {bname} not zero (max |b| {b.abs().max().item():.3g})")
             if role in "QK":
                 for h, rows in enumerate(rr.heads):
-                    w = _param_rows(p, rows, rr.transposed)
+                    w = _param_rows(p, rows, rr.split, rr.transposed)
                     err = (w @ w.T - torch.eye(len(rows), dtype=w.dtype)).abs().max().item()
                     if not err <= ORTHO_ATOL:
                         failures.append(f"{r.name}: {role} head {h} ({rr.weight}) rows not orthonormal: "
                                         f"max |W W^T - I| = {err:.3g}")
                         break
             else:
-                w = _param_rows(p, [x for h in rr.heads for x in h], rr.transposed)
+                w = _param_rows(p, [x for h in rr.heads for x in h], rr.split, rr.transposed)
                 eye = torch.eye(*w.shape, dtype=w.dtype)
                 if not torch.equal(w, eye):
                     failures.append(f"{r.name}: V ({rr.weight}, {w.shape[0]} rows in attention order) is not the "
@@ -592,8 +597,7 @@ def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> 
         new = t.detach()
         if n in changed_ok:
             keep = ~changed_ok[n]
-            view_old, view_new = _matrix_view(old) if old.dim() > 1 else old, _matrix_view(new) if new.dim() > 1 else new
-            if not torch.equal(view_old[keep], view_new[keep]):
+            if old.shape != new.shape or not bit_equal(old[keep], new[keep]):
                 failures.append(f"{n}: entries outside the Q/K/V rows changed")
         elif not bit_equal(old, new):
             failures.append(f"{n}: changed, but it is not a Q/K/V weight or bias")
@@ -699,6 +703,21 @@ def shrink_config(cfg, _seen=None):
                 setattr(cfg, key, type(val)([HIDDEN] * len(val)))
             elif key == "image_size":
                 setattr(cfg, key, type(val)([IMAGE] * len(val)))
+    periodic = [k for k, v in attrs.items() if k.endswith("_layer_period") and _is_int(v)]
+    for key in periodic:               # e.g. an attention layer every 8th layer, from the 4th: keep one of each
+        setattr(cfg, key, 2)
+        offset = key.replace("_period", "_offset")
+        if _is_int(attrs.get(offset)):
+            setattr(cfg, offset, min(attrs[offset], 1))
+    if periodic:
+        for key in ("num_hidden_layers", "num_layers", "n_layer"):
+            if _is_int(attrs.get(key)):
+                setattr(cfg, key, 2)
+    if _is_int(attrs.get("window_size")) and isinstance(attrs.get("depths"), (list, tuple)):
+        # windowed hierarchical vision models: every stage at least one 2x2 window wide
+        cfg.window_size = 2
+        patch = _first_int(attrs.get("patch_size"), default=4)
+        cfg.image_size = patch * 2 * 2 ** (len(attrs["depths"]) - 1)
     layer_types = attrs.get("layer_types")
     if isinstance(layer_types, (list, tuple)) and layer_types:
         distinct = list(dict.fromkeys(layer_types))
@@ -735,3 +754,221 @@ def _remap_special_ids(cfg):
             setattr(cfg, key, fresh(val, key))
         elif isinstance(val, list) and all(_is_int(v) for v in val):
             setattr(cfg, key, [fresh(v, key) for v in val])
+
+
+def _first_int(*vals, default):
+    for v in vals:
+        if _is_int(v):
+            return v
+        if isinstance(v, (list, tuple)) and v and _is_int(v[0]):
+            return v[0]
+    return default
+
+
+def _text_ids(cfg, n=TOKENS):
+    vocab = _first_int(getattr(cfg, "vocab_size", None), default=VOCAB)
+    hi = max(vocab - SPECIAL_TOP, 8)
+    avoid = {getattr(cfg, k, None) for k in _STANDARD_IDS}
+    ids = [i for i in range(4, hi) if i not in avoid][:64]
+    g = torch.Generator().manual_seed(0)
+    return torch.tensor(ids)[torch.randint(0, len(ids), (1, n), generator=g)]
+
+
+INPUT_NAMES = ("input_ids", "pixel_values", "pixel_values_videos", "input_values", "input_features")
+
+
+def _forward_params(mod: nn.Module) -> list:
+    import inspect
+    try:
+        return list(inspect.signature(mod.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def model_inputs(model: nn.Module, main: Optional[str] = None) -> dict:
+    """A tiny input for ``model`` (a transformers model or sub-module with a ``config``), for its main input."""
+    cfg = model.config
+    main = main or getattr(model, "main_input_name", "input_ids")
+    g = torch.Generator().manual_seed(0)
+    vcfg = getattr(cfg, "vision_config", None) or cfg
+    if main == "input_ids":
+        inputs = {"input_ids": _text_ids(getattr(cfg, "text_config", None) or cfg)}
+    elif main in ("pixel_values", "pixel_values_videos"):
+        size = _first_int(getattr(vcfg, "image_size", None), getattr(cfg, "image_size", None), default=IMAGE)
+        ch = _first_int(getattr(vcfg, "num_channels", None), getattr(cfg, "num_channels", None), default=3)
+        shape = (1, ch, size, size) if main == "pixel_values" else (1, 2, ch, size, size)
+        inputs = {main: torch.randn(*shape, generator=g)}
+    elif main == "input_values":
+        inputs = {main: torch.randn(1, 1600, generator=g)}
+    elif main == "input_features":
+        mel = _first_int(getattr(cfg, "num_mel_bins", None), getattr(cfg, "feature_size", None),
+                         getattr(cfg, "input_feat_per_channel", None), default=80)
+        frames = 2 * _first_int(getattr(cfg, "max_source_positions", None), default=16)
+        inputs = {main: torch.randn(1, mel, frames, generator=g)}
+    else:
+        inputs = {}
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in _forward_params(model):
+        inputs["decoder_input_ids"] = _text_ids(getattr(cfg, "decoder", None) or cfg, 4)
+    return inputs
+
+
+def _accepts(fn, name) -> bool:
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def hf_run(model: nn.Module) -> list:
+    """Forward ``model`` on a tiny input, then each part the first forward did not reach that has a
+    ``config`` and takes one of :data:`INPUT_NAMES` (a vision tower, an audio encoder, ...).
+
+    Returns the errors, one line per failed forward.
+    """
+    reached = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args: reached.add(id(mod))) for m in model.modules()]
+    errors = []
+
+    def forward(mod, what, main=None):
+        inputs = model_inputs(mod, main)
+        if _accepts(mod.forward, "use_cache"):
+            inputs["use_cache"] = False
+        try:
+            mod(**inputs)
+        except ModelTimeout:
+            raise
+        except Exception as e:  # recorded: a model whose forward fails is not verified
+            msg = str(e).splitlines()[0][:200] if str(e) else ""
+            errors.append(f"{what} forward failed: {type(e).__name__}: {msg}")
+    try:
+        forward(model, type(model).__name__)
+        done = []
+        for n, m in model.named_modules():
+            if not n or id(m) in reached or any(n.startswith(d + ".") for d in done) or not hasattr(m, "config"):
+                continue
+            main = next((p for p in _forward_params(m) if p in INPUT_NAMES), None)
+            if main is None:
+                continue
+            done.append(n)
+            forward(m, f"{n} ({type(m).__name__})", main)
+    finally:
+        for h in handles:
+            h.remove()
+    return errors
+
+
+def hf_model_class(model_type: str):
+    import transformers
+    from transformers.models.auto import modeling_auto
+    names = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    if names is None:
+        for attr in dir(modeling_auto):
+            mapping = getattr(modeling_auto, attr)
+            if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict) \
+                    and model_type in mapping:
+                names = mapping[model_type]
+                break
+    name = names[0] if isinstance(names, (list, tuple)) else names
+    return getattr(transformers, name)
+
+
+def hf_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return shrink_config(CONFIG_MAPPING[model_type]())
+
+
+def build_hf(model_type: str, config_fix: Optional[Callable] = None) -> nn.Module:
+    """The base model of ``model_type`` from its default config, shrunk, on CPU in fp32, eval mode."""
+    cfg = hf_config(model_type)
+    if config_fix is not None:
+        config_fix(cfg)
+    cls = hf_model_class(model_type)
+    torch.manual_seed(0)
+    model = cls._from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+def _timm(name: str, **kw) -> Callable[[], nn.Module]:
+    def build():
+        import timm
+        torch.manual_seed(0)
+        return timm.create_model(name, pretrained=False, num_classes=4, **kw).eval()
+    return build
+
+
+def _image_run(size: int) -> Callable[[nn.Module], list]:
+    def run(model):
+        model(torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0)))
+        return []
+    return run
+
+
+TIMM = {  # family -> (builder, run)
+    "vit": (_timm("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2), 32),
+    "vit (global_pool='map')": (_timm("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                                      num_heads=2, global_pool="map"), 32),
+    "deit (distilled)": (_timm("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1,
+                               num_heads=2), 32),
+    "swin": (_timm("swin_tiny_patch4_window7_224", img_size=32, patch_size=4, embed_dim=32, depths=(1, 1),
+                   num_heads=(2, 2), window_size=2), 32),
+    "eva02": (_timm("eva02_tiny_patch14_224", img_size=28, patch_size=14, embed_dim=32, depth=1, num_heads=2), 28),
+    "beit": (_timm("beit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2), 32),
+    "convit": (_timm("convit_tiny", img_size=32, patch_size=8, embed_dim=32, depth=2, local_up_to_layer=1,
+                     num_heads=2), 32),
+    "cait": (_timm("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=1, depth_token_only=1,
+                   num_heads=2), 32),
+    "xcit": (_timm("xcit_nano_12_p16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                   cls_attn_layers=1), 32),
+}
+
+
+def _seq(*shapes):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+TORCH_NN = {  # name -> (builder, run)
+    "MultiheadAttention": (lambda: nn.MultiheadAttention(32, 2, batch_first=True),
+                           lambda m: m(*_seq((1, 6, 32)) * 3)),
+    "MultiheadAttention (kdim, vdim)": (lambda: nn.MultiheadAttention(32, 2, kdim=24, vdim=40, batch_first=True),
+                                        lambda m: m(*_seq((1, 6, 32), (1, 5, 24), (1, 5, 40)))),
+    "TransformerEncoderLayer": (lambda: nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True),
+                                lambda m: m(*_seq((1, 6, 32)))),
+    "TransformerDecoderLayer": (lambda: nn.TransformerDecoderLayer(32, 2, 64, dropout=0.0, batch_first=True),
+                                lambda m: m(*_seq((1, 6, 32), (1, 5, 32)))),
+    "Transformer": (lambda: nn.Transformer(32, 2, 1, 1, 64, dropout=0.0, batch_first=True),
+                    lambda m: m(*_seq((1, 6, 32), (1, 5, 32)))),
+}
+
+
+@dataclass
+class Arch:
+    """One architecture of the sweep: ``build()`` a tiny model, ``run(model)`` forwards it (returns errors)."""
+
+    name: str                 # "transformers:llama", "timm:vit", "torch.nn:Transformer"
+    build: Callable[[], nn.Module]
+    run: Callable[[nn.Module], list]
+
+
+def _wrap_run(run):
+    def r(model):
+        run(model)
+        return []
+    return r
+
+
+def architectures() -> list:
+    """Every architecture of the sweep: each transformers model type that has a model class in the
+    auto mappings, the timm families of :data:`TIMM`, and the torch.nn modules of :data:`TORCH_NN`."""
+    from transformers.models.auto import modeling_auto
+    types = dict.fromkeys(modeling_auto.MODEL_MAPPING_NAMES)
+    for attr in sorted(dir(modeling_auto)):
+        mapping = getattr(modeling_auto, attr)
+        if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict):
+            types.update(dict.fromkeys(mapping))
+    archs = [Arch(f"transformers:{t}", (lambda t=t: build_hf(t)), hf_run) for t in types]
+    archs += [Arch(f"timm:{n}", b, _wrap_run(_image_run(size))) for n, (b, size) in TIMM.items()]
+    archs += [Arch(f"torch.nn:{n}", b, _wrap_run(r)) for n, (b, r) in TORCH_NN.items()]
+    return archs

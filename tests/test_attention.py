@@ -222,6 +222,23 @@ def test_vmap(backend, rng):
 
 
 @pytest.mark.parametrize("backend", backend_params())
+def test_jvp_of_vmap_and_vmap_of_jvp(backend, rng):
+    """Both compositions of forward AD and vmap give the per-example tangents."""
+    device = require(backend)
+    dtype = _ad_dtype(backend)
+    q, k, v = make_qkv(3, 2, 1, 7, 9, 16, dtype, rng, device)
+    tq, tk, tv = (randn(x.shape, dtype, rng, device) for x in (q, k, v))
+    ours = _attention(backend, True, 0.25)
+    args, tangents = (q[:, None], k[:, None], v[:, None]), (tq[:, None], tk[:, None], tv[:, None])
+    ref = torch.func.jvp(_naive(True, 0.25), f64(q, k, v), f64(tq, tk, tv))[1]
+    jv = torch.func.jvp(torch.func.vmap(ours), args, tangents)[1]
+    vj = torch.func.vmap(lambda a, b, c, ta, tb, tc: torch.func.jvp(ours, (a, b, c), (ta, tb, tc))[1])(
+        *args, *tangents)
+    assert_close(jv[:, 0], ref, dtype, "jvp of vmap")
+    assert_close(vj[:, 0], ref, dtype, "vmap of jvp")
+
+
+@pytest.mark.parametrize("backend", backend_params())
 def test_jacfwd_jacrev(backend, rng):
     """Full Jacobians by forward mode (fused JVP under vmap) and reverse mode (flash VJP under
     vmap) against the naive attention's."""

@@ -19,7 +19,7 @@ from condinit.probe import (JacobianMonitor, JacobianOperator, condition_number,
 from condinit.probe.bound import softmax_jacobian_kappa
 from condinit.probe.operator import NonFiniteError
 
-from conftest import F64
+from conftest import F64, assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,6 +72,24 @@ def test_zero_input_is_exactly_zero_jacobian(rng):
     res = condition_number_bound(m, x, steps=5)
     assert res.bound is None and res.kappa_X is None and "kappa(X_b) = inf for sequence(s) 0, 1" in res.notes
     assert res.measured.sigma_max == 0.0 and res.measured_kappa is None
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -600, 2.0 ** 500])
+def test_known_nulls_do_not_depend_on_weight_scale(rng, scale):
+    """The null directions depend on ranks only: the same layer at an extreme (finite) scale has the
+    same ones (the gauge's Gram matrices would under/overflow float64 unscaled)."""
+    m = mha(rng)
+    x = torch.randn(2, 5, 16, generator=rng, dtype=F64)
+    x[1] = x[1, :1]                                      # a rank-1 sequence, so that X w = 1 is solvable
+    ref = JacobianOperator(m, x)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(scale)
+    op = JacobianOperator(m, x)
+    assert op.null_dims == ref.null_dims and op.null_description == ref.null_description
+    t = torch.randn(op.n, generator=rng, dtype=F64)
+    assert_close(op.project_input(t), ref.project_input(t), F64, "projection at an extreme weight scale",
+                 factor=100)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,15 +176,15 @@ def test_spectrum_non_finite_and_extreme_scales(rng, method):
         torch.testing.assert_close(sp.sigma_min, ref_min * scale, rtol=1e-12, atol=0)
         torch.testing.assert_close(sp.cond, ref_max / ref_min, rtol=1e-12, atol=0)
     stack = torch.cat([W, torch.zeros(1, 8, 24, dtype=F64), W[:2]])
-    stack[0, 1, 2] = math.nan
-    stack[4, 0, 0] = -math.inf
+    stack[0, 1, 2] = math.nan                         # blocks: W0 (NaN), W1, W2, 0, W0, W1 (-Inf)
+    stack[5, 0, 0] = -math.inf
     sp = spectrum(stack, method=method)
     for field in sp:
-        assert field.shape == (5,)
-        assert torch.isnan(field[[0, 4]]).all() and not torch.isnan(field[[1, 2, 3]]).any()
+        assert field.shape == (6,)
+        assert torch.isnan(field[[0, 5]]).all() and not torch.isnan(field[[1, 2, 3, 4]]).any()
     assert (sp.sigma_max[3], sp.sigma_min[3], sp.cond[3]) == (0.0, 0.0, math.inf)
-    torch.testing.assert_close(sp.sigma_max[1:3], ref_max[1:3], rtol=1e-12, atol=0)
-    torch.testing.assert_close(sp.cond[1:3], (ref_max / ref_min)[1:3], rtol=1e-12, atol=0)
+    torch.testing.assert_close(sp.sigma_max[[1, 2, 4]], ref_max[[1, 2, 0]], rtol=1e-12, atol=0)
+    torch.testing.assert_close(sp.cond[[1, 2, 4]], (ref_max / ref_min)[[1, 2, 0]], rtol=1e-12, atol=0)
     one = spectrum(torch.full((4, 4), math.nan, dtype=torch.float32), method=method)
     assert all(f.dim() == 0 and torch.isnan(f) for f in one)
 
@@ -178,7 +196,7 @@ def test_recondition_extreme_scales(rng, method):
     ref = recondition_(W.clone(), max_cond=2.0, method=method)
     for scale in (1e-200, 2.0 ** 600):
         out = recondition_(W * scale, max_cond=2.0, method=method)
-        torch.testing.assert_close(out / scale, ref, rtol=1e-12, atol=0)
+        assert_close(out / scale, ref, F64, f"recondition_ at scale {scale:g}")
         assert float(spectrum(out).cond.max()) <= 2.0 * (1 + 1e-12)
 
 

@@ -73,6 +73,9 @@ CASES = [
     ("query heads broadcast", (2, 1, 6, 8), (2, 3, 5, 8), (2, 3, 5, 8), lambda r: {}, "fused"),
     ("5-D batch broadcast", (3, 2, 2, 5, 8), (1, 2, 2, 6, 8), (3, 1, 2, 6, 8), lambda r: {}, "fused"),
     ("2-D", (6, 8), (6, 8), (6, 8), lambda r: {"is_causal": True}, "fused"),
+    ("mixed ranks", (4, 5, 8), (2, 4, 7, 8), (4, 7, 8), lambda r: {}, "fused"),
+    ("gqa, key and value head counts differ", (2, 4, 5, 8), (2, 2, 7, 8), (2, 1, 7, 8),
+     lambda r: {"enable_gqa": True}, "fused"),
     ("bottom-right causal bool mask", (2, 2, 4, 8), (2, 2, 7, 8), (2, 2, 7, 8),
      lambda r: {"attn_mask": causal_bool(4, 7)}, "fused"),
     ("top-left causal bool mask", (2, 2, 4, 8), (2, 2, 7, 8), (2, 2, 7, 8),
@@ -149,8 +152,9 @@ def test_transforms_vmap_jacfwd_and_forward_ad(rng, paths):
 
 
 def test_masks_whose_values_cannot_be_read_take_the_dense_path(rng, paths):
-    """A mask batched by vmap (values differ per slice) and a float mask that requires grad (the
-    fused op would drop its gradient) run the dense path, with SDPA's results."""
+    """A mask batched by vmap (values differ per slice) and a float mask that requires grad or
+    carries a tangent (the fused op would drop its derivative) run the dense path, with SDPA's
+    results."""
     q, k, v = (randn((2, 2, 5, 8), rng) for _ in range(3))
     masks = torch.stack([causal_bool(5, 5), key_padding_mask(rng, 1, 5)[0, 0].expand(5, 5)])
     out = torch.func.vmap(lambda m: condinit.sdpa(q, k, v, attn_mask=m))(masks)
@@ -161,6 +165,12 @@ def test_masks_whose_values_cannot_be_read_take_the_dense_path(rng, paths):
     g_ref = torch.autograd.grad(math_sdpa(q, k, v, attn_mask=bias).sum(), bias)[0]
     assert_close(g, g_ref, F64, "d attn_mask")
     assert paths == {"fused": 0, "dense": 2}
+    bias = bias.detach()
+    dbias = randn(bias.shape, rng).masked_fill(bias.isinf(), 0.0)
+    tangent = torch.func.jvp(lambda m: condinit.sdpa(q, k, v, attn_mask=m), (bias,), (dbias,))[1]
+    tangent_ref = torch.func.jvp(lambda m: math_sdpa(q, k, v, attn_mask=m), (bias,), (dbias,))[1]
+    assert_close(tangent, tangent_ref, F64, "tangent along attn_mask")
+    assert paths == {"fused": 0, "dense": 3}
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

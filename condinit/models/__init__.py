@@ -6,15 +6,20 @@ sharded (FSDP2 / DTensor) init, presets and safetensors checkpoints.
     print(report)                               # per-layer singular values before / after
 
 See :mod:`condinit.models.apply` for what is done and how layers are numbered,
-:mod:`condinit.models.adapters` for adding an attention class (``register_adapter``),
+:mod:`condinit.models.adapters` for how attention modules are recognised (registered adapters, then
+their structure) and for adding one (``register_adapter``),
 :mod:`condinit.models.deferred` for meta-device models and :mod:`condinit.models.sharded` for DTensors.
 Importing this package imports neither transformers nor timm and never initializes CUDA.
 """
-from .adapters import (AttentionAdapter, AttentionSpec, Projection, get_adapter, register_adapter,
-                       registered_adapters, unregister_adapter)
-from .apply import V_MODES, ApplyReport, AttentionLayer, BlockStats, LayerReport, apply, find_attention
+from .adapters import (LAYOUTS, AttentionAdapter, AttentionSpec, Described, Projection, UnsupportedAttention,
+                       describe, fused_layout, get_adapter, register_adapter, registered_adapters, spec_of,
+                       unregister_adapter)
+from .apply import (V_MODES, ApplyReport, AttentionLayer, BlockStats, Discovery, LayerReport, Uncovered,
+                    UncoveredAttentionError, UncoveredAttentionWarning, apply, discover, find_attention)
 from .deferred import has_meta, materialize_
 
-__all__ = ["apply", "find_attention", "register_adapter", "unregister_adapter", "get_adapter", "registered_adapters",
-           "AttentionAdapter", "AttentionSpec", "Projection", "AttentionLayer", "ApplyReport", "LayerReport",
-           "BlockStats", "materialize_", "has_meta", "V_MODES"]
+__all__ = ["apply", "find_attention", "discover", "describe", "spec_of", "register_adapter", "unregister_adapter",
+           "get_adapter", "registered_adapters", "AttentionAdapter", "AttentionSpec", "Projection", "fused_layout",
+           "LAYOUTS", "Described", "UnsupportedAttention", "AttentionLayer", "Discovery", "Uncovered",
+           "UncoveredAttentionWarning", "UncoveredAttentionError", "ApplyReport", "LayerReport", "BlockStats",
+           "materialize_", "has_meta", "V_MODES"]

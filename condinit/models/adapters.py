@@ -2,13 +2,34 @@
 
 An adapter turns an attention module into an :class:`AttentionSpec`: head counts and, for each of
 Q, K and V, a :class:`Projection` saying which parameter holds it, which rows of the ``nn.Linear``
-layout ``[out, in]`` matrix it occupies (fused ``[3E, E]`` weights hold three projections), and
-whether the parameter is stored transposed (``[in, out]``, GPT-2's ``Conv1D``). From that
+layout ``[out, in]`` matrix it occupies, and whether the parameter is stored transposed (``[in,
+out]``, GPT-2's ``Conv1D``). Fused weights hold three projections; in some models their rows
+alternate per head or per group of heads (``layout``, see :func:`fused_layout`). From that
 description :func:`condinit.apply` reads ``[rows, in]`` views and writes conditioned values back in
 place, also into a shard of a DTensor (it only has to intersect row/column ranges), so an adapter
 never copies or re-registers a parameter.
 
-Lookup: by class, walking the module's MRO, so a subclass of a supported class is supported.
+How a module is recognised (:func:`describe`), first match wins:
+
+1. an adapter registered for its class, looked up along the MRO (a subclass of a supported class
+   is supported; an adapter registered for ``nn.Module`` sees every module). An adapter returns
+   ``None`` for a module it does not handle, and the lookup goes on;
+2. its structure: three separate projections under one of the naming families of
+   :data:`SEPARATE_NAMES` (``q_proj/k_proj/v_proj``, ``query/key/value``, T5's ``q/k/v``, ...), a
+   ``q`` projection with a fused ``kv`` (:data:`Q_KV_NAMES`), or one fused projection
+   (:data:`FUSED_NAMES`: ``qkv``, ``Wqkv``, ``qkv_proj``, ``c_attn``, ``in_proj_weight``, ...). Head
+   counts come from the module's attributes (``num_heads``, ``num_attention_heads``, ``n_heads``,
+   ``num_key_value_heads``, ``head_dim``, ...) or its own ``config`` (``num_attention_heads``,
+   ``num_key_value_heads``, ``head_dim``), and must agree with the projections' row counts.
+
+Separate projections have one reading. A fused projection does not: ``[Q; K; V]`` thirds and
+per-head interleaved ``[H, 3, d]`` rows have the same shape. Structure alone accepts a fused
+projection only when the class's own source (``inspect.getsource``) splits it as contiguous parts:
+a reshape to ``(..., 3, num_heads, head_dim)``, or a ``split`` / ``chunk`` of the projection's raw
+output, assigned to query, key, value in that order. Everything else that looks like attention is
+refused with a reason (:class:`UnsupportedAttention`), never guessed; the built-in adapters below
+cover the interleaved layouts that were read from the models' code.
+
 Registry keys are classes or ``"module.path.QualName"`` strings; built-in adapters for third-party
 libraries are keyed by string so that neither transformers nor timm is imported by condinit.
 
@@ -18,38 +39,69 @@ Add your own in a few lines::
 
     register_adapter(MyAttention, lambda m: AttentionSpec.from_linears(
         m.wq, m.wk, m.wv, num_heads=m.n_heads, num_kv_heads=m.n_kv_heads))
+    register_adapter(MyFused, lambda m: AttentionSpec.from_fused(      # rows [H, 3, d]
+        m.wqkv.weight, num_heads=m.heads, bias=m.wqkv.bias, layout="per_head"))
 
-Built in: ``torch.nn.MultiheadAttention`` (fused ``in_proj_weight``, or separate
-``q/k/v_proj_weight`` when ``kdim``/``vdim`` differ; ``nn.TransformerEncoderLayer`` /
-``DecoderLayer`` / ``nn.Transformer`` are covered through the MHA modules they hold), Hugging Face
-transformers Llama / Mistral / Qwen2 / ViT (``q_proj``/``k_proj``/``v_proj``, GQA from the row
-counts), BERT / RoBERTa self- and cross-attention (``query``/``key``/``value``), GPT-2
-(``Conv1D c_attn``, fused and stored transposed; cross-attention ``q_attn`` + ``c_attn``), timm
-``Attention`` (fused ``qkv``).
+Built in (explicit adapters): ``torch.nn.MultiheadAttention`` (fused ``in_proj_weight``, or
+separate ``q/k/v_proj_weight`` with one shared bias; inside ``nn.Transformer*`` layers too), timm
+``Attention`` (fused ``qkv``), GPT-2 and its copies (``Conv1D c_attn``, stored transposed;
+cross-attention ``q_attn`` + ``c_attn`` = ``[K; V]``), GPT-NeoX, GPT-NeoX-Japanese, BLOOM,
+Persimmon (``query_key_value``, ``[H, 3, d]``), Falcon (``[H, 3, d]``, multi-query ``[Q; K; V]``, or
+the new decoder architecture's ``[H_kv, H/H_kv + 2, d]`` groups), GPTBigCode (multi-query ``[Q; K;
+V]``, multi-head ``[H, 3d]``), Phi-3 (``qkv_proj``, ``[Q; K; V]`` with GQA), DeBERTa (``in_proj``
+``[H, 3, d]`` with separate ``q_bias`` / ``v_bias``), CodeGen (``qkv_proj`` in 4 groups ordered
+Q, V, K), MiniMax lightning attention (``[H, 3d]``). Refused with a reason: multi-head latent
+attention (DeepSeek-V2/V3 and others: ``q_a_proj/q_b_proj``, ``kv_a_proj_with_mqa/kv_b_proj``),
+Reformer's shared ``query_key``, GPTBigCode cross-attention. See ``docs/design.md``, "Model layouts".
 """
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-from condinit._validate import check_bool, check_int, check_tensor
+from condinit._validate import check_bool, check_choice, check_int, check_tensor
 
-__all__ = ["Projection", "AttentionSpec", "AttentionAdapter", "register_adapter", "unregister_adapter",
-           "get_adapter", "registered_adapters"]
+__all__ = ["Projection", "AttentionSpec", "AttentionAdapter", "UnsupportedAttention", "Described", "LAYOUTS",
+           "SEPARATE_NAMES", "Q_KV_NAMES", "FUSED_NAMES", "fused_layout", "register_adapter", "unregister_adapter",
+           "get_adapter", "registered_adapters", "describe", "spec_of", "looks_like_attention"]
+
+# Row layouts of a fused Q/K/V weight (see fused_layout).
+LAYOUTS = ("contiguous", "per_head", "per_group", "grouped")
+
+
+class UnsupportedAttention(ValueError):
+    """An attention module that condinit recognises but does not condition; the message says why.
+
+    Raised by :func:`describe` (and may be raised by a user adapter): :func:`condinit.apply` lists
+    such modules in ``report.uncovered``, warns, and with ``strict=True`` refuses the model.
+    """
 
 
 @dataclass(frozen=True)
 class Projection:
-    """One of Q, K, V: rows ``start:stop`` of the nn.Linear-layout matrix held by ``weight``.
+    """One of Q, K, V: rows of the nn.Linear-layout matrix held by ``weight``, in ``groups`` runs.
 
-    ``weight`` is the parameter (``[out_total, in]``, or ``[in, out_total]`` when ``transposed``);
-    ``bias`` (optional) holds this projection's rows at ``bias_start:bias_start + rows`` of a 1-D
-    bias (``bias_start`` defaults to ``start``). ``start:stop`` is the whole
-    first dimension for an unfused projection. The projection's logical matrix is
-    ``W = weight[start:stop]`` (or ``weight[:, start:stop].T``), shape ``[rows, in_features]``.
+    ``weight`` is the parameter (``[out_total, in]``, or ``[in, out_total]`` when ``transposed``).
+    Group ``g`` is rows ``start + g*stride : stop + g*stride``; the projection's logical ``[rows,
+    in]`` matrix is its groups stacked in order (``rows = groups * (stop - start)``). One group (the
+    default) is a plain row range: the whole first dimension for an unfused projection, a third of
+    a ``[Q; K; V]`` weight. Several groups describe interleaved layouts, e.g. GPT-NeoX's
+    ``[H, 3, d]``: Q is ``start=0, stop=d, groups=H, stride=3d``.
+
+    ``bias`` (optional, 1-D) holds group ``g``'s entries at ``bias_start + g*bias_stride`` onwards
+    (``bias_start`` defaults to ``start``, ``bias_stride`` to ``stride``: a fused bias follows its
+    weight).
+
+    Examples:
+        >>> w = torch.nn.Linear(64, 3 * 64).weight            # 4 heads of 16, rows [H, 3, d]
+        >>> q = Projection(w, 0, 16, groups=4, stride=48)
+        >>> q.rows, q.shape
+        (64, (64, 64))
     """
 
     weight: torch.Tensor
@@ -57,15 +109,56 @@ class Projection:
     stop: int
     transposed: bool = False
     bias: Optional[torch.Tensor] = None
-    bias_start: Optional[int] = None   # where this projection's rows start in ``bias`` (default ``start``)
+    bias_start: Optional[int] = None
+    groups: int = 1
+    stride: int = 0
+    bias_stride: Optional[int] = None
+
+    def __post_init__(self):
+        if not isinstance(self.weight, torch.Tensor) or self.weight.dim() != 2:
+            raise TypeError(f"Projection: weight must be a 2-D tensor, got "
+                            f"{type(self.weight).__name__}{'' if not isinstance(self.weight, torch.Tensor) else ' of shape ' + str(tuple(self.weight.shape))}")
+        check_int("Projection start", self.start, min=0)
+        check_int("Projection stop", self.stop, min=self.start + 1)
+        check_bool("Projection transposed", self.transposed)
+        check_int("Projection groups", self.groups, min=1)
+        check_int("Projection stride", self.stride, min=0)
+        if self.groups > 1 and self.stride < self.stop - self.start:
+            raise ValueError(f"Projection: stride {self.stride} is below the {self.stop - self.start} rows of a group: "
+                             f"groups would overlap")
+        size = self.weight.shape[1 if self.transposed else 0]
+        if self.span_stop > size:
+            raise ValueError(f"Projection: rows up to {self.span_stop} of a weight with {size} "
+                             f"{'columns (transposed)' if self.transposed else 'rows'}")
+        if self.bias is not None:
+            if not isinstance(self.bias, torch.Tensor) or self.bias.dim() != 1:
+                raise TypeError(f"Projection: bias must be a 1-D tensor or None, got {type(self.bias).__name__}")
+            check_int("Projection bias_start", self.bias_start, min=0, allow_none=True)
+            check_int("Projection bias_stride", self.bias_stride, min=0, allow_none=True)
+            end = self.bias_offset + (self.groups - 1) * self.bias_step + self.group_rows
+            if end > self.bias.shape[0]:
+                raise ValueError(f"Projection: bias entries up to {end} of a bias with {self.bias.shape[0]}")
+
+    @property
+    def group_rows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.group_rows
+
+    @property
+    def span_stop(self) -> int:
+        """One past the last storage row (column when transposed) the projection occupies."""
+        return self.start + (self.groups - 1) * self.stride + self.group_rows
 
     @property
     def bias_offset(self) -> int:
         return self.start if self.bias_start is None else self.bias_start
 
     @property
-    def rows(self) -> int:
-        return self.stop - self.start
+    def bias_step(self) -> int:
+        return self.stride if self.bias_stride is None else self.bias_stride
 
     @property
     def in_features(self) -> int:
@@ -76,12 +169,33 @@ class Projection:
         """Logical ``[rows, in_features]`` (nn.Linear layout)."""
         return (self.rows, self.in_features)
 
+    def segments(self) -> list[tuple[int, int, int]]:
+        """``(logical_row, storage_lo, storage_hi)`` per group: storage rows ``lo:hi`` (columns when
+        transposed) hold logical rows ``logical_row : logical_row + hi - lo``."""
+        n = self.group_rows
+        return [(g * n, self.start + g * self.stride, self.stop + g * self.stride) for g in range(self.groups)]
+
+    def bias_segments(self) -> list[tuple[int, int]]:
+        """``(lo, hi)`` entries of ``bias`` per group (empty without a bias)."""
+        if self.bias is None:
+            return []
+        n, at, step = self.group_rows, self.bias_offset, self.bias_step
+        return [(at + g * step, at + g * step + n) for g in range(self.groups)]
 
     def view(self, t: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[rows, in]`` view of the (plain, non-DTensor) weight in nn.Linear layout; writes go through."""
-        w = self.weight if t is None else t
-        w = w.detach()
-        return w[:, self.start:self.stop].t() if self.transposed else w[self.start:self.stop]
+        """``[rows, in]`` of the (plain, non-DTensor) weight in nn.Linear layout: a view (writes go
+        through) for one group, a copy of the groups stacked for several."""
+        w = (self.weight if t is None else t).detach()
+        parts = [w[:, lo:hi].t() if self.transposed else w[lo:hi] for _, lo, hi in self.segments()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_bias(self) -> Optional[torch.Tensor]:
+        """This projection's ``[rows]`` bias entries (a view for one group, a copy for several), or None."""
+        if self.bias is None:
+            return None
+        b = self.bias.detach()
+        parts = [b[lo:hi] for lo, hi in self.bias_segments()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass(frozen=True)
@@ -89,7 +203,10 @@ class AttentionSpec:
     """What :func:`condinit.apply` needs to know about one attention module.
 
     ``q`` has ``num_heads * head_dim`` rows, ``k`` and ``v`` ``num_kv_heads * head_dim`` (GQA/MQA when
-    ``num_kv_heads < num_heads``). Head ``h`` of Q is rows ``h*head_dim:(h+1)*head_dim``.
+    ``num_kv_heads < num_heads``; it must divide ``num_heads``). Head ``h`` of Q is logical rows
+    ``h*head_dim:(h+1)*head_dim`` (a group of a :class:`Projection` holds whole heads). Projections
+    sharing a weight must not share rows. Every check runs at construction, so a wrong description
+    fails before anything is written.
 
     Examples:
         >>> w = torch.nn.MultiheadAttention(64, 4).in_proj_weight          # fused [3 * 64, 64]
@@ -108,6 +225,11 @@ class AttentionSpec:
     def __post_init__(self):
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             check_int(name, getattr(self, name), min=1)
+        for name, p in self.projections():
+            if not isinstance(p, Projection):
+                raise TypeError(f"AttentionSpec: {name} must be a Projection, got {type(p).__name__}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"AttentionSpec: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.q.rows != self.num_heads * self.head_dim:
             raise ValueError(f"AttentionSpec: q has {self.q.rows} rows, expected num_heads * head_dim = "
                              f"{self.num_heads} * {self.head_dim}")
@@ -115,9 +237,37 @@ class AttentionSpec:
             if p.rows != self.num_kv_heads * self.head_dim:
                 raise ValueError(f"AttentionSpec: {name} has {p.rows} rows, expected num_kv_heads * head_dim"
                                  f" = {self.num_kv_heads} * {self.head_dim}")
+        for name, p in self.projections():
+            if p.group_rows % self.head_dim:
+                raise ValueError(f"AttentionSpec: {name} groups of {p.group_rows} rows do not hold whole heads of "
+                                 f"head_dim {self.head_dim}")
+        spans: dict[int, list] = {}
+        for name, p in self.projections():
+            spans.setdefault(id(p.weight), []).extend((lo, hi, name) for _, lo, hi in p.segments())
+        for iv in spans.values():
+            iv.sort()
+            for (lo0, hi0, n0), (lo1, hi1, n1) in zip(iv, iv[1:]):
+                if lo1 < hi0:
+                    raise ValueError(f"AttentionSpec: {n0} and {n1} share rows {lo1}:{min(hi0, hi1)} of one weight")
 
     def projections(self):
         return (("q", self.q), ("k", self.k), ("v", self.v))
+
+    @property
+    def layout(self) -> str:
+        """``"separate"`` (three weights), or the fused layout: ``"contiguous"``, ``"per_head"``,
+        ``"per_group"``, ``"grouped"`` (see :func:`fused_layout`), ``"mixed"`` otherwise."""
+        ws = {id(p.weight) for _, p in self.projections()}
+        if len(ws) == 3:
+            return "separate"
+        g = self.q.groups
+        if len(ws) == 2 or {p.groups for _, p in self.projections()} != {g}:
+            return "mixed" if g > 1 or self.k.groups > 1 or self.v.groups > 1 else "separate"
+        if g == 1:
+            return "contiguous"
+        if g == self.num_heads and self.num_heads == self.num_kv_heads:
+            return "per_head"
+        return "per_group" if g == self.num_kv_heads else "grouped"
 
     @classmethod
     def from_linears(cls, q: nn.Module, k: nn.Module, v: nn.Module, *, num_heads: int,
@@ -160,35 +310,90 @@ class AttentionSpec:
     @classmethod
     def from_fused(cls, weight, *, num_heads: int, num_kv_heads: Optional[int] = None,
                    head_dim: Optional[int] = None, bias=None, transposed: bool = False,
-                   order: str = "qkv") -> "AttentionSpec":
-        """Spec for one fused weight holding Q, K, V stacked along the output dimension (in ``order``).
+                   order: str = "qkv", layout: str = "contiguous", groups: Optional[int] = None) -> "AttentionSpec":
+        """Spec for one fused weight holding Q, K and V along its output dimension.
 
-        ``weight`` is ``[(H + 2 H_kv) d, in]`` (``[in, ...]`` when ``transposed``).
+        ``weight`` is ``[(H + 2 H_kv) d, in]`` (``[in, ...]`` when ``transposed``); ``bias`` (optional)
+        is laid out like its rows. ``layout`` says how the rows alternate (:func:`fused_layout`):
+        ``"contiguous"`` ``[Q; K; V]``, ``"per_head"`` ``[H, 3, d]`` (GPT-NeoX, BLOOM, Falcon-RW,
+        GPTBigCode), ``"per_group"`` ``[H_kv, H/H_kv + 2, d]`` (Falcon's new decoder architecture),
+        ``"grouped"`` with ``groups=n``; ``order`` is the order of Q, K, V inside each group. Read
+        the layout from the model's ``forward``: the shapes of all layouts agree.
 
         Examples:
             >>> AttentionSpec.from_fused(timm_attn.qkv.weight, num_heads=12, bias=timm_attn.qkv.bias)
             >>> AttentionSpec.from_fused(gpt2_attn.c_attn.weight, num_heads=12, transposed=True)  # Conv1D
+            >>> AttentionSpec.from_fused(neox_attn.query_key_value.weight, num_heads=16,
+            ...                          bias=neox_attn.query_key_value.bias, layout="per_head")
         """
         check_tensor("weight", weight, dim=2)
-        _check_heads(num_heads, num_kv_heads, head_dim)
         transposed = check_bool("transposed", transposed)
-        if not isinstance(order, str) or sorted(order) != ["k", "q", "v"]:
-            raise ValueError(f"order must be a permutation of 'qkv', got {order!r}")
         total = weight.shape[1] if transposed else weight.shape[0]
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if head_dim is None:
-            if total % (num_heads + 2 * num_kv_heads):
-                raise ValueError(f"fused weight with {total} output rows does not split into "
-                                 f"{num_heads} + 2 x {num_kv_heads} heads")
-            head_dim = total // (num_heads + 2 * num_kv_heads)
-        sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        if sum(sizes.values()) != total:
-            raise ValueError(f"fused weight has {total} output rows, expected {sum(sizes.values())}")
-        projs, at = {}, 0
-        for name in order:
-            projs[name] = Projection(weight, at, at + sizes[name], transposed, bias)
-            at += sizes[name]
-        return cls(projs["q"], projs["k"], projs["v"], num_heads, num_kv_heads, head_dim)
+        parts = fused_layout(total, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, order=order,
+                             layout=layout, groups=groups)
+        H, Hkv, d = parts.pop("heads")
+        projs = {name: Projection(weight, start, stop, transposed, bias, groups=n, stride=stride)
+                 for name, (start, stop, n, stride) in parts.items()}
+        return cls(projs["q"], projs["k"], projs["v"], H, Hkv, d)
+
+
+def fused_layout(total_rows: int, *, num_heads: int, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, order: str = "qkv", layout: str = "contiguous",
+                 groups: Optional[int] = None) -> dict:
+    """Where Q, K and V sit in a fused weight of ``total_rows`` output rows.
+
+    The rows form ``n`` equal groups; each holds ``H/n`` query heads, ``H_kv/n`` key heads and
+    ``H_kv/n`` value heads, as three runs in ``order`` (head ``h`` of Q is in group ``h // (H/n)``).
+    ``layout`` picks ``n``: ``"contiguous"`` 1 (``[Q; K; V]``), ``"per_head"`` ``H`` (``[H, 3, d]``,
+    needs ``H_kv == H``), ``"per_group"`` ``H_kv`` (``[H_kv, H/H_kv + 2, d]``), ``"grouped"``
+    ``groups`` (e.g. CodeGen's 4 model-parallel groups). ``num_kv_heads`` defaults to ``num_heads``,
+    ``head_dim`` to ``total_rows / (H + 2 H_kv)``.
+
+    Returns ``{"q": (start, stop, n, stride), "k": ..., "v": ..., "heads": (H, H_kv, d)}``: the
+    first group's rows and the distance between groups, as :class:`Projection` takes them.
+
+    Examples:
+        >>> fused_layout(48, num_heads=4, layout="per_head")["k"]
+        (4, 8, 4, 12)
+        >>> fused_layout(48, num_heads=4)["k"]
+        (16, 32, 1, 16)
+    """
+    check_int("total_rows", total_rows, min=1)
+    _check_heads(num_heads, num_kv_heads, head_dim)
+    check_choice("layout", layout, LAYOUTS)
+    check_int("groups", groups, min=1, allow_none=True)
+    if not isinstance(order, str) or sorted(order) != ["k", "q", "v"]:
+        raise ValueError(f"order must be a permutation of 'qkv', got {order!r}")
+    H = num_heads
+    Hkv = H if num_kv_heads is None else num_kv_heads
+    if H % Hkv:
+        raise ValueError(f"num_kv_heads={Hkv} must divide num_heads={H}")
+    if (layout == "grouped") != (groups is not None):
+        raise ValueError("groups is given exactly when layout='grouped'" if groups is not None
+                         else "layout='grouped' needs groups=n")
+    if layout == "per_head" and Hkv != H:
+        raise ValueError(f"layout='per_head' needs num_kv_heads == num_heads, got {Hkv} and {H}; a [H_kv, H/H_kv "
+                         f"+ 2, d] weight is layout='per_group'")
+    n = {"contiguous": 1, "per_head": H, "per_group": Hkv, "grouped": groups}[layout]
+    if H % n or Hkv % n:
+        raise ValueError(f"{n} groups must divide num_heads={H} and num_kv_heads={Hkv}")
+    if head_dim is None:
+        if total_rows % (H + 2 * Hkv):
+            raise ValueError(f"fused weight with {total_rows} output rows does not split into "
+                             f"{H} + 2 x {Hkv} heads")
+        head_dim = total_rows // (H + 2 * Hkv)
+    d = head_dim
+    if (H + 2 * Hkv) * d != total_rows:
+        raise ValueError(f"fused weight has {total_rows} output rows, expected (num_heads + 2 * num_kv_heads) * "
+                         f"head_dim = ({H} + 2 * {Hkv}) * {d} = {(H + 2 * Hkv) * d}")
+    sizes = {"q": H // n * d, "k": Hkv // n * d, "v": Hkv // n * d}
+    stride = sum(sizes.values())
+    out, at = {}, 0
+    for name in order:
+        out[name] = (at, at + sizes[name], n, stride if n > 1 else 0)
+        at += sizes[name]
+    out["heads"] = (H, Hkv, d)
+    return out
 
 
 def _check_heads(num_heads, num_kv_heads, head_dim) -> None:
@@ -209,19 +414,22 @@ class AttentionAdapter:
     """Maps one kind of attention module to its :class:`AttentionSpec`.
 
     Subclass and override :meth:`spec` (and set ``name``), or pass any callable ``module -> AttentionSpec``
-    to :func:`register_adapter`, which wraps it in this class.
+    to :func:`register_adapter`, which wraps it in this class. ``spec`` returns None for a module it
+    does not handle (the lookup goes on, see :func:`describe`) and raises
+    :class:`UnsupportedAttention` for one that must not be conditioned.
     """
 
     name = "custom"
 
-    def __init__(self, fn: Optional[Callable[[nn.Module], AttentionSpec]] = None, name: Optional[str] = None):
+    def __init__(self, fn: Optional[Callable[[nn.Module], Optional[AttentionSpec]]] = None,
+                 name: Optional[str] = None):
         self._fn = fn
         if name is not None:
             self.name = name
         elif fn is not None:
             self.name = getattr(fn, "__name__", "custom")
 
-    def spec(self, module: nn.Module) -> AttentionSpec:
+    def spec(self, module: nn.Module) -> Optional[AttentionSpec]:
         if self._fn is None:
             raise NotImplementedError(f"{type(self).__name__}.spec")
         return self._fn(module)
@@ -231,7 +439,91 @@ class AttentionAdapter:
 
 
 # ------------------------------------------------------------------------------------------------
-# built-in adapters
+# head counts, from the module's attributes or its own config
+
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads", "num_head")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_kv_head")
+_HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head", "dim_head")
+_HEAD_CFG = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_KV_HEAD_CFG = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+_HEAD_DIM_CFG = ("head_dim", "d_kv", "kv_channels")
+
+
+def _int_attr(obj, names) -> tuple[Optional[int], Optional[str]]:
+    """The first attribute of ``names`` on ``obj`` that is an int >= 1, and its name."""
+    for n in names:
+        try:
+            v = getattr(obj, n, None)
+        except (AttributeError, KeyError, NotImplementedError):  # a config property without a value
+            v = None
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return v, n
+    return None, None
+
+
+def _own_config(m: nn.Module):
+    cfg = getattr(m, "config", None)
+    return None if cfg is None or isinstance(cfg, (nn.Module, dict, torch.Tensor)) else cfg
+
+
+def heads_of(m: nn.Module, q_rows: int, k_rows: int, *, num_heads: Optional[int] = None,
+             num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)`` of attention module ``m`` with ``q_rows`` query rows and
+    ``k_rows`` key rows: given values first, then ``m``'s attributes, then ``m.config``; missing ones
+    derived from the row counts. Raises :class:`UnsupportedAttention` when the number of heads is
+    nowhere to be found, ValueError when what was found contradicts the rows."""
+    cfg = _own_config(m)
+    src_h = "given"
+    if num_heads is None:
+        num_heads, src_h = _int_attr(m, _HEAD_ATTRS)
+        src_h = f"attribute {src_h}" if num_heads is not None else None
+    if num_heads is None and cfg is not None:
+        num_heads, src_h = _int_attr(cfg, _HEAD_CFG)
+        src_h = f"config.{src_h}" if num_heads is not None else None
+    if num_heads is None:
+        raise UnsupportedAttention(f"cannot find the number of heads (no attribute {', '.join(_HEAD_ATTRS)}, and no "
+                                   f"config.num_attention_heads)")
+    H = num_heads
+    src_d = "given"
+    if head_dim is None:
+        head_dim, src_d = _int_attr(m, _HEAD_DIM_ATTRS)
+        src_d = f"attribute {src_d}" if head_dim is not None else None
+    if head_dim is None and cfg is not None:
+        cd, name = _int_attr(cfg, _HEAD_DIM_CFG)
+        if cd is not None and cd * H == q_rows:   # a config value is used only where it fits the rows
+            head_dim, src_d = cd, f"config.{name}"
+    if head_dim is None:
+        if q_rows % H:
+            raise ValueError(f"q has {q_rows} rows, not divisible by {H} heads ({src_h})")
+        head_dim = q_rows // H
+    d = head_dim
+    if H * d != q_rows:
+        raise ValueError(f"q has {q_rows} rows, but {H} heads ({src_h}) of head_dim {d} ({src_d}) need {H * d}")
+    src_kv = "given"
+    if num_kv_heads is None:
+        num_kv_heads, src_kv = _int_attr(m, _KV_HEAD_ATTRS)
+        src_kv = f"attribute {src_kv}" if num_kv_heads is not None else None
+        groups, _ = _int_attr(m, ("num_key_value_groups",))
+        if num_kv_heads is None and groups is not None and H % groups == 0:
+            num_kv_heads, src_kv = H // groups, "num_heads / attribute num_key_value_groups"
+    if num_kv_heads is None and cfg is not None:
+        ckv, name = _int_attr(cfg, _KV_HEAD_CFG)
+        if ckv is not None and ckv * d == k_rows:
+            num_kv_heads, src_kv = ckv, f"config.{name}"
+    if num_kv_heads is None:
+        if k_rows % d:
+            raise ValueError(f"k has {k_rows} rows, not a multiple of head_dim {d}")
+        num_kv_heads, src_kv = k_rows // d, "k rows / head_dim"
+    Hkv = num_kv_heads
+    if Hkv * d != k_rows:
+        raise ValueError(f"k has {k_rows} rows, but {Hkv} key/value heads ({src_kv}) of head_dim {d} need {Hkv * d}")
+    if H % Hkv:
+        raise ValueError(f"{Hkv} key/value heads ({src_kv}) do not divide {H} heads ({src_h})")
+    return H, Hkv, d
+
+
+# ------------------------------------------------------------------------------------------------
+# built-in adapters (layouts read from each model's own forward)
 
 def _mha_spec(m: nn.MultiheadAttention) -> AttentionSpec:
     if m._qkv_same_embed_dim:
@@ -245,49 +537,107 @@ def _mha_spec(m: nn.MultiheadAttention) -> AttentionSpec:
                          m.num_heads, m.num_heads, m.head_dim)
 
 
-def _config_heads(m: nn.Module) -> int:
-    for attr in ("num_heads", "num_attention_heads"):
-        val = getattr(m, attr, None)
-        if isinstance(val, int):
-            return val
-    cfg = getattr(m, "config", None)
-    val = getattr(cfg, "num_attention_heads", None)
-    if isinstance(val, int):
-        return val
-    raise ValueError(f"{type(m).__name__}: cannot find the number of attention heads "
-                     f"(no num_heads / num_attention_heads attribute or config.num_attention_heads)")
-
-
-def _hf_qkv_proj(m: nn.Module) -> AttentionSpec:
-    """HF Llama / Mistral / Qwen2 / ViT (transformers >= 5): q_proj, k_proj, v_proj; GQA from row counts."""
-    head_dim = getattr(m, "head_dim", None)
-    return AttentionSpec.from_linears(m.q_proj, m.k_proj, m.v_proj, num_heads=_config_heads(m),
-                                      head_dim=head_dim if isinstance(head_dim, int) else None)
-
-
-def _hf_query_key_value(m: nn.Module) -> AttentionSpec:
-    """HF BERT / RoBERTa / ViT (transformers < 5): query, key, value."""
-    head_dim = getattr(m, "attention_head_size", None)
-    return AttentionSpec.from_linears(m.query, m.key, m.value, num_heads=_config_heads(m),
-                                      head_dim=head_dim if isinstance(head_dim, int) else None)
-
-
 def _hf_gpt2(m: nn.Module) -> AttentionSpec:
-    """HF GPT-2: Conv1D stores ``weight`` as ``[in, out]`` (x @ W + b); c_attn fuses Q, K, V (or K, V
-    for cross-attention, whose Q is ``q_attn``)."""
-    h = m.num_heads
+    """HF GPT-2 and its copies: Conv1D stores ``weight`` as ``[in, out]`` (x @ W + b); ``c_attn``
+    fuses Q, K, V, split with ``.split(split_size, dim=2)`` (K, V for cross-attention, whose Q is
+    ``q_attn``)."""
+    H, _, d = heads_of(m, m.c_attn.weight.shape[1] // (2 if getattr(m, "is_cross_attention", False) else 3),
+                       m.c_attn.weight.shape[1] // (2 if getattr(m, "is_cross_attention", False) else 3))
     if getattr(m, "is_cross_attention", False):
-        e = m.c_attn.weight.shape[1] // 2
-        d = e // h
+        e = H * d
         return AttentionSpec(Projection(m.q_attn.weight, 0, e, True, m.q_attn.bias),
                              Projection(m.c_attn.weight, 0, e, True, m.c_attn.bias),
-                             Projection(m.c_attn.weight, e, 2 * e, True, m.c_attn.bias), h, h, d)
-    return AttentionSpec.from_fused(m.c_attn.weight, num_heads=h, bias=m.c_attn.bias, transposed=True)
+                             Projection(m.c_attn.weight, e, 2 * e, True, m.c_attn.bias), H, H, d)
+    return AttentionSpec.from_fused(m.c_attn.weight, num_heads=H, head_dim=d, bias=m.c_attn.bias, transposed=True)
 
 
 def _timm_attention(m: nn.Module) -> AttentionSpec:
     """timm ``Attention``: fused ``qkv`` Linear ``[3 H d, D]`` in q, k, v order."""
     return AttentionSpec.from_fused(m.qkv.weight, num_heads=m.num_heads, head_dim=m.head_dim, bias=m.qkv.bias)
+
+
+def _fused_linear(m: nn.Module, attr: str, layout: str, *, num_heads=None, num_kv_heads=None, head_dim=None,
+                  order: str = "qkv", groups: Optional[int] = None) -> AttentionSpec:
+    lin = getattr(m, attr)
+    total = lin.weight.shape[0]
+    if num_heads is None:
+        num_heads, _ = _int_attr(m, _HEAD_ATTRS)
+        if num_heads is None and _own_config(m) is not None:
+            num_heads, _ = _int_attr(_own_config(m), _HEAD_CFG)
+        if num_heads is None:
+            raise UnsupportedAttention("cannot find the number of heads")
+    if head_dim is None:
+        head_dim, _ = _int_attr(m, _HEAD_DIM_ATTRS)
+    return AttentionSpec.from_fused(lin.weight, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                    bias=lin.bias, order=order, layout=layout, groups=groups)
+
+
+def _hf_per_head(attr: str):
+    """``[H, 3, d]`` rows: GPT-NeoX (``view(..., -1, 3 * head_size).chunk(3)``), GPT-NeoX-Japanese,
+    BLOOM and Persimmon (``view(..., num_heads, 3, head_dim)``)."""
+    def spec(m):
+        return _fused_linear(m, attr, "per_head")
+    spec.__name__ = f"per_head_{attr}"
+    return spec
+
+
+def _hf_falcon(m: nn.Module) -> AttentionSpec:
+    """Falcon's ``_split_heads``: the new decoder architecture views ``query_key_value`` as
+    ``[H_kv, H/H_kv + 2, d]`` (a group's query heads, its key, its value); multi-query as ``[H + 2,
+    d]`` (``[Q; K; V]`` with one K/V head); otherwise ``[H, 3, d]`` (Falcon-RW)."""
+    H, d = m.num_heads, m.head_dim
+    if m.new_decoder_architecture:
+        return _fused_linear(m, "query_key_value", "per_group", num_heads=H, num_kv_heads=m.num_kv_heads, head_dim=d)
+    if m.multi_query:
+        return _fused_linear(m, "query_key_value", "contiguous", num_heads=H, num_kv_heads=1, head_dim=d)
+    return _fused_linear(m, "query_key_value", "per_head", num_heads=H, head_dim=d)
+
+
+def _hf_gpt_bigcode(m: nn.Module) -> AttentionSpec:
+    """GPTBigCode: multi-query ``c_attn(x).split((embed_dim, kv_dim, kv_dim))`` is ``[Q; K; V]``
+    with one K/V head; multi-head ``view(..., num_heads, 3 * head_dim).split(head_dim)`` is per
+    head. Its cross-attention splits ``c_attn`` into ``(head_dim, head_dim)``, which fits no
+    multi-head layout: refused."""
+    if getattr(m, "is_cross_attention", False):
+        raise UnsupportedAttention("GPTBigCode cross-attention: its forward splits c_attn(encoder states) into "
+                                   "(head_dim, head_dim), which holds K and V only for a single head")
+    if m.multi_query:
+        return _fused_linear(m, "c_attn", "contiguous", num_heads=m.num_heads, num_kv_heads=1, head_dim=m.head_dim)
+    return _fused_linear(m, "c_attn", "per_head", num_heads=m.num_heads, head_dim=m.head_dim)
+
+
+def _hf_phi3(m: nn.Module) -> AttentionSpec:
+    """Phi-3 ``qkv_proj``: ``qkv[..., :H d]``, then ``H_kv d`` key rows, then the values."""
+    H, _ = _int_attr(m.config, ("num_attention_heads",))
+    return _fused_linear(m, "qkv_proj", "contiguous", num_heads=H, num_kv_heads=m.num_key_value_heads,
+                         head_dim=m.head_dim)
+
+
+def _hf_deberta(m: nn.Module) -> AttentionSpec:
+    """DeBERTa (v1) ``DisentangledSelfAttention``: ``in_proj`` (no bias) read through
+    ``view(..., H, -1).chunk(3, dim=-1)``, so rows ``[H, 3, d]``; Q and V biases are separate
+    ``[H d]`` parameters ``q_bias`` / ``v_bias`` (K has none)."""
+    H, d = m.num_attention_heads, m.attention_head_size
+    w = m.in_proj.weight
+    if m.in_proj.bias is not None:
+        raise UnsupportedAttention("DeBERTa in_proj with its own bias: not the layout of transformers' "
+                                   "DisentangledSelfAttention")
+    return AttentionSpec(Projection(w, 0, d, groups=H, stride=3 * d, bias=m.q_bias, bias_start=0, bias_stride=d),
+                         Projection(w, d, 2 * d, groups=H, stride=3 * d),
+                         Projection(w, 2 * d, 3 * d, groups=H, stride=3 * d, bias=m.v_bias, bias_start=0,
+                                    bias_stride=d), H, H, d)
+
+
+def _hf_codegen(m: nn.Module) -> AttentionSpec:
+    """CodeGen ``qkv_proj``: ``view(..., mp_num, 3 * local_dim).split(local_dim)`` assigned to
+    query, value, key: ``mp_num`` (4) groups of ``[Q; V; K]``."""
+    return _fused_linear(m, "qkv_proj", "grouped", num_heads=m.num_attention_heads, head_dim=m.head_dim,
+                         order="qvk", groups=m.mp_num)
+
+
+def _hf_minimax_lightning(m: nn.Module) -> AttentionSpec:
+    """MiniMax lightning (linear) attention ``qkv_proj``: ``reshape(..., H, 3 * d).split(d)``."""
+    return _fused_linear(m, "qkv_proj", "per_head", num_heads=m.num_attention_heads, head_dim=m.head_dim)
 
 
 _REGISTRY: dict[Union[type, str], AttentionAdapter] = {}
@@ -304,14 +654,17 @@ def _key(cls_or_name) -> Union[type, str]:
                     f"string, got {cls_or_name!r}")
 
 
-def register_adapter(cls: Union[type, str], adapter: Union[AttentionAdapter, Callable[[nn.Module], AttentionSpec]],
+def register_adapter(cls: Union[type, str],
+                     adapter: Union[AttentionAdapter, Callable[[nn.Module], Optional[AttentionSpec]]],
                      *, name: Optional[str] = None) -> AttentionAdapter:
     """Register ``adapter`` for modules of class ``cls`` (and its subclasses, unless they have their own).
 
     ``cls``: an ``nn.Module`` subclass or its ``"module.path.QualName"`` (lets you register a class
-    without importing its library). ``adapter``: an :class:`AttentionAdapter`, or a callable
-    ``module -> AttentionSpec`` (wrapped; ``name`` labels it in reports). Replaces an earlier
-    registration for the same key. Returns the registered adapter.
+    without importing its library); ``nn.Module`` itself registers an adapter that sees every
+    module no more specific adapter handled. ``adapter``: an :class:`AttentionAdapter`, or a
+    callable ``module -> AttentionSpec`` (wrapped; ``name`` labels it in reports) that returns None
+    for modules it does not handle. Replaces an earlier registration for the same key. Returns the
+    registered adapter.
 
     Examples:
         >>> register_adapter(MyAttention, lambda m: AttentionSpec.from_linears(
@@ -343,30 +696,334 @@ def registered_adapters() -> dict:
     return dict(_REGISTRY)
 
 
-def get_adapter(module: nn.Module) -> Optional[AttentionAdapter]:
-    """The adapter for ``module``'s class or nearest registered base class, or None."""
+def _registered_chain(module: nn.Module):
     for klass in type(module).__mro__:
-        if klass is nn.Module or klass is object:
+        if klass is object:
             break
         hit = _REGISTRY.get(klass)
         if hit is None:
             hit = _REGISTRY.get(f"{klass.__module__}.{klass.__qualname__}")
         if hit is not None:
-            return hit
+            yield hit
+
+
+def get_adapter(module: nn.Module) -> Optional[AttentionAdapter]:
+    """The adapter registered for ``module``'s class or nearest registered base class, or None
+    (structural discovery is not consulted: see :func:`describe`)."""
+    return next(_registered_chain(module), None)
+
+
+# ------------------------------------------------------------------------------------------------
+# discovery by structure
+
+# Naming families of three separate projections (child modules with a 2-D weight).
+SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"),
+                  ("q_lin", "k_lin", "v_lin"), ("query_proj", "key_proj", "value_proj"), ("wq", "wk", "wv"),
+                  ("Wq", "Wk", "Wv"), ("W_q", "W_k", "W_v"), ("to_q", "to_k", "to_v"),
+                  ("linear_q", "linear_k", "linear_v"), ("q_linear", "k_linear", "v_linear"),
+                  ("project_q", "project_k", "project_v"),
+                  ("projection_query", "projection_key", "projection_value"))
+# A query projection and a fused [K; V] projection.
+Q_KV_NAMES = (("q", "kv"), ("q_proj", "kv_proj"), ("to_q", "to_kv"), ("query", "key_value"))
+# One fused [Q; K; V] projection (a child module, or a parameter for in_proj_weight).
+FUSED_NAMES = ("qkv", "Wqkv", "qkv_proj", "c_attn", "query_key_value", "to_qkv", "W_pack", "qkv_linear", "att_proj",
+               "in_proj")
+_AMBIGUOUS_FUSED = {"in_proj"}   # also the input projection of Mamba-style mixers: needs an attention class name
+
+_MLA_NAMES = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+_MLA_REASON = ("multi-head latent attention (q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj): Q, K and V are "
+               "products of low-rank factors and part of every key is a rope key shared by all heads, so the "
+               "method's per-head W_Q, W_K, W_V are not parameters of this module; condinit does not guess which "
+               "factors to condition (register an adapter for the factors you choose)")
+
+_ATTENTION_NAME = re.compile(r"attention|attn", re.I)
+# "attention" in the sense of channel / spatial gating (squeeze-excite and its kin): no queries and keys
+_GATING_NAME = re.compile(r"(Channel|Spatial|Split|SelectiveKernel|Coord|Triplet|Gather|Efficient[Cc]hannel)"
+                          r"(Attn|Attention)\w*$|Cbam|^Eca|^Ceca|SqueezeExcite")
+# names that say attention but are parts of an attention block, not the attention itself
+_PART_NAME = re.compile(r"(Output|Dropout|Norm|Mask|Embeddings?|Rotary\w*|Bias|Scaling)$")
+
+
+def _is_linear_like(mod) -> bool:
+    w = getattr(mod, "weight", None) if isinstance(mod, nn.Module) else None
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return False
+    b = getattr(mod, "bias", None)
+    return b is None or (isinstance(b, torch.Tensor) and b.dim() == 1)
+
+
+def _is_conv1d(mod) -> bool:
+    """transformers' ``Conv1D``: an nn.Linear stored ``[in, out]``, computing ``x @ W + b``."""
+    return type(mod).__name__ == "Conv1D" and isinstance(getattr(mod, "nf", None), int)
+
+
+def looks_like_attention(module: nn.Module) -> bool:
+    """Whether ``module``'s class name says attention (``Attention`` / ``Attn``), it is not a part of
+    one (``...Output``, ``...Dropout``, ...) nor channel/spatial gating (squeeze-excite, CBAM), and
+    it holds parameters."""
+    name = type(module).__name__
+    if not _ATTENTION_NAME.search(name) or _GATING_NAME.search(name) or _PART_NAME.search(name):
+        return False
+    return next(module.parameters(), None) is not None
+
+
+class Described(NamedTuple):
+    """What :func:`describe` found: the adapter's name, the spec, and (``partial``) a reason when
+    the module also holds attention projections the spec leaves out."""
+
+    adapter: str
+    spec: AttentionSpec
+    partial: Optional[str] = None
+
+
+def describe(module: nn.Module) -> Optional[Described]:
+    """How ``module`` keeps its Q/K/V (see the module doc for the order of lookups), or None when it
+    is not recognised as an attention module.
+
+    Raises :class:`UnsupportedAttention` for an attention module that must not be conditioned
+    (with the reason), ValueError when what the module says about its heads contradicts its
+    projections.
+
+    Examples:
+        >>> describe(torch.nn.MultiheadAttention(64, 4)).spec.num_heads
+        4
+        >>> describe(torch.nn.Linear(4, 4)) is None
+        True
+    """
+    for adapter in _registered_chain(module):
+        spec = adapter.spec(module)
+        if spec is None:
+            continue
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"adapter {adapter.name} returned {type(spec).__name__}, expected AttentionSpec or None")
+        return Described(adapter.name, spec)
+    return _structural(module)
+
+
+def spec_of(module: nn.Module) -> AttentionSpec:
+    """The :class:`AttentionSpec` of one attention module (:func:`describe`); ValueError naming the
+    class when it is not recognised, :class:`UnsupportedAttention` when it is refused.
+
+    Examples:
+        >>> spec_of(torch.nn.MultiheadAttention(64, 4)).head_dim
+        16
+    """
+    found = describe(module)
+    if found is None:
+        raise ValueError(f"{type(module).__module__}.{type(module).__qualname__} is not recognised as attention: no "
+                         f"adapter is registered for it and it has none of the projection names condinit reads; "
+                         f"register one with condinit.models.register_adapter")
+    return found.spec
+
+
+def _structural(m: nn.Module) -> Optional[Described]:
+    children = dict(m.named_children())
+    linear = {n: c for n, c in children.items() if _is_linear_like(c)}
+    if _MLA_NAMES & set(linear) and ("kv_a_proj_with_mqa" in linear or "kv_b_proj" in linear):
+        raise UnsupportedAttention(_MLA_REASON)
+    if "query_key" in linear and "value" in linear:
+        raise UnsupportedAttention("shared query_key projection (Reformer LSH attention): Q and K are one matrix, "
+                                   "so they cannot be two independent semi-orthogonal matrices")
+    for names in SEPARATE_NAMES:
+        if all(n in linear for n in names):
+            return _separate(m, names, linear)
+    for qn, kvn in Q_KV_NAMES:
+        if qn in linear and kvn in linear:
+            return _q_kv(m, qn, kvn, linear)
+    for fn in FUSED_NAMES:
+        if fn in linear:
+            if fn in _AMBIGUOUS_FUSED and not looks_like_attention(m):
+                return None
+            return _fused(m, fn, linear[fn])
+    w = getattr(m, "in_proj_weight", None)
+    if isinstance(w, nn.Parameter) and w.dim() == 2:
+        return _fused(m, "in_proj_weight", None)
     return None
+
+
+def _lin_proj(lin, start=0, stop=None) -> Projection:
+    transposed = _is_conv1d(lin)
+    rows = lin.weight.shape[1 if transposed else 0]
+    return Projection(lin.weight, start, rows if stop is None else stop, transposed, getattr(lin, "bias", None))
+
+
+def _separate(m, names, linear) -> Described:
+    qn, kn, vn = names
+    q, k, v = (_lin_proj(linear[n]) for n in names)
+    H, Hkv, d = heads_of(m, q.rows, k.rows)
+    if v.rows != Hkv * d:
+        raise UnsupportedAttention(f"{vn} has {v.rows} rows, not {Hkv} key/value heads of head_dim {d} (a value head "
+                                   f"size different from the key's)")
+    partial = None
+    # a second complete set of projections (Longformer's query_global/..., LiLT's layout_query/...)
+    for other in linear:
+        for pre, post in ([other.split(qn, 1)] if qn in other and other != qn else []):
+            if f"{pre}{kn}{post}" in linear and f"{pre}{vn}{post}" in linear:
+                partial = (f"also holds {pre}{qn}{post}/{pre}{kn}{post}/{pre}{vn}{post}, a second set of query/key/"
+                           f"value projections that is not conditioned")
+    return Described(f"auto({qn}/{kn}/{vn})", AttentionSpec(q, k, v, H, Hkv, d), partial)
+
+
+def _q_kv(m, qn, kvn, linear) -> Described:
+    kv_lin = linear[kvn]
+    if not _source_says_contiguous(type(m), kvn, 2):
+        raise UnsupportedAttention(_unconfirmed(type(m), kvn, "[K; V]"))
+    q = _lin_proj(linear[qn])
+    kv_rows = kv_lin.weight.shape[1 if _is_conv1d(kv_lin) else 0]
+    if kv_rows % 2:
+        raise ValueError(f"{kvn} has {kv_rows} rows, not two equal halves K and V")
+    H, Hkv, d = heads_of(m, q.rows, kv_rows // 2)
+    half = Hkv * d
+    k, v = _lin_proj(kv_lin, 0, half), _lin_proj(kv_lin, half, 2 * half)
+    return Described(f"auto({qn}+{kvn})", AttentionSpec(q, k, v, H, Hkv, d))
+
+
+def _fused(m, name, lin) -> Described:
+    if not _source_says_contiguous(type(m), name, 3):
+        raise UnsupportedAttention(_unconfirmed(type(m), name, "[Q; K; V]"))
+    if lin is None:                     # an in_proj_weight parameter, with in_proj_bias
+        weight, bias, transposed = m.in_proj_weight, getattr(m, "in_proj_bias", None), False
+    else:
+        weight, bias, transposed = lin.weight, getattr(lin, "bias", None), _is_conv1d(lin)
+    total = weight.shape[1 if transposed else 0]
+    H, Hkv, d = _fused_heads(m, total)
+    parts = fused_layout(total, num_heads=H, num_kv_heads=Hkv, head_dim=d)
+    separate_bias = bias is None and any(isinstance(getattr(m, f"{p}_bias", None), torch.Tensor) for p in "qkv")
+    projs = {}
+    for p in "qkv":
+        start, stop, _, _ = parts[p]
+        if separate_bias:   # BEiT / EVA / Swin-v2: q_bias and v_bias parameters, k_bias a zero buffer or none
+            b = getattr(m, f"{p}_bias", None)
+            b = b if isinstance(b, nn.Parameter) else None
+            projs[p] = Projection(weight, start, stop, transposed, b, bias_start=0 if b is not None else None)
+        else:
+            projs[p] = Projection(weight, start, stop, transposed, bias)
+    return Described(f"auto({name})", AttentionSpec(projs["q"], projs["k"], projs["v"], H, Hkv, d))
+
+
+def _fused_heads(m, total: int) -> tuple[int, int, int]:
+    """Head counts of a contiguous fused projection of ``total`` rows: ``H`` from the module (or its
+    config), ``d`` and ``H_kv`` from attributes or the rows (``H_kv = H`` when neither says)."""
+    cfg = _own_config(m)
+    H, _ = _int_attr(m, _HEAD_ATTRS)
+    if H is None and cfg is not None:
+        H, _ = _int_attr(cfg, _HEAD_CFG)
+    if H is None:
+        raise UnsupportedAttention("cannot find the number of heads (no attribute num_heads / num_attention_heads / "
+                                   "n_heads, and no config.num_attention_heads)")
+    d, _ = _int_attr(m, _HEAD_DIM_ATTRS)
+    Hkv, _ = _int_attr(m, _KV_HEAD_ATTRS)
+    if Hkv is None and cfg is not None:
+        Hkv, _ = _int_attr(cfg, _KV_HEAD_CFG)
+    if d is None and Hkv is not None:
+        if total % (H + 2 * Hkv):
+            raise ValueError(f"fused projection of {total} rows does not split into {H} + 2 x {Hkv} heads")
+        d = total // (H + 2 * Hkv)
+    if d is None:
+        Hkv = H
+        if total % (3 * H):
+            raise ValueError(f"fused projection of {total} rows does not split into 3 x {H} heads")
+        d = total // (3 * H)
+    if Hkv is None:
+        rest = total - H * d
+        if rest <= 0 or rest % (2 * d):
+            raise ValueError(f"fused projection of {total} rows does not hold {H} query heads of head_dim {d} and "
+                             f"equal K and V parts")
+        Hkv = rest // (2 * d)
+    return H, Hkv, d
+
+
+def _unconfirmed(cls, name, what) -> str:
+    return (f"fused projection {name}: its source does not show it split as contiguous {what} parts in that "
+            f"order (per-head interleaved layouts have the same shape); register an adapter with "
+            f"AttentionSpec.from_fused(..., layout=...) read from {cls.__qualname__}.forward")
+
+
+# The fused projection's split, read from the class's source with whitespace and comments removed.
+_HEADS_RE = r"(?:self\.)?(?:num_heads|num_attention_heads|n_heads|n_head|heads|num_head|nh)"
+_SPLITS = r"(?:split|chunk|tensor_split)"
+_SHAPE_OPS = r"(?:view|reshape|unflatten|transpose|permute)"
+
+
+def _class_source(cls) -> Optional[str]:
+    texts = []
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object or klass.__module__.startswith("torch."):
+            break
+        try:
+            texts.append(inspect.getsource(klass))
+        except (OSError, TypeError):     # built in C, defined in a REPL, source not shipped
+            return None
+    return "\n".join(texts) if texts else None
+
+
+_ROLE_WORDS = {"q": "q", "query": "q", "queries": "q", "xq": "q", "k": "k", "key": "k", "keys": "k", "xk": "k",
+               "v": "v", "value": "v", "values": "v", "xv": "v"}
+
+
+def _role(name: str) -> Optional[str]:
+    """``"q"``, ``"k"`` or ``"v"`` for a variable named like a query, key or value (``query_states``,
+    ``k``, ``values``), else None."""
+    return _ROLE_WORDS.get(name.lstrip("_").lower().split("_", 1)[0])
+
+
+def _source_says_contiguous(cls, name: str, parts: int) -> bool:
+    """Whether ``cls``'s source splits the output of its fused projection ``name`` into ``parts``
+    contiguous runs (Q, K, V or K, V, in that order): a reshape to ``(..., parts, num_heads, ...)``,
+    an einops ``(3 h d)``, or a split/chunk of the raw output, and nothing that views it per head
+    first (``(num_heads, 3, d)``, ``(num_heads, 3 * d)``)."""
+    raw = _class_source(cls)
+    if raw is None or name not in raw:
+        return False
+    if name == "in_proj_weight" and "multi_head_attention_forward(" in raw:
+        return True          # torch's own function: in_proj_weight is [Q; K; V] (_in_projection_packed)
+    einops_thirds = re.search(rf"\(\s*(?:three|{parts}|qkv|kv)\s+h\s+d\s*\)", raw) is not None
+    einops_interleaved = re.search(rf"\(\s*h\s+(?:three|{parts}|qkv|kv)\s+d\s*\)", raw) is not None
+    code = re.sub(r"#[^\n]*", "", raw)
+    src = re.sub(r"\s+", "", code)
+    call = rf"(?:self\.{name}\([^()]*\)|F\.linear\([^()]*self\.{name}(?:\.weight)?\b[^()]*\))"
+    thirds = re.search(rf"\.(?:reshape|view)\([^()]*?,{parts},(?:-1|{_HEADS_RE})[,)]", src) is not None \
+        or re.search(rf"unflatten\(-?\d,\({parts},", src) is not None or einops_thirds
+    split_raw = re.search(rf"{call}\.{_SPLITS}\(", src) is not None
+    for var in re.findall(rf"(\w+)={call}(?![.\[(*+@-])", src):
+        reshaped = re.search(rf"\b{var}={var}\.{_SHAPE_OPS}\(", src) is not None
+        if not reshaped and (re.search(rf"\b{var}\.{_SPLITS}\(", src) or re.search(rf"torch\.{_SPLITS}\({var},", src)):
+            split_raw = True
+    head_dim = r"(?<!\w)(?:self\.)?(?:head_dim|head_size|dim_head|d_head|local_dim|attention_head_size)\b"
+    interleaved = (re.search(rf"{_HEADS_RE},{parts}[,*)]", src) is not None          # (..., H, 3, d)
+                   or re.search(rf"-1,{parts}\*", src) is not None                      # (..., -1, 3 * d)
+                   or re.search(rf"\b{parts}\*{head_dim}", src) is not None              # 3 * head_dim
+                   or re.search(rf"{head_dim}\*{parts}\b", src) is not None              # head_dim * 3
+                   or re.search(rf"{_HEADS_RE},-1\)\.(?:split|chunk)", src) is not None or einops_interleaved)
+    if interleaved or not (thirds or split_raw):
+        return False
+    # the parts are assigned to query, key, value (key, value) in that order, and never in another
+    want = ("q", "k", "v")[3 - parts:]
+    lhs = r"(?<![\w.])\(?" + r"\s*,\s*".join([r"(\w+)"] * parts) + r"\s*\)?\s*=(?!=)"
+    orders = {tuple(_role(n) for n in names) for names in re.findall(lhs, code)}
+    return {o for o in orders if set(o) == set(want) and len(o) == parts} == {want}
 
 
 def _register_builtins():
     register_adapter(nn.MultiheadAttention, _mha_spec, name="torch.MultiheadAttention")
     tf = "transformers.models"
-    for fam, cls in (("llama", "LlamaAttention"), ("mistral", "MistralAttention"), ("qwen2", "Qwen2Attention"),
-                     ("vit", "ViTAttention")):
-        register_adapter(f"{tf}.{fam}.modeling_{fam}.{cls}", _hf_qkv_proj, name=f"hf.{cls}")
-    for fam, cls in (("bert", "BertSelfAttention"), ("bert", "BertCrossAttention"),
-                     ("roberta", "RobertaSelfAttention"), ("roberta", "RobertaCrossAttention"),
-                     ("vit", "ViTSelfAttention")):
-        register_adapter(f"{tf}.{fam}.modeling_{fam}.{cls}", _hf_query_key_value, name=f"hf.{cls}")
-    register_adapter(f"{tf}.gpt2.modeling_gpt2.GPT2Attention", _hf_gpt2, name="hf.GPT2Attention")
+    for path in ("gpt2.modeling_gpt2.GPT2Attention", "imagegpt.modeling_imagegpt.ImageGPTAttention",
+                 "openai.modeling_openai.Attention",
+                 "decision_transformer.modeling_decision_transformer.DecisionTransformerGPT2Attention"):
+        register_adapter(f"{tf}.{path}", _hf_gpt2, name=f"hf.{path.rsplit('.', 1)[1]}")
+    for path, attr in (("gpt_neox.modeling_gpt_neox.GPTNeoXAttention", "query_key_value"),
+                       ("gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention", "query_key_value"),
+                       ("bloom.modeling_bloom.BloomAttention", "query_key_value"),
+                       ("persimmon.modeling_persimmon.PersimmonAttention", "query_key_value")):
+        register_adapter(f"{tf}.{path}", _hf_per_head(attr), name=f"hf.{path.rsplit('.', 1)[1]}")
+    for path, fn in (("falcon.modeling_falcon.FalconAttention", _hf_falcon),
+                     ("gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention", _hf_gpt_bigcode),
+                     ("phi3.modeling_phi3.Phi3Attention", _hf_phi3),
+                     ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention", _hf_phi3),
+                     ("deberta.modeling_deberta.DisentangledSelfAttention", _hf_deberta),
+                     ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen),
+                     ("minimax.modeling_minimax.MiniMaxLightningAttention", _hf_minimax_lightning)):
+        register_adapter(f"{tf}.{path}", fn, name=f"hf.{path.rsplit('.', 1)[1]}")
     register_adapter("timm.layers.attention.Attention", _timm_attention, name="timm.Attention")
 
 

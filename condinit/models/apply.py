@@ -1,6 +1,7 @@
 """``condinit.apply``: conditioned initialization of every attention layer of a model.
 
-For each attention module an adapter describes (:mod:`condinit.models.adapters`), the paper's
+For each attention module that an adapter or its structure describes (:mod:`condinit.models.adapters`,
+:func:`condinit.models.adapters.describe`), the paper's
 Algorithm 1 (``docs/design.md``, "The method"): per head, ``W_Q`` and ``W_K`` get independent
 Haar-random semi-orthogonal ``[head_dim, in]`` row blocks (orthonormal rows, every singular value
 1), ``W_V`` the rectangular identity over the whole ``[H_kv * head_dim, in]`` matrix
@@ -31,12 +32,20 @@ model's own init for everything but the Q/K/V weights and biases being condition
 shard, generating only the blocks its rows touch, with no communication (see
 :mod:`condinit.models.sharded`); the result equals a single-process apply bit for bit.
 
-No attention layer found (or none left after include/exclude): ``ValueError``.
+**Nothing is skipped silently.** :func:`discover` also lists the attention-like modules it cannot
+condition (refused with a reason, a class name that says attention without readable projections,
+a second set of Q/K/V the layer leaves out): :func:`apply` warns about them
+(:class:`UncoveredAttentionWarning`), lists them in ``report.uncovered`` and in ``print(report)``,
+and with ``strict=True`` raises :class:`UncoveredAttentionError` before anything is written.
+
+No attention layer found (or none left after include/exclude): ``ValueError`` (an
+:class:`UncoveredAttentionError` listing the attention-like modules when there are some).
 """
 from __future__ import annotations
 
 import fnmatch
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
@@ -50,29 +59,62 @@ from condinit.init.orthogonalize import METHODS
 from condinit.init.philox import stream_id
 from condinit.init.spectrum import spectrum
 
-from .adapters import AttentionSpec, Projection, get_adapter, registered_adapters
+from .adapters import AttentionSpec, Projection, UnsupportedAttention, describe, looks_like_attention
 from .deferred import has_meta, materialize_
 from .sharded import is_dtensor, local_part, overlap
 
-__all__ = ["apply", "find_attention", "AttentionLayer", "BlockStats", "LayerReport", "ApplyReport", "V_MODES"]
+__all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery", "BlockStats",
+           "LayerReport", "ApplyReport", "UncoveredAttentionWarning", "UncoveredAttentionError", "V_MODES"]
 
 
 # ------------------------------------------------------------------------------------------------
 # discovery
 
+class UncoveredAttentionWarning(UserWarning):
+    """:func:`apply` left attention-like modules unconditioned (listed in ``report.uncovered``)."""
+
+
+class UncoveredAttentionError(ValueError):
+    """``apply(..., strict=True)`` found attention-like modules it cannot condition; nothing was written."""
+
+
 @dataclass
 class AttentionLayer:
-    """One attention module found in a model: its layer index, qualified name, adapter and spec."""
+    """One attention module found in a model: its layer index, qualified name, adapter and spec
+    (``cross``: Q reads the decoder's states, K and V the encoder's)."""
 
     index: int
     name: str
     module: nn.Module
     adapter: str
     spec: AttentionSpec
+    cross: bool = False
+
+
+@dataclass(frozen=True)
+class Uncovered:
+    """An attention-like module that :func:`apply` does not condition, and why."""
+
+    name: str
+    cls: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.name or '(root)'} ({self.cls}): {self.reason}"
+
+
+@dataclass
+class Discovery:
+    """What :func:`discover` found: the attention layers (after include/exclude) and the
+    attention-like modules left out (``uncovered``), both in ``named_modules`` order."""
+
+    layers: list
+    uncovered: list
 
 
 def find_attention(model: nn.Module, *, layer_offset: int = 0, include=None, exclude=None) -> list[AttentionLayer]:
-    """Every attention module of ``model`` that has an adapter, numbered as documented in this module.
+    """Every attention module of ``model`` that condinit can condition, numbered as documented in
+    this module (:func:`discover` also lists what it cannot).
 
     ``include`` / ``exclude``: a pattern or a list of ``fnmatch`` patterns on module names (``""`` is
     the root), applied after numbering.
@@ -84,9 +126,27 @@ def find_attention(model: nn.Module, *, layer_offset: int = 0, include=None, exc
         >>> [l.index for l in find_attention(model, include="layers.1.*")]
         [1]
     """
+    return discover(model, layer_offset=layer_offset, include=include, exclude=exclude).layers
+
+
+def discover(model: nn.Module, *, layer_offset: int = 0, include=None, exclude=None) -> Discovery:
+    """The attention layers of ``model`` and the attention-like modules that none covers.
+
+    A module is a layer when an adapter or its structure describes it
+    (:func:`condinit.models.adapters.describe`). It is *uncovered* when it is refused with a reason
+    (multi-head latent attention, a fused projection whose layout its source does not confirm, no
+    head count), when it holds a second set of Q/K/V projections that the layer leaves out, or when
+    its class name says attention (:func:`condinit.models.adapters.looks_like_attention`) and no
+    layer or refused module lies inside it. ``include`` / ``exclude`` select both lists.
+
+    Examples:
+        >>> found = discover(model)
+        >>> [str(u) for u in found.uncovered]
+        ['model.layers.0.self_attn (DeepseekV3Attention): multi-head latent attention ...']
+    """
     _check_model(model)
     layer_offset = check_int("layer_offset", layer_offset, min=0, max=MAX_LAYER_INDEX)
-    return _find_attention(model, layer_offset, _patterns(include, "include"), _patterns(exclude, "exclude"))
+    return _discover(model, layer_offset, _patterns(include, "include"), _patterns(exclude, "exclude"))
 
 
 def _check_model(model) -> None:
@@ -94,22 +154,70 @@ def _check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _find_attention(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Optional[list]) -> list[AttentionLayer]:
-    found, matched = [], []
-    for name, mod in model.named_modules():
-        if any(name.startswith(m + ".") or m == "" for m in matched):
+def _qualname(mod) -> str:
+    return type(mod).__name__
+
+
+def _selected(name: str, inc: Optional[list], exc: Optional[list]) -> bool:
+    return ((inc is None or any(fnmatch.fnmatchcase(name, p) for p in inc))
+            and not (exc and any(fnmatch.fnmatchcase(name, p) for p in exc)))
+
+
+_CROSS_NAMES = {"encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention",
+                "multihead_attn", "encoder_attention", "src_attn"}
+
+
+def _is_cross(name: str, mod: nn.Module) -> bool:
+    return getattr(mod, "is_cross_attention", None) is True or bool(_CROSS_NAMES & set(name.split(".")))
+
+
+def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Optional[list]) -> Discovery:
+    found, uncovered, pending = [], [], []
+    claimed: set = set()       # names of described or refused modules and all their ancestors
+    stop = None                # the last described or refused module: its inside is its own (pre-order walk)
+
+    def claim(name):
+        claimed.add(name)
+        parts = name.split(".") if name else []
+        for i in range(len(parts)):
+            claimed.add(".".join(parts[:i]))
+
+    for order, (name, mod) in enumerate(model.named_modules()):
+        if stop is not None and (stop == "" or name.startswith(stop + ".")):
             continue
-        adapter = get_adapter(mod)
-        if adapter is None:
+        selected = _selected(name, inc, exc)
+        try:
+            hit = describe(mod)
+        except UnsupportedAttention as exc_info:
+            stop = name
+            claim(name)
+            if selected:
+                uncovered.append((order, Uncovered(name, _qualname(mod), str(exc_info))))
             continue
-        matched.append(name)
-        spec = adapter.spec(mod)
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"adapter {adapter.name} returned {type(spec).__name__} for {name!r}, expected AttentionSpec")
-        found.append(AttentionLayer(layer_offset + len(found), name, mod, adapter.name, spec))
-    return [l for l in found
-            if (inc is None or any(fnmatch.fnmatchcase(l.name, p) for p in inc))
-            and not (exc and any(fnmatch.fnmatchcase(l.name, p) for p in exc))]
+        except ValueError as exc_info:
+            if not selected:   # an excluded module: its inconsistency is not this call's business
+                stop = name
+                continue
+            raise ValueError(f"{name or '(root)'} ({_qualname(mod)}): {exc_info}") from None
+        if hit is None:
+            if looks_like_attention(mod):
+                pending.append((order, name, mod))
+            continue
+        stop = name
+        claim(name)
+        found.append(AttentionLayer(layer_offset + len(found), name, mod, hit.adapter, hit.spec, _is_cross(name, mod)))
+        if hit.partial and selected:
+            uncovered.append((order, Uncovered(name, _qualname(mod), hit.partial)))
+    for order, name, mod in pending:
+        if name in claimed or not _selected(name, inc, exc):
+            continue
+        kids = [f"{n}: {type(c).__name__}" for n, c in mod.named_children()]
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        held = ", ".join(kids + own) or "nothing"
+        uncovered.append((order, Uncovered(name, _qualname(mod), f"its class name says attention, but it holds no "
+                                                                  f"projections condinit can read ({held})")))
+    uncovered.sort(key=lambda ent: ent[0])
+    return Discovery([l for l in found if _selected(l.name, inc, exc)], [u for _, u in uncovered])
 
 
 def _patterns(pats, what):
@@ -123,13 +231,29 @@ def _patterns(pats, what):
     return pats
 
 
-def _no_attention_error(model, include, exclude):
+def _listing(uncovered: Sequence[Uncovered], limit: Optional[int] = None) -> str:
+    shown = list(uncovered) if limit is None else list(uncovered)[:limit]
+    text = "; ".join(str(u) for u in shown)
+    if limit is not None and len(uncovered) > limit:
+        text += f"; ... {len(uncovered) - limit} more"
+    return text
+
+
+_WHAT_TO_DO = ("describe them with condinit.models.register_adapter(TheirClass, lambda m: AttentionSpec.from_linears"
+               "(...) or AttentionSpec.from_fused(..., layout=...)) (condinit init: --adapter module:function), or "
+               "acknowledge them with exclude=[...]")
+
+
+def _no_attention_error(model, include, exclude, uncovered: Sequence[Uncovered] = ()):
     if include is not None or exclude is not None:
         return ValueError(f"no attention layer of {type(model).__name__} matches include={include!r} "
                           f"exclude={exclude!r}")
-    keys = sorted(k.__name__ if isinstance(k, type) else k.rsplit(".", 1)[1] for k in registered_adapters())
-    return ValueError(f"no attention layer found in {type(model).__name__}: no submodule is of a class with a "
-                      f"registered adapter ({', '.join(keys)}); add one with "
+    if uncovered:
+        return UncoveredAttentionError(f"no attention layer of {type(model).__name__} can be conditioned; attention-"
+                                       f"like modules found: {_listing(uncovered, 20)}. To condition them, "
+                                       f"{_WHAT_TO_DO}")
+    return ValueError(f"no attention layer found in {type(model).__name__}: no submodule has a registered adapter or "
+                      f"the projections condinit reads (q_proj/k_proj/v_proj, query/key/value, qkv, ...); add one with "
                       f"condinit.models.register_adapter(YourAttention, lambda m: AttentionSpec.from_linears(...))")
 
 
@@ -168,13 +292,16 @@ class LayerReport:
     before: dict = field(default_factory=dict)
     after: dict = field(default_factory=dict)
     time_s: float = 0.0
+    layout: str = "separate"
+    cross: bool = False
 
     def to_dict(self) -> dict:
         def st(s):
             return None if s is None else {"sigma_max": s.sigma_max, "sigma_min": s.sigma_min, "cond": s.cond,
                                            "cond_per_head": list(s.cond_per_head)}
         return {"index": self.index, "name": self.name, "adapter": self.adapter, "num_heads": self.num_heads,
-                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "layout": self.layout,
+                "cross": self.cross,
                 "shapes": {k: list(v) for k, v in self.shapes.items()},
                 "before": {k: st(v) for k, v in self.before.items()},
                 "after": {k: st(v) for k, v in self.after.items()}, "time_s": self.time_s}
@@ -182,9 +309,12 @@ class LayerReport:
 
 @dataclass
 class ApplyReport:
-    """What :func:`apply` did: one :class:`LayerReport` per conditioned layer, plus totals.
+    """What :func:`apply` did: one :class:`LayerReport` per conditioned layer, plus totals, and
+    ``uncovered``: the attention-like modules it left as they were, each with the reason
+    (:class:`Uncovered`).
 
-    ``print(report)`` (or ``report.print()``) shows a table; ``report.to_dict()`` is JSON-friendly.
+    ``print(report)`` (or ``report.print()``) shows a table per layer and projection, then the
+    uncovered modules; ``report.to_dict()`` is JSON-friendly.
     ``time_s`` per layer is the wall time of the batched launches that produced its blocks,
     apportioned by block count, plus its V and bias writes. ``launches``: the number of chunks
     generated and orthogonalized. ``init_time_s`` is the time spent materializing a meta model (its
@@ -200,6 +330,7 @@ class ApplyReport:
     sharded: bool = False
     init_time_s: float = 0.0
     total_time_s: float = 0.0
+    uncovered: list = field(default_factory=list)
 
     def __len__(self):
         return len(self.layers)
@@ -213,7 +344,8 @@ class ApplyReport:
     def to_dict(self) -> dict:
         return {"seed": self.seed, "method": self.method, "v_mode": self.v_mode, "launches": self.launches,
                 "materialized": self.materialized, "sharded": self.sharded, "init_time_s": self.init_time_s,
-                "total_time_s": self.total_time_s, "layers": [l.to_dict() for l in self.layers]}
+                "total_time_s": self.total_time_s, "layers": [l.to_dict() for l in self.layers],
+                "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason} for u in self.uncovered]}
 
     def table(self, max_rows: Optional[int] = None):
         """A ``rich.table.Table`` with one row per (layer, projection)."""
@@ -223,7 +355,7 @@ class ApplyReport:
                         f"{self.method}, V {self.v_mode}, {self.launches} launches, {self.total_time_s:.3f} s"
                         + (" (materialized from meta)" if self.materialized else "")
                         + (" (local shards)" if self.sharded else ""))
-        for col in ("layer", "name", "adapter", "heads", "proj", "shape", "before σmax/σmin/κ",
+        for col in ("layer", "name", "adapter", "heads", "layout", "proj", "shape", "before σmax/σmin/κ",
                     "after σmax/σmin/κ", "ms"):
             t.add_column(col, justify="right" if col in ("layer", "ms") else "left")
         layers = self.layers if max_rows is None else self.layers[:max_rows]
@@ -231,21 +363,43 @@ class ApplyReport:
             for i, p in enumerate(("q", "k", "v")):
                 first = i == 0
                 t.add_row(str(l.index) if first else "", l.name if first else "", l.adapter if first else "",
-                          f"{l.num_heads}/{l.num_kv_heads}x{l.head_dim}" if first else "", p,
+                          f"{l.num_heads}/{l.num_kv_heads}x{l.head_dim}" if first else "",
+                          (l.layout + (" (cross)" if l.cross else "")) if first else "", p,
                           "x".join(str(s) for s in l.shapes[p]), _fmt(l.before.get(p)), _fmt(l.after.get(p)),
                           f"{1e3 * l.time_s:.1f}" if first else "")
         if max_rows is not None and len(self.layers) > max_rows:
             t.caption = f"... {len(self.layers) - max_rows} more layers"
         return t
 
+    def uncovered_table(self):
+        """A ``rich.table.Table`` of the uncovered modules, or None when there are none."""
+        return uncovered_table(self.uncovered)
+
     def print(self, console=None, max_rows: Optional[int] = None):
-        (console or wide_console()).print(self.table(max_rows))
+        con = console or wide_console()
+        con.print(self.table(max_rows))
+        if self.uncovered:
+            con.print(self.uncovered_table())
 
     def __str__(self):
         con = wide_console(force_width=True)
         with con.capture() as cap:
-            con.print(self.table())
+            self.print(con)
         return cap.get()
+
+
+def uncovered_table(uncovered: Sequence[Uncovered], title: Optional[str] = None):
+    """A ``rich.table.Table`` listing attention-like modules that were not conditioned, or None."""
+    if not uncovered:
+        return None
+    from rich.table import Table
+
+    t = Table(title=title or f"not conditioned: {len(uncovered)} attention-like module(s), left as the model made them")
+    for col in ("name", "class", "reason"):
+        t.add_column(col, overflow="fold")
+    for u in uncovered:
+        t.add_row(u.name or "(root)", u.cls, u.reason)
+    return t
 
 
 def wide_console(force_width: bool = False):
@@ -280,30 +434,38 @@ class _Region:
     view: torch.Tensor  # [r_hi - r_lo, c_hi - c_lo], aliasing the (local) storage
 
 
-def _local_region(proj: Projection, name: str) -> Optional[_Region]:
+def _local_regions(proj: Projection, name: str) -> list[_Region]:
+    """The local part of each group of ``proj`` (rows in the projection's logical coordinates)."""
     local, off, gshape = local_part(proj.weight, name)
-    if proj.transposed:  # storage [in, out_total]: logical rows are storage columns
-        r = overlap(off[1], off[1] + local.shape[1], proj.start, proj.stop)
-        c = (off[0], off[0] + local.shape[0])
-        if r is None or c[0] >= c[1]:
-            return None
-        view = local[c[0] - off[0]:c[1] - off[0], r[0] - off[1]:r[1] - off[1]].t()
-    else:
-        r = overlap(off[0], off[0] + local.shape[0], proj.start, proj.stop)
-        c = (off[1], off[1] + local.shape[1])
-        if r is None or c[0] >= c[1]:
-            return None
-        view = local[r[0] - off[0]:r[1] - off[0], c[0] - off[1]:c[1] - off[1]]
-    return _Region(r[0] - proj.start, r[1] - proj.start, c[0], c[1], view)
+    out = []
+    for logical, lo, hi in proj.segments():
+        if proj.transposed:  # storage [in, out_total]: logical rows are storage columns
+            r = overlap(off[1], off[1] + local.shape[1], lo, hi)
+            c = (off[0], off[0] + local.shape[0])
+            if r is None or c[0] >= c[1]:
+                continue
+            view = local[c[0] - off[0]:c[1] - off[0], r[0] - off[1]:r[1] - off[1]].t()
+        else:
+            r = overlap(off[0], off[0] + local.shape[0], lo, hi)
+            c = (off[1], off[1] + local.shape[1])
+            if r is None or c[0] >= c[1]:
+                continue
+            view = local[r[0] - off[0]:r[1] - off[0], c[0] - off[1]:c[1] - off[1]]
+        out.append(_Region(logical + r[0] - lo, logical + r[1] - lo, c[0], c[1], view))
+    return out
 
 
-def _local_bias(proj: Projection, name: str) -> Optional[torch.Tensor]:
-    """The local part of this projection's rows of its bias (None: no bias, or none of it is local)."""
+def _local_biases(proj: Projection, name: str) -> list[torch.Tensor]:
+    """The local part of each group of this projection's bias entries (empty: no bias, or none local)."""
     if proj.bias is None:
-        return None
+        return []
     local, off, _ = local_part(proj.bias, name)
-    s = overlap(off[0], off[0] + local.shape[0], proj.bias_offset, proj.bias_offset + proj.rows)
-    return None if s is None else local[s[0] - off[0]:s[1] - off[0]]
+    out = []
+    for lo, hi in proj.bias_segments():
+        s = overlap(off[0], off[0] + local.shape[0], lo, hi)
+        if s is not None:
+            out.append(local[s[0] - off[0]:s[1] - off[0]])
+    return out
 
 
 def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
@@ -316,9 +478,10 @@ def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
 
     for l in layers:
         for _, p in l.spec.projections():
-            add(p.weight, 1 if p.transposed else 0, p.start, p.stop)
-            if p.bias is not None:
-                add(p.bias, 0, p.bias_offset, p.bias_offset + p.rows)
+            for _, lo, hi in p.segments():
+                add(p.weight, 1 if p.transposed else 0, lo, hi)
+            for lo, hi in p.bias_segments():
+                add(p.bias, 0, lo, hi)
     out = []
     for t, size, iv in spans.values():
         at = 0
@@ -338,11 +501,26 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
           method: str = "auto", v_mode: str = "identity", include: Union[str, Sequence[str], None] = None,
           exclude: Union[str, Sequence[str], None] = None, report: bool = True, layer_offset: int = 0,
           device=None, memory_budget: Optional[int] = None, init_fn: Optional[Callable[[nn.Module], None]] = None,
-          check_init: bool = True, progress: bool = False) -> ApplyReport:
+          check_init: bool = True, progress: bool = False, strict: bool = False) -> ApplyReport:
     """Conditioned initialization of every attention layer of ``model``, in place (see module doc).
 
+    Per layer: every head's ``W_Q`` and ``W_K`` block gets Haar-random orthonormal rows, ``W_V`` the
+    rectangular identity, the Q/K/V biases zero; everything else (output projection, norms,
+    QK-norm weights, MoE experts, embeddings) is left bit for bit. **Cross-attention**
+    (encoder-decoder models: BART, T5, Whisper, ``nn.TransformerDecoderLayer``): ``W_Q`` reads the
+    decoder's states and ``W_K`` / ``W_V`` the encoder's; each projection gets the same rule with
+    its own input width (``in_features``), so Q is ``[H d, D_dec]`` semi-orthogonal per head and K,
+    V ``[H_kv d, D_enc]``. Models made of several parts (vision-language models, encoder-decoders,
+    attention pooling heads) get every attention layer of every part.
+
+    Nothing is skipped silently: attention-like modules that no adapter or structure covers are
+    listed in ``report.uncovered`` with the reason and in a :class:`UncoveredAttentionWarning`
+    (see :func:`discover`); ``strict=True`` raises :class:`UncoveredAttentionError` instead, before
+    anything is written. ``exclude`` acknowledges such modules.
+
     Args:
-        model: any ``nn.Module``; attention submodules are found through registered adapters.
+        model: any ``nn.Module``; attention submodules are found through registered adapters and
+            by structure (:mod:`condinit.models.adapters`).
         seed: ``0 <= seed < 2**64``; default None: one draw from ``generator``, or torch's default
             generator, as ``torch.nn.init`` does (so ``torch.manual_seed`` controls it). The report
             records the seed used.
@@ -351,7 +529,8 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
             :func:`condinit.init.orthogonalize`).
         v_mode: ``"identity"`` (rectangular identity over the whole V matrix) or
             ``"identity_per_head"`` (``I_{d x in}`` in every head's rows).
-        include, exclude: ``fnmatch`` patterns on module names selecting layers (after numbering).
+        include, exclude: ``fnmatch`` patterns on module names selecting layers (after numbering),
+            and which uncovered modules are reported.
         report: measure singular values of every Q/K/V head block before (when the weights hold
             values: not for meta or sharded models) and after.
         layer_offset: added to every layer index (initialize a sub-module as part of a bigger model).
@@ -362,12 +541,16 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
             parameters (see :mod:`condinit.models.deferred`).
         check_init: for meta models, check that the own init left no parameter uninitialized.
         progress: show a tqdm progress bar over the generated blocks.
+        strict: raise when any attention-like module is left uncovered.
 
     Returns:
         :class:`ApplyReport`.
 
     Raises:
-        ValueError: no attention layer (after include/exclude), bad argument, partly-meta model.
+        UncoveredAttentionError: ``strict=True`` and uncovered modules, or no layer can be
+            conditioned but attention-like modules were found (a ``ValueError``).
+        ValueError: no attention layer (after include/exclude), head counts that contradict the
+            projections (naming the module), bad argument, partly-meta model.
         TypeError: a Q/K/V weight that is not floating point, a bad argument type.
 
     Examples:
@@ -375,6 +558,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         >>> report = condinit.apply(model, seed=0)          # every attention layer, in place
         >>> print(report)                                   # per layer and projection: sigma, kappa
         >>> condinit.apply(model, seed=0, include="model.layers.0.*")   # the same bits for layer 0
+        >>> condinit.apply(vlm, seed=0, strict=True)        # refuses if any attention is left out
         >>> with torch.device("meta"):
         ...     big = transformers.AutoModelForCausalLM.from_config(config)
         >>> condinit.apply(big, seed=0, device="cuda")       # materialized, then conditioned
@@ -392,10 +576,16 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         raise TypeError(f"init_fn must be a callable init_fn(model) or None, got {type(init_fn).__name__}")
     check_init = check_bool("check_init", check_init)
     progress = check_bool("progress", progress)
+    strict = check_bool("strict", strict)
 
-    layers = _find_attention(model, layer_offset, inc, exc)
+    found = _discover(model, layer_offset, inc, exc)
+    layers, uncovered = found.layers, found.uncovered
     if not layers:
-        raise _no_attention_error(model, include, exclude)
+        raise _no_attention_error(model, include, exclude, uncovered)
+    if uncovered and strict:
+        raise UncoveredAttentionError(f"strict: {len(uncovered)} attention-like module(s) of {type(model).__name__} "
+                                      f"cannot be conditioned, nothing was written: {_listing(uncovered)}. "
+                                      f"{_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
     for l in layers:  # every check before the first write (or allocation)
         for p, proj in l.spec.projections():
             if not proj.weight.is_floating_point():
@@ -412,6 +602,10 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     elif device is not None:
         raise ValueError(f"device={device!r} is only used to materialize a meta model; this model is already on "
                          f"{params[0].device if params else 'no device'} (move it with model.to(device) instead)")
+    if uncovered:
+        warnings.warn(f"condinit.apply: {len(uncovered)} attention-like module(s) of {type(model).__name__} are not "
+                      f"conditioned and keep the model's own init (report.uncovered lists them; strict=True makes "
+                      f"this an error): {_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=2)
 
     # drawn before the model's own init below, which draws from torch's generator too
     seed = draw_seed(seed, generator)
@@ -421,16 +615,16 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         materialize_(model, device, skip=_covered(layers), init_fn=init_fn, check=check_init)
         init_time = time.perf_counter() - t0
         names = {l.name for l in layers}
-        layers = [l for l in _find_attention(model, layer_offset, None, None) if l.name in names]
+        layers = [l for l in _discover(model, layer_offset, None, None).layers if l.name in names]
 
     sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
         plan, reports = _plan(layers, v_mode, measure_before=report and not meta and not sharded)
-        after: dict = {}   # (layer position, stream) -> [(first block, Spectrum)]
+        after: dict = {}   # (layer position, stream) -> [(first block id, Spectrum)]
 
         def observe(run, first, stop, blocks):
             stored = blocks if run.dest.dtype == torch.float32 else blocks.to(run.dest.dtype)
-            after.setdefault((run.owner, run.stream), []).append((first, spectrum(stored)))
+            after.setdefault((run.owner, run.stream), []).append((int(run.ids[first]), spectrum(stored)))
 
         bar = None
         if progress:
@@ -459,19 +653,20 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
                 v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key))
             rep.after["v"] = v_stats[key]
     return ApplyReport(reports, seed, method, v_mode, launches, meta, sharded, init_time,
-                       time.perf_counter() - t_start)
+                       time.perf_counter() - t_start, list(uncovered))
 
 
 def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool):
     """The :class:`InitPlan` writing the local part of every layer's Q/K/V and biases (owner: the
     layer's position in ``layers``), and one :class:`LayerReport` per layer (``before`` measured
-    when asked)."""
+    when asked). A projection in several groups (interleaved layouts) is planned group by group,
+    each at its logical rows, so head ``h`` is block ``h`` whatever the storage order."""
     plan, reports = InitPlan(), []
     sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
     for i, l in enumerate(layers):
         s = l.spec
         rep = LayerReport(l.index, l.name, l.adapter, s.num_heads, s.num_kv_heads, s.head_dim,
-                          {p: tuple(proj.shape) for p, proj in s.projections()})
+                          {p: tuple(proj.shape) for p, proj in s.projections()}, layout=s.layout, cross=l.cross)
         reports.append(rep)
         for p, proj in s.projections():
             heads = s.num_heads if p == "q" else s.num_kv_heads
@@ -479,17 +674,14 @@ def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool
                 if measure_before else None
             rep.after[p] = None
         for p, proj, stream in (("q", s.q, sq), ("k", s.k, sk)):
-            reg = _local_region(proj, f"{l.name}.{p}")
-            if reg is not None:
+            for reg in _local_regions(proj, f"{l.name}.{p}"):
                 plan.add_heads(stream, l.index * LAYER_STRIDE, reg.view, s.head_dim, proj.in_features,
                                row_lo=reg.r_lo, col_lo=reg.c_lo, owner=i)
-        reg = _local_region(s.v, f"{l.name}.v")
-        if reg is not None:
+        for reg in _local_regions(s.v, f"{l.name}.v"):
             plan.add_identity(reg.view, row_lo=reg.r_lo, col_lo=reg.c_lo,
                               head_dim=s.head_dim if v_mode == "identity_per_head" else None, owner=i)
         for p, proj in s.projections():
-            bias = _local_bias(proj, f"{l.name}.{p} bias")
-            if bias is not None:
+            for bias in _local_biases(proj, f"{l.name}.{p} bias"):
                 plan.add_zero(bias, owner=i)
     return plan, reports
 

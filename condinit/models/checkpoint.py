@@ -28,10 +28,15 @@ The ``condinit`` metadata entry (a JSON string in the safetensors header) writte
     {"format": 1, "family": "llama", "seed": 0, "method": "auto", "v_mode": "identity",
      "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
      "layers": [{"index": 0, "name": "model.layers.0.self_attn", "num_heads": 32, "num_kv_heads": 8,
-                 "head_dim": 64, "q": {"tensor": "model.layers.0.self_attn.q_proj.weight", "start": 0,
-                 "stop": 2048, "transposed": false}, "k": {...}, "v": {...}}, ...]}
+                 "head_dim": 64, "layout": "separate", "q": {"tensor": "model.layers.0.self_attn.q_proj.weight",
+                 "start": 0, "stop": 2048, "transposed": false}, "k": {...}, "v": {...}}, ...],
+     "uncovered": [{"name": ..., "class": ..., "reason": ...}]}
 
-(keys are stored sorted). Where real models keep their attention weights: docs/design.md, "Model layouts".
+(keys are stored sorted). A projection whose rows alternate with the others' (GPT-NeoX's ``[H, 3,
+d]``, Falcon's groups) also has ``"groups"`` and ``"stride"``: group ``g`` is rows ``start + g*stride
+: stop + g*stride``, the groups stacked in order give the projection's heads; without them the
+projection is the one row range ``start:stop``. ``"uncovered"`` lists the attention-like modules
+``condinit.apply`` left unconditioned, and why. Where real models keep their attention weights: docs/design.md, "Model layouts".
 """
 from __future__ import annotations
 
@@ -369,14 +374,19 @@ def condinit_metadata(model: nn.Module, report, family: str, extra: Optional[dic
             continue
         ent = {"index": rep.index, "name": rep.name, "num_heads": rep.num_heads,
                "num_kv_heads": rep.num_kv_heads, "head_dim": rep.head_dim}
+        ent["layout"] = l.spec.layout
         for p, proj in l.spec.projections():
             ent[p] = {"tensor": names.get(id(proj.weight)), "start": proj.start, "stop": proj.stop,
                       "transposed": proj.transposed}
+            if proj.groups > 1:   # interleaved rows: group g is start + g*stride : stop + g*stride
+                ent[p].update(groups=proj.groups, stride=proj.stride)
         layers.append(ent)
     first = layers[0] if layers else {}
     meta = {"format": METADATA_FORMAT, "family": family, "seed": report.seed, "method": report.method,
             "v_mode": report.v_mode, "num_heads": first.get("num_heads"), "num_kv_heads": first.get("num_kv_heads"),
-            "head_dim": first.get("head_dim"), "layers": layers}
+            "head_dim": first.get("head_dim"), "layers": layers,
+            "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason}
+                          for u in getattr(report, "uncovered", ())]}
     meta.update(extra or {})
     return {METADATA_KEY: _canonical_json(meta)}
 
@@ -585,6 +595,21 @@ def _check_metadata(meta, where: str) -> dict:
                 fail(f"{at}.{p}.start", f"below stop ({proj['stop']})", proj["start"])
             if not isinstance(proj.get("transposed"), bool):
                 fail(f"{at}.{p}.transposed", "true or false", proj.get("transposed"))
+            if "groups" in proj and not (_is_int(proj["groups"]) and proj["groups"] >= 1):
+                fail(f"{at}.{p}.groups", "an integer >= 1", proj["groups"])
+            if "stride" in proj and not (_is_int(proj["stride"]) and proj["stride"] >= proj["stop"] - proj["start"]):
+                fail(f"{at}.{p}.stride", f"an integer >= stop - start ({proj['stop'] - proj['start']})", proj["stride"])
+            if proj.get("groups", 1) > 1 and "stride" not in proj:
+                fail(f"{at}.{p}.stride", "present with groups > 1", None)
+        if "layout" in ent and not isinstance(ent["layout"], str):
+            fail(f"{at}.layout", "a string", ent["layout"])
+    uncovered = meta.get("uncovered")
+    if uncovered is not None:
+        if not isinstance(uncovered, list):
+            fail("uncovered", "a list", uncovered)
+        for i, ent in enumerate(uncovered):
+            if not (isinstance(ent, dict) and all(isinstance(ent.get(k), str) for k in ("name", "class", "reason"))):
+                fail(f"uncovered[{i}]", "an object {name, class, reason} of strings", ent)
     return meta
 
 
@@ -632,9 +657,21 @@ def _check_metadata_tensors(meta: dict, shapes: dict, where: str) -> None:
                 raise ValueError(f"{where}: condinit metadata names tensor {t!r} ({len(shape)}-D, shape "
                                  f"{list(shape)}) for {ent['name']}.{p}, expected a 2-D projection weight")
             rows = shape[1] if proj["transposed"] else shape[0]
-            if proj["stop"] > rows:
-                raise ValueError(f"{where}: condinit metadata gives rows {proj['start']}:{proj['stop']} of "
+            end = _span_stop(proj)
+            if end > rows:
+                raise ValueError(f"{where}: condinit metadata gives rows {proj['start']}:{end} of "
                                  f"tensor {t!r} for {ent['name']}.{p}, which has {rows}")
+
+
+def _span_stop(proj: dict) -> int:
+    """One past the last row of a projection entry (``groups`` runs ``stride`` apart)."""
+    return proj["stop"] + (proj.get("groups", 1) - 1) * proj.get("stride", 0)
+
+
+def _entry_rows(proj: dict) -> list:
+    """Storage row ranges of a projection entry, in logical order."""
+    n, step = proj.get("groups", 1), proj.get("stride", 0)
+    return [(proj["start"] + g * step, proj["stop"] + g * step) for g in range(n)]
 
 
 # Name patterns of the supported families, for checkpoints without condinit metadata.
@@ -772,9 +809,10 @@ def projection_blocks(fh, loc: dict, p: str, cache: dict) -> torch.Tensor:
         raise ValueError(f"{where}: {what} is {w.dim()}-D with shape {list(w.shape)}, expected a 2-D projection "
                          f"weight")
     rows = w.shape[1] if ent["transposed"] else w.shape[0]
-    if not 0 <= ent["start"] < ent["stop"] <= rows:
-        raise ValueError(f"{where}: {what}: rows {ent['start']}:{ent['stop']} are out of range, it has {rows}")
-    w = w[:, ent["start"]:ent["stop"]].t() if ent["transposed"] else w[ent["start"]:ent["stop"]]
+    if not 0 <= ent["start"] < ent["stop"] <= _span_stop(ent) <= rows:
+        raise ValueError(f"{where}: {what}: rows {ent['start']}:{_span_stop(ent)} are out of range, it has {rows}")
+    parts = [w[:, lo:hi].t() if ent["transposed"] else w[lo:hi] for lo, hi in _entry_rows(ent)]
+    w = parts[0] if len(parts) == 1 else torch.cat(parts)
     heads = loc["num_heads"] if p == "q" else loc["num_kv_heads"]
     d = loc["head_dim"]
     if w.shape[0] != heads * d:

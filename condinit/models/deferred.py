@@ -15,9 +15,13 @@
      ``model.tie_weights()``;
    * anything else: ``reset_parameters()`` (or ``_reset_parameters()``, as ``nn.MultiheadAttention`` /
      ``nn.Transformer`` name it) on every module, children before parents (the order of
-     construction, so a parent's scheme wins as it does at construction); modules whose own
-     parameters are all skipped are not reset; then the root's ``init_weights()`` if it has one
-     taking no arguments (timm ``VisionTransformer``, torchtitan-style models);
+     construction, so a parent's scheme wins as it does at construction, and torch's generator is
+     drawn in the same order as when the model is built on a real device); then the root's
+     ``init_weights()`` if it has one taking no arguments (timm ``VisionTransformer``,
+     torchtitan-style models). No reset is left out, not even one whose module's own parameters
+     are all skipped: a reset may write its children's parameters too (``nn.MultiheadAttention``'s
+     zeroes ``out_proj.bias``, which ``nn.Linear``'s reset had drawn at random), and only the
+     module's own code knows. The skipped tensors it writes are overwritten next;
    * or ``init_fn(model)`` when given, instead of both;
 
 5. checks that no non-skipped floating parameter or buffer is still NaN, and raises ValueError
@@ -97,15 +101,12 @@ def _hf_init(model, skip_ids: set[int]):
         tie()
 
 
-def _generic_init(model: nn.Module, skip_ids: set[int]):
+def _generic_init(model: nn.Module):
     with torch.no_grad():
         # post-order: children first, like construction
         def visit(mod):
             for child in mod.children():
                 visit(child)
-            own = [p for p in mod._parameters.values() if p is not None]
-            if own and all(id(p) in skip_ids for p in own):
-                return
             for fn_name in ("reset_parameters", "_reset_parameters"):
                 fn = getattr(mod, fn_name, None)
                 if callable(fn) and _zero_arg_callable(fn):
@@ -163,7 +164,7 @@ def materialize_(model: nn.Module, device=None, *, skip: Iterable[torch.Tensor] 
     elif _is_hf_model(model):
         _hf_init(model, skip_ids)
     else:
-        _generic_init(model, skip_ids)
+        _generic_init(model)
     if check:
         bad = []
         seen = set()

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Preset", "PRESETS", "build_model", "load_config_dict", "DTYPES"]
+__all__ = ["Preset", "PRESETS", "build_model", "load_config_dict", "model_class_for", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,13 +64,41 @@ def load_config_dict(path) -> dict:
     return cfg
 
 
+def model_class_for(model_type: str, config) -> str:
+    """``"AutoModelForCausalLM"`` when ``model_type`` is a decoder language model, else ``"AutoModel"``.
+
+    A decoder LM: transformers has a causal-LM class for the type, the config is not an
+    encoder-decoder (BART and T5 also have causal-LM heads: their decoder alone), and the type has no
+    masked-LM class (BERT, RoBERTa and ELECTRA have causal-LM heads too, but are encoders).
+
+    Examples:
+        >>> model_class_for("llama", transformers.LlamaConfig())
+        'AutoModelForCausalLM'
+        >>> model_class_for("bert", transformers.BertConfig())
+        'AutoModel'
+    """
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if (model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False)
+            and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return "AutoModelForCausalLM"
+    return "AutoModel"
+
+
 def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, dtype=torch.float32,
                 device="meta"):
     """Build a Hugging Face model from a preset name or a config dict, on ``device`` (default meta:
     nothing allocated). Returns ``(model, family)``.
 
-    The model class: the config's ``architectures[0]`` when transformers has it, else
-    ``AutoModelForCausalLM`` for causal-LM model types, else ``AutoModel``.
+    Any ``model_type`` that ``transformers.AutoConfig`` knows is accepted. The model class: the
+    config's ``architectures[0]`` when transformers has it; else ``AutoModelForCausalLM`` when the
+    config is a decoder language model (:func:`model_class_for`); else ``AutoModel`` (the bare
+    encoder, encoder-decoder, vision or vision-language model, which holds every attention layer).
+
+    Examples:
+        >>> model, family = build_model("tiny-llama")                      # on meta
+        >>> model, family = build_model(config={"model_type": "t5", "d_model": 64, "num_layers": 2})
     """
     if (preset is None) == (config is None):
         raise ValueError("give exactly one of preset and config")
@@ -85,7 +113,6 @@ def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, 
     try:
         import transformers
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError as exc:
         raise ValueError(f"building a model needs Hugging Face transformers (pip install transformers): {exc}") from None
     model_type = config.pop("model_type", None)
@@ -96,7 +123,7 @@ def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, 
     archs = getattr(cfg, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None or not hasattr(cls, "_from_config"):
-        cls = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+        cls = AutoModelForCausalLM if model_class_for(model_type, cfg) == "AutoModelForCausalLM" else AutoModel
     with torch.device(device):
         model = cls.from_config(cfg) if cls in (AutoModel, AutoModelForCausalLM) else cls._from_config(cfg)
     if dtype is not None:

@@ -10,14 +10,16 @@
 * :class:`JacobianMonitor` -- forward hooks that sample a training step and log the estimates,
   without changing training.
 * :class:`InputCapture` -- the forward pre-hooks that capture attention layers' inputs.
+* :class:`NonFiniteError` -- a ``ValueError``: the operator was given NaN / Inf data (``x``, ``q, k, v``
+  or a layer's weights).
 """
 from .bound import ConditionNumberBound, condition_number_bound
 from .capture import InputCapture, layer_input
 from .estimators import (FrobeniusEstimate, SpectrumEstimate, condition_number, frobenius_hutchinson,
                          lanczos_svd, power_sigma_max)
 from .monitor import JacobianMonitor
-from .operator import JacobianOperator
+from .operator import JacobianOperator, NonFiniteError
 
 __all__ = ["JacobianOperator", "JacobianMonitor", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "condition_number_bound", "SpectrumEstimate", "FrobeniusEstimate",
-           "ConditionNumberBound", "InputCapture", "layer_input"]
+           "ConditionNumberBound", "InputCapture", "layer_input", "NonFiniteError"]

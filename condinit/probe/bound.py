@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from condinit._validate import check_bool, check_int, check_seed
 
-from .operator import autocast_disabled
+from .operator import _autocast_disabled
 
 __all__ = ["ConditionNumberBound", "condition_number_bound", "softmax_jacobian_kappa"]
 
@@ -137,6 +137,9 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     runs :func:`condinit.probe.lanczos_svd` (``steps``, ``seed``) on the layer's weight Jacobian
     (before ``W_O``) and fills ``measured_kappa`` / ``measured``, to read beside the bound.
     ``causal``, ``scale`` and ``dtype`` are as for :class:`~condinit.probe.JacobianOperator`.
+    ``bound`` is None when it is vacuous (a term infinite or undefined: rank-deficient ``X``, one
+    token, ...); ``notes`` then says which term and why. NaN or Inf in ``x`` or the weights raise
+    :class:`~condinit.probe.NonFiniteError`.
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
@@ -153,7 +156,7 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale)
     B, N, H, Hkv, d, G = op.B, op.N, op.H, op.Hkv, op.d, op.G
     f64 = torch.float64
-    with torch.no_grad(), autocast_disabled(op.device):
+    with torch.no_grad(), _autocast_disabled(op.device):
         X = op.X.to(f64)
         kX = _kappa(torch.linalg.svdvals(X))                                  # [B]
         blocks = lambda w, h: w.to(f64).reshape(h, d, -1)                     # noqa: E731

@@ -52,7 +52,7 @@ from torch import nn
 from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_real, check_seed
 
 from .capture import InputCapture
-from .operator import autocast_disabled
+from .operator import _autocast_disabled
 
 __all__ = ["JacobianMonitor"]
 
@@ -238,7 +238,7 @@ class JacobianMonitor:
                 continue
             t0 = time.perf_counter()
             seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
-            with torch.no_grad(), autocast_disabled(op.device):
+            with torch.no_grad(), _autocast_disabled(op.device):
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
                 fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                     if self.frobenius_samples and math.isfinite(est.sigma_max) else None

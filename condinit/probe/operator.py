@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from condinit import _backends
 from condinit._validate import check_bool, check_choice, check_int, check_real, check_tensor
 
-__all__ = ["JacobianOperator", "NonFiniteError", "WRT", "DENSE_MAX_ENTRIES", "autocast_disabled"]
+__all__ = ["JacobianOperator", "NonFiniteError", "WRT", "DENSE_MAX_ENTRIES"]
 
 WRT = ("weights", "input", "qkv")
 DENSE_MAX_ENTRIES = 4_000_000   # .dense(): 32 MB of float64
@@ -97,7 +97,7 @@ def _check_finite(what: str, t: Tensor) -> None:
         raise NonFiniteError(f"{what} must be finite, got NaN or Inf (in {t.dtype})")
 
 
-def autocast_disabled(device: torch.device):
+def _autocast_disabled(device: torch.device):
     """A context with autocast off on ``device``'s type: the probes compute in their own dtype
     (their tangents must match the primal's dtype), whatever autocast region the caller is in."""
     available = getattr(torch.amp, "is_autocast_available", None)
@@ -107,10 +107,10 @@ def autocast_disabled(device: torch.device):
 
 
 def _no_autocast(method):
-    """Run an operator method with autocast off on the operator's device (see :func:`autocast_disabled`)."""
+    """Run an operator method with autocast off on the operator's device (see :func:`_autocast_disabled`)."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with autocast_disabled(self.device):
+        with _autocast_disabled(self.device):
             return method(self, *args, **kwargs)
     return wrapper
 
@@ -186,7 +186,8 @@ class JacobianOperator:
             or a ``(q, k, v)`` triple ``[B, H, N, d]`` / ``[B, Hkv, N, d]`` x 2 (then ``wrt="qkv"``
             and ``x`` is None).
         x: the layer's input ``[B, N, D]`` (batch first, whatever the module's own layout), or
-            ``[N, D]`` for one sequence. Copied.
+            ``[N, D]`` for one sequence. Copied; must be finite, as must the layer's weights and
+            biases (else :class:`NonFiniteError`, a ``ValueError``).
         wrt: ``"weights"``, ``"input"`` or ``"qkv"``.
         causal: causal mask (query ``i`` attends keys ``j <= i``).
         include_output_proj: apply the module's ``W_O`` (``out_proj`` / ``o_proj`` / ``c_proj`` /
@@ -609,14 +610,17 @@ class JacobianOperator:
         if self._w_raw is not None and self.bq is not None:
             # X w = 1: the bias is a weight column, dW_Q = E (W_Q + b_Q w^T) gives Q' = Q E^T exactly
             wq = wq + torch.outer(self.bq.to(f64), self._w_raw)
-        wq = (wq @ pi_q).reshape(Hkv, G, d, D)                        # W~_Q per group
-        wk = (self.Wk.to(f64) @ pi_k).reshape(Hkv, d, D)
-        # one common power of two for W~_Q and W~_K keeps the Gram matrices below in range for any
-        # weight scale; the projection is invariant under it (E scales by its inverse), and exact
+        wk = self.Wk.to(f64)
+        # one common power of two for W_Q and W_K (largest entry in [0.5, 1)) keeps the Gram matrices
+        # below in range for any weight scale; the projection is invariant under it (E scales by its
+        # inverse), and exact. Taken before projecting, so that a W~ that is rounding noise (X ~ 0)
+        # stays small against the absolute floor of the zero test below.
         amax = float(torch.maximum(wq.abs().max(), wk.abs().max()))
         if amax > 0:
             unit = math.ldexp(1.0, -max(-1000, min(1000, math.frexp(amax)[1])))
             wq, wk = wq * unit, wk * unit
+        wq = (wq @ pi_q).reshape(Hkv, G, d, D)                        # W~_Q per group
+        wk = (wk @ pi_k).reshape(Hkv, d, D)
         A = torch.einsum("gjdD,gjeD->gde", wq, wq)                   # sum_h W~_Q,h W~_Q,h^T
         C = wk @ wk.transpose(-1, -2)
         # E restricted to E b_Q,h = 0: Pi = I - projector onto span{b_Q,h : h in g}
@@ -631,7 +635,10 @@ class JacobianOperator:
         la, ua = torch.linalg.eigh(pi @ A @ pi - shift * (torch.eye(d, dtype=f64, device=self.device) - pi))
         lc, uc = torch.linalg.eigh(C)
         den = lc.unsqueeze(-1) + la.unsqueeze(-2)                     # [Hkv, d, d]
-        keep = (la > -shift / 2).unsqueeze(-2) & (den > 1e-12 * max(float(la.max()), float(lc.max()), 1e-300))
+        # zero test relative to the largest eigenvalue, but never below shift (> 1 and > |A|, |C| with
+        # the scaled weights): the eigensolver's noise is ~ eps * shift (the bias term), so A = C = 0
+        # (x = 0) gives no gauge at all, and a W~ of rounding noise none either
+        keep = (la > -shift / 2).unsqueeze(-2) & (den > 1e-12 * max(float(la.max()), float(lc.max()), shift))
         inv = torch.where(keep, 1.0 / torch.where(keep, den, torch.ones_like(den)), torch.zeros_like(den))
         cd = self.dtype
         self._gauge = (wq.to(cd), wk.to(cd), pi.to(cd), ua.to(cd), uc.to(cd), inv.to(cd))

@@ -130,12 +130,17 @@ def _choose(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
     return _choose_cached(op.name, q.device, backend, q.dtype, int(q.shape[-1]))
 
 
-@torch.compiler.assume_constant_result
 def _choose_cached(op_name: str, device: torch.device, backend: Optional[str], dtype: torch.dtype,
                    head_dim: int) -> str:
-    # A pure function of its arguments and the (cached) build facts: torch.compile records the
-    # chosen name as a constant instead of tracing the availability queries.
     return _backends.get(op_name).choose(device, backend, dtype=dtype, head_dim=head_dim)
+
+
+# A pure function of its arguments and the (cached) build facts: torch.compile records the chosen
+# name as a constant instead of tracing the availability queries. This is what
+# torch.compiler.assume_constant_result does; set directly because that function imports
+# torch._dynamo (and with it triton), which must not happen when condinit.attention is merely
+# resolved. tests/test_attention.py compiles with fullgraph=True, so a change in Dynamo shows.
+_choose_cached._dynamo_marked_constant = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,30 +381,31 @@ def _check_tangents(primals, tangents) -> tuple[bool, int]:
 class _Attention(torch.autograd.Function):
     """``(out, lse) = attention(q, k, v)``; backward is the flash VJP from the saved ``lse``.
 
-    ``impls`` holds the backends chosen for the forward, backward and JVP ops. This class has no
-    ``jvp`` so that ``torch.compile`` (Dynamo) can trace it; :class:`_AttentionAD` adds the
+    ``fwd_impl``, ``bwd_impl``, ``jvp_impl`` name the backends chosen for the three ops (separate
+    str arguments: ``generate_vmap_rule`` composes with ``jvp`` only for flat arguments). This
+    class has no ``jvp`` so that ``torch.compile`` (Dynamo) can trace it; :class:`_AttentionAD` adds the
     forward-mode rule for eager / ``torch.func`` use.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, causal, scale, impls):
-        return _attention_fwd_op(q, k, v, causal, scale, impls[0])
+    def forward(q, k, v, causal, scale, fwd_impl, bwd_impl, jvp_impl):
+        return _attention_fwd_op(q, k, v, causal, scale, fwd_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, impls = inputs
+        q, k, v, causal, scale, fwd_impl, bwd_impl, jvp_impl = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
+        ctx.causal, ctx.scale, ctx.bwd_impl, ctx.jvp_impl = causal, scale, bwd_impl, jvp_impl
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.impls[1])
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class _AttentionAD(_Attention):
@@ -409,6 +415,18 @@ class _AttentionAD(_Attention):
     (primal tiles included): about 4 forwards in all. :func:`attention_jvp` is the single-pass
     route when the tangent is all you need.
     """
+
+    # torch's generated vmap rule does not compose with a jvp rule (jvp of vmap hits an internal
+    # assert): fold the vmapped dimension into the batch explicitly, as the custom ops do.
+    generate_vmap_rule = False
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, causal, scale, fwd_impl, bwd_impl, jvp_impl):
+        n = info.batch_size
+        out, lse = _AttentionAD.apply(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n),
+                                      _fold(v, in_dims[2], n), causal, scale, fwd_impl, bwd_impl,
+                                      jvp_impl)
+        return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -421,7 +439,7 @@ class _AttentionAD(_Attention):
         if tq is None and tk is None and tv is None:
             return torch.zeros_like(q), None
         tangents = [t.unsqueeze(0) if t is not None else None for t in (tq, tk, tv)]
-        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, ctx.causal, ctx.scale, ctx.impls[2])
+        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, ctx.causal, ctx.scale, ctx.jvp_impl)
         return tout.squeeze(0), None
 
 
@@ -459,48 +477,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     impls = tuple(_choose(op, q, backend) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
-    out, _ = fn.apply(q, k, v, causal, scale, impls)
+    out, _ = fn.apply(q, k, v, causal, scale, *impls)
     return out
 
 
 # --------------------------------------------------------------------------------------------
 # attention_jvp: the fused single-pass JVP, differentiable in all six inputs
 # --------------------------------------------------------------------------------------------
-
-class _AttentionJVP(torch.autograd.Function):
-    """``(out, tout, lse)`` from the fused JVP op; backward = ``condinit::attention_jvp_bwd``, the
-    tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
-
-    ``impls`` holds the backends of the JVP and of its backward. The backward is not itself
-    differentiable: second-order gradients through it raise (:class:`_FirstOrderOnly`).
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, impls):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impls[0])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, impls = inputs
-        ctx.mark_non_differentiable(output[2])
-        ctx.present = tuple(t is not None for t in (tq, tk, tv))
-        ctx.save_for_backward(q, k, v, tq, tk, tv, *output)
-        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
-
-    @staticmethod
-    def backward(ctx, gout, gtout, _glse):
-        q, k, v, tq, tk, tv, out, tout, lse = ctx.saved_tensors
-        grads = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
-                                      ctx.causal, ctx.scale, ctx.impls[1])
-        inputs = [x for x in (gout, gtout, q, k, v, tq, tk, tv) if x is not None]
-        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            grads = _FirstOrderOnly.apply(len(grads), *grads, *inputs)
-        dq, dk, dv, *dt = grads
-        dt = [g if p else None for g, p in zip(dt, ctx.present)]
-        return (dq, dk, dv, *dt, None, None, None)
-
 
 class _FirstOrderOnly(torch.autograd.Function):
     """``grads = _FirstOrderOnly.apply(n, *grads, *inputs)``: the ``n`` gradients unchanged, tied
@@ -530,6 +513,43 @@ class _FirstOrderOnly(torch.autograd.Function):
             "not use tangent_out can pass grad_through_tangent=False, whose backward is.")
 
 
+class _AttentionJVP(torch.autograd.Function):
+    """``(out, tout, lse)`` from the fused JVP op; backward = ``condinit::attention_jvp_bwd``, the
+    tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
+
+    ``impls`` holds the backends of the JVP and of its backward. The backward is not itself
+    differentiable: second-order gradients through it raise (:class:`_FirstOrderOnly`).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, tq, tk, tv, causal, scale, impls):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impls[0])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, tq, tk, tv, causal, scale, impls = inputs
+        ctx.mark_non_differentiable(output[2])
+        ctx.present = tuple(t is not None for t in (tq, tk, tv))
+        ctx.save_for_backward(q, k, v, tq, tk, tv, *output)
+        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
+
+    @staticmethod
+    def backward(ctx, gout, gtout, _glse):
+        q, k, v, tq, tk, tv, out, tout, lse = ctx.saved_tensors
+        inputs = [x for x in (gout, gtout, q, k, v, tq, tk, tv) if x is not None]
+        recording = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        with torch.no_grad():  # the op has no autograd formula; _FirstOrderOnly stands in for one
+            grads = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
+                                          ctx.causal, ctx.scale, ctx.impls[1])
+        if recording:
+            grads = _FirstOrderOnly.apply(len(grads), *grads, *inputs)
+        dq, dk, dv, *dt = grads
+        dt = [g if p else None for g, p in zip(dt, ctx.present)]
+        return (dq, dk, dv, *dt, None, None, None)
+
+
 class _AttentionJVPOutGrad(torch.autograd.Function):
     """``(out, tout, lse)`` from the fused JVP op with ``tout`` not differentiable: backward = the
     flash VJP of ``out`` alone (``condinit::attention_bwd``, itself differentiable)."""
@@ -551,8 +571,8 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout, _gtout, _glse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd_op(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.impls[1])
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _attention_bwd_op(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
@@ -586,8 +606,8 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
             runs).
         grad_through_tangent: if True (default), gradients flow through both outputs. If False,
             ``tangent_out`` is returned detached (no gradient reaches q, k, v or the tangents
-            through it) and the backward is the plain flash backward of ``out``, about 3x
-            cheaper: for callers whose loss does not use the tangent.
+            through it) and the backward is the plain flash backward of ``out`` (5 tile
+            products instead of ``8 + 16 P``): for callers whose loss does not use the tangent.
 
     Returns ``out`` ``[B, H, Nq, d]`` and ``tangent_out`` ``[B, H, Nq, d]`` or
     ``[P, B, H, Nq, d]``, both in the input dtype.
@@ -604,7 +624,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
         >>> q, k, v = (torch.randn(1, 4, 256, 64) for _ in range(3))
         >>> out, tout = condinit.attention_jvp(q, k, v, tq=torch.randn_like(q))       # one probe
         >>> out, touts = condinit.attention_jvp(q, k, v, tk=torch.randn(8, 1, 4, 256, 64))  # 8 probes
-        >>> q.requires_grad_()
+        >>> q = torch.randn(1, 4, 256, 64, requires_grad=True)
         >>> out, tout = condinit.attention_jvp(q, k, v, tq=torch.randn_like(q))
         >>> (out.square().sum() + tout.square().sum()).backward()                    # q.grad
     """

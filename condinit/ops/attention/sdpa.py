@@ -39,9 +39,10 @@ _functorch = torch._C._functorch
 class _Layout:
     """The broadcast layout of one call.
 
-    ``batch`` is the broadcast shape of the dimensions before the heads, ``heads`` the output head
-    count, ``kv_heads`` the key/value head count the fused op gets (it divides ``heads``); ``out``
-    is the output shape SDPA returns (as many dimensions as the largest input).
+    ``padded`` holds query, key and value with at least 3 dimensions; ``batch`` is the broadcast
+    shape of the dimensions before the heads, ``heads`` the output head count; ``out`` is the
+    output shape SDPA returns (as many dimensions as the largest input) and ``scores`` the shape
+    ``attn_mask`` must broadcast to.
     """
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool):
@@ -54,7 +55,7 @@ class _Layout:
         hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
         if enable_gqa:
             for name, h in (("key", hk), ("value", hv)):
-                if hq % h != 0:
+                if h == 0 or hq % h != 0:
                     raise ValueError(f"{name}'s head count {h} must divide query's head count {hq} "
                                      f"with enable_gqa=True, got query {tuple(query.shape)}, "
                                      f"{name} {tuple((key if name == 'key' else value).shape)}")
@@ -86,10 +87,10 @@ class _Layout:
             k = k.repeat_interleave(self.heads // self.hk, dim=-3)
             v = v.repeat_interleave(self.heads // self.hv, dim=-3)
         kv_heads = k.shape[-3]     # divides heads: equal, 1 (broadcast), or the GQA group count
-        b = math.prod(self.batch)
-        q = q.expand(*self.batch, self.heads, self.nq, self.head_dim).reshape(b, self.heads, self.nq, self.head_dim)
-        k = k.expand(*self.batch, kv_heads, self.nk, self.head_dim).reshape(b, kv_heads, self.nk, self.head_dim)
-        v = v.expand(*self.batch, kv_heads, self.nk, self.head_dim).reshape(b, kv_heads, self.nk, self.head_dim)
+        b, d = math.prod(self.batch), self.head_dim
+        q = q.expand(*self.batch, self.heads, self.nq, d).reshape(b, self.heads, self.nq, d)
+        k = k.expand(*self.batch, kv_heads, self.nk, d).reshape(b, kv_heads, self.nk, d)
+        v = v.expand(*self.batch, kv_heads, self.nk, d).reshape(b, kv_heads, self.nk, d)
         return q, k, v
 
 
@@ -297,19 +298,21 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
 
     Examples:
         >>> q, k, v = torch.randn(2, 8, 128, 64), torch.randn(2, 2, 128, 64), torch.randn(2, 2, 128, 64)
-        >>> out = condinit.sdpa(q, k, v, is_causal=True, enable_gqa=True)
-        >>> out, tangent = torch.func.jvp(condinit.sdpa, (q, k, v), (q, k, v))  # fails with F.sdpa
+        >>> out = condinit.sdpa(q, k, v, is_causal=True, enable_gqa=True)     # 8 query, 2 kv heads
+        >>> f = lambda q, k, v: condinit.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        >>> out, tangent = torch.func.jvp(f, (q, k, v), (q, k, v))       # F.sdpa raises here
     """
     layout = _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    pattern = None
-    if is_causal:
-        pattern = "causal_top_left"
-    elif attn_mask is None:
-        pattern = "none"
-    elif _mask_values_readable(attn_mask):
-        pattern = _mask_pattern(attn_mask, layout.nq, layout.nk)
-    if pattern is None or not layout.fused():
+    pattern = None      # what the fused op runs; None: the dense path
+    if layout.fused():
+        if is_causal:
+            pattern = "causal_top_left"
+        elif attn_mask is None:
+            pattern = "none"
+        elif _mask_values_readable(attn_mask):
+            pattern = _mask_pattern(attn_mask, layout.nq, layout.nk)
+    if pattern is None:
         return _attention_dense(layout, attn_mask, is_causal, scale, enable_gqa)
     q, k, v = layout.as_bhnd()
     if pattern == "causal_top_left":
