@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 
 __all__ = ["SEED_MAX", "check_int", "check_real", "check_bool", "check_seed", "check_choice",
-           "check_tensor"]
+           "check_tensor", "check_no_internal_overlap", "check_disjoint"]
 
 # Seeds key a 64-bit counter-based generator: every seed in [0, 2**64) is valid everywhere.
 SEED_MAX = 2 ** 64
@@ -105,3 +105,101 @@ def check_tensor(name: str, value, *, floating: bool = False, dim: Optional[int]
     if min_dim is not None and value.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimensions, got shape {tuple(value.shape)}")
     return value
+
+
+# ---------------------------------------------------------------------------------------------------
+# destinations: a tensor written in place must not alias itself or another destination of the call
+
+def _strides_nest(sizes_strides) -> bool:
+    """True when the (size, stride) dims (sizes > 1) address distinct elements: sorted by stride,
+    every stride exceeds the span of the smaller ones (transposed, sliced, permuted views)."""
+    span = 0
+    for size, stride in sorted(sizes_strides, key=lambda d: d[1]):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (to be written in place) has no two elements at the same memory location: no
+    expanded (stride 0) dims. Conservative for exotic ``as_strided`` views that torch cannot
+    decide: refused unless their strides nest (:func:`_strides_nest`)."""
+    if t.numel() <= 1 or t.device.type == "meta":
+        return t
+    verdict = torch._debug_has_internal_overlap(t)   # 0: no, 1: yes, 2: too hard to tell
+    dims = [(s, st) for s, st in zip(t.shape, t.stride()) if s > 1]
+    if verdict == 1 or (verdict == 2 and not _strides_nest(dims)):
+        raise ValueError(f"{name} is written in place but several of its elements share memory "
+                         f"(shape {tuple(t.shape)}, strides {tuple(t.stride())}, e.g. an expanded "
+                         f"tensor); pass a tensor with its own memory (.clone() or .contiguous())")
+    return t
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    item = t.element_size()
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * item
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return start, start + (extent + 1) * item
+
+
+def _digit_box(t: torch.Tensor, levels: list[int], base: int):
+    """Per stride level (descending, ending with 1), the [lo, hi] range of ``t``'s index digit,
+    with ``t``'s element offsets taken from ``base``; None when some offset of ``t`` carries
+    into a higher level (digits then do not identify elements uniquely)."""
+    size_at = {st: s for s, st in zip(t.shape, t.stride()) if s > 1}
+    rest = (t.untyped_storage().data_ptr() - base) // t.element_size() + t.storage_offset()
+    box = []
+    for stride in levels:
+        lo = rest // stride
+        rest -= lo * stride
+        box.append((lo, lo + size_at.get(stride, 1) - 1))
+    # no carry: at every level the largest reachable remainder stays below the level above
+    top = 0
+    for i in range(len(levels) - 1, 0, -1):
+        top += box[i][1] * levels[i]
+        if top >= levels[i - 1]:
+            return None
+    return box
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share an element of memory. Exact for views of one tensor with the
+    same element size whose strides nest (slices, transposes: e.g. the column blocks of a fused
+    ``[D, 3D]`` weight); otherwise (other dtypes, exotic strides) True as soon as their byte
+    ranges intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.element_size() != b.element_size():
+        return True
+    levels = sorted({st for t in (a, b) for s, st in zip(t.shape, t.stride()) if s > 1} | {1},
+                    reverse=True)
+    base = a.untyped_storage().data_ptr()
+    boxes = [_digit_box(t, levels, base) for t in (a, b)]
+    if boxes[0] is None or boxes[1] is None:
+        return True
+    return all(lo_a <= hi_b and lo_b <= hi_a for (lo_a, hi_a), (lo_b, hi_b) in zip(*boxes))
+
+
+def check_disjoint(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> None:
+    """The tensors of ``named`` (``(argument name, tensor or None)``), all written in place by one
+    call, have no internal overlap and share no memory with each other: otherwise the last write
+    would silently win. Raises ``ValueError`` naming the arguments."""
+    items = [(n, t) for n, t in named if t is not None]
+    for n, t in items:
+        check_no_internal_overlap(n, t)
+    live = sorted(((_byte_range(t), n, t) for n, t in items if t.numel() and t.device.type != "meta"),
+                  key=lambda e: e[0][0])
+    for i, ((lo, hi), n, t) in enumerate(live):
+        for (lo2, _), n2, t2 in live[i + 1:]:
+            if lo2 >= hi:
+                break
+            if _overlap(t, t2):
+                same = t2 is t or (t.data_ptr() == t2.data_ptr() and t.shape == t2.shape)
+                raise ValueError(f"{n} and {n2} {'are the same memory' if same else 'overlap in memory'}:"
+                                 f" each destination must have its own memory, or the last write wins")

@@ -972,3 +972,25 @@ def architectures() -> list:
     archs += [Arch(f"timm:{n}", b, _wrap_run(_image_run(size))) for n, (b, size) in TIMM.items()]
     archs += [Arch(f"torch.nn:{n}", b, _wrap_run(r)) for n, (b, r) in TORCH_NN.items()]
     return archs
+
+
+def _vm_data() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def memory_cap(extra_bytes: int):
+    """Make allocations beyond ``extra_bytes`` more than now fail (RLIMIT_DATA; Linux), so that a
+    config the shrinker missed raises instead of exhausting the machine's memory."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = _vm_data() + extra_bytes
+    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))

@@ -2,11 +2,19 @@
 
     condinit inspect model.safetensors [--plot cond.png]
     condinit inspect other.safetensors --num-heads 12 [--head-dim 64] [--num-kv-heads 4]
+    condinit inspect neox.safetensors --num-heads 16 --layout per_head
 
 Reads with safetensors only (never unpickles: a ``torch.save`` / pickle file is refused). Attention
-weights are located from the ``condinit`` header entry that ``condinit init`` writes, or else by the
-parameter names of the supported families (``q_proj/k_proj/v_proj``, ``query/key/value``, GPT-2's
-fused transposed ``c_attn``, timm's ``qkv``, ``in_proj_weight``), with head counts from the options.
+weights are located from the ``condinit`` header entry that ``condinit init`` writes (tensors, row
+ranges and, for interleaved fused weights such as GPT-NeoX's ``[H, 3, d]``, their groups: each head
+is read from its own rows), or else by the parameter names of the supported families
+(``q_proj/k_proj/v_proj``, ``query/key/value``, GPT-2's fused transposed ``c_attn``, timm's ``qkv``,
+``in_proj_weight``, ``query_key_value``, ``Wqkv``, ``qkv_proj``), with head counts from the options.
+A fused weight is read as ``[Q; K; V]`` unless ``--layout`` says otherwise
+(:func:`condinit.models.adapters.fused_layout`); ``query_key_value`` has no default (GPT-NeoX,
+BLOOM, Persimmon and Falcon-RW interleave it per head, ``per_head``; Falcon's new decoder
+architecture per group, ``per_group``). The modules that ``condinit init`` left unconditioned are
+listed after the table.
 For every layer and Q/K/V it prints the min / median / max over heads of ``kappa = sigma_max /
 sigma_min`` of each head's ``[head_dim, in]`` block (float64, :func:`condinit.init.spectrum`);
 ``--plot`` draws them per layer (matplotlib, Agg) into an image written atomically.
@@ -25,34 +33,88 @@ def add_arguments(p):
     p.add_argument("--num-heads", type=int, default=None, help="heads of Q (needed without condinit metadata)")
     p.add_argument("--num-kv-heads", type=int, default=None, help="heads of K/V (default: inferred)")
     p.add_argument("--head-dim", type=int, default=None, help="head dimension (default: rows / heads)")
+    p.add_argument("--layout", choices=("contiguous", "per_head", "per_group"), default=None,
+                   help="row layout of fused Q/K/V weights in a file without condinit metadata (default "
+                        "contiguous [Q; K; V]; required for query_key_value)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None):
-    """``(metadata, rows)``: one row per attention layer with per-head kappa of Q, K, V."""
-    from condinit._validate import check_int
+def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None, layout=None):
+    """``(metadata, rows)``: one row per attention layer with per-head kappa of Q, K, V.
+
+    ``layout``: how fused Q/K/V weights of a file without condinit metadata interleave
+    (``"contiguous"``, ``"per_head"``, ``"per_group"``; see
+    :func:`condinit.models.adapters.fused_layout`).
+
+    Examples:
+        >>> meta, rows = analyze("tiny.safetensors")
+        >>> rows[0]["q"]["cond_per_head"][:2]
+        [1.0000001, 1.0000002]
+    """
+    from condinit._validate import check_choice, check_int
     from condinit.init.spectrum import spectrum
     from condinit.models.checkpoint import locate_attention, open_checkpoint, projection_blocks, read_metadata
 
     for name, val in (("--num-heads", num_heads), ("--num-kv-heads", num_kv_heads), ("--head-dim", head_dim)):
         check_int(name, val, min=1, allow_none=True)
+    check_choice("--layout", layout, ("contiguous", "per_head", "per_group"), allow_none=True)
     with open_checkpoint(path) as fh:
         meta = read_metadata(fh)
+        if meta is not None and layout is not None:
+            raise ValueError(f"{path}: --layout is for files without condinit metadata; this file's metadata gives "
+                             f"every projection's rows")
         shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
         layers = locate_attention(shapes, meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        if meta is None:
+            layers = [_relayout(loc, shapes, layout, path) for loc in layers]
         if not layers:
             raise ValueError(f"{path}: no attention weights found (looked for q_proj/k_proj/v_proj, query/key/value, "
                              f"c_attn, qkv, in_proj_weight, wq/wk/wv)")
         rows, cache = [], {}
         for i, loc in enumerate(layers):
             row = {"layer": loc.get("index", i), "name": loc["name"], "num_heads": loc["num_heads"],
-                   "num_kv_heads": loc["num_kv_heads"], "head_dim": loc["head_dim"]}
+                   "num_kv_heads": loc["num_kv_heads"], "head_dim": loc["head_dim"],
+                   "layout": loc.get("layout") or _layout_of(loc)}
             for p in ("q", "k", "v"):
                 smax, smin, cond = spectrum(projection_blocks(fh, loc, p, cache))
                 row[p] = {"cond_per_head": cond.tolist(), "sigma_max": float(smax.max()),
                           "sigma_min": float(smin.min())}
             rows.append(row)
     return meta, rows
+
+
+def _layout_of(loc) -> str:
+    if len({loc[p]["tensor"] for p in "qkv"}) == 3:
+        return "separate"
+    g = loc["q"].get("groups", 1)
+    return "contiguous" if g == 1 else ("per_head" if g == loc["num_heads"] else "per_group")
+
+
+def _relayout(loc: dict, shapes: dict, layout, path) -> dict:
+    """A layer located by name in a file without metadata, its fused weight re-read with ``layout``."""
+    from condinit.models.adapters import fused_layout
+
+    tensors = {loc[p]["tensor"] for p in "qkv"}
+    if len(tensors) != 1:
+        return loc
+    (name,) = tensors
+    if layout is None:
+        if name.endswith("query_key_value.weight"):
+            raise ValueError(f"{path}: {name} is a fused query_key_value weight and the file has no condinit metadata "
+                             f"saying how its rows alternate: pass --layout per_head (GPT-NeoX, BLOOM, Persimmon, "
+                             f"Falcon-RW), per_group (Falcon's new decoder architecture) or contiguous")
+        return loc
+    transposed = loc["q"]["transposed"]
+    total = shapes[name][1 if transposed else 0]
+    parts = fused_layout(total, num_heads=loc["num_heads"], num_kv_heads=loc["num_kv_heads"], head_dim=loc["head_dim"],
+                         layout=layout)
+    out = dict(loc, layout=layout)
+    for p in "qkv":
+        start, stop, groups, stride = parts[p]
+        out[p] = {"tensor": name, "start": start, "stop": stop, "transposed": transposed}
+        if groups > 1:
+            out[p].update(groups=groups, stride=stride)
+    return out
 
 
 def _stats(vals):
@@ -106,7 +168,8 @@ def run(args) -> int:
     if args.file.lower().endswith(PICKLE_SUFFIXES) and not os.path.isdir(args.file):
         raise ValueError(f"{args.file}: pickle-based checkpoints ({', '.join(PICKLE_SUFFIXES)}) are refused; condinit "
                          f"reads only safetensors files and never unpickles (convert with safetensors first)")
-    meta, rows = analyze(args.file, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    meta, rows = analyze(args.file, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                         layout=args.layout)
     if args.plot is not None:
         plot(rows, args.plot, os.path.basename(args.file))
     if args.json:
@@ -119,13 +182,20 @@ def run(args) -> int:
 
     t = Table(title=f"{args.file}: κ = σmax/σmin per head, min / median / max over heads"
                     + (f" (condinit {meta.get('family')}, seed {meta.get('seed')})" if meta else ""))
-    for col in ("layer", "name", "heads", "Q κ", "K κ", "V κ"):
+    for col in ("layer", "name", "heads", "layout", "Q κ", "K κ", "V κ"):
         t.add_column(col)
     for r in rows:
-        t.add_row(str(r["layer"]), r["name"], f"{r['num_heads']}/{r['num_kv_heads']}x{r['head_dim']}",
+        t.add_row(str(r["layer"]), r["name"], f"{r['num_heads']}/{r['num_kv_heads']}x{r['head_dim']}", r["layout"],
                   *("/".join(f"{v:.7g}" for v in _stats(r[p]["cond_per_head"])) for p in ("q", "k", "v")))
     con = wide_console()
     con.print(t)
+    uncovered = (meta or {}).get("uncovered") or []
+    if uncovered:
+        from condinit.models.apply import Uncovered, uncovered_table
+
+        con.print(uncovered_table([Uncovered(u["name"], u["class"], u["reason"]) for u in uncovered],
+                                  title=f"not conditioned when the file was written: {len(uncovered)} attention-like "
+                                        f"module(s), left as the model made them"))
     if args.plot is not None:
         con.print(f"wrote {os.path.abspath(args.plot)}")
     return 0

@@ -41,8 +41,10 @@ from typing import Callable, Hashable, Optional, Sequence, Union
 
 import torch
 
-from condinit._validate import check_bool, check_choice, check_int, check_real, check_seed, check_tensor
-from condinit.init.orthogonalize import METHODS, resolve_method, run_chunks
+from condinit import _backends
+from condinit._validate import (check_bool, check_choice, check_disjoint, check_int, check_real, check_seed,
+                                check_tensor)
+from condinit.init.orthogonalize import METHODS, ORTHOGONALIZE, resolve_method, run_chunks
 from condinit.init.philox import RANDN, seed_from, stream_id
 
 __all__ = ["semi_orthogonal_", "rect_identity_", "conditioned_init_", "conditioned_init_layers_",
@@ -69,6 +71,30 @@ def _check_weight(w, name: str, *, dim: Optional[int] = None, min_dim: Optional[
     if any(s == 0 for s in w.shape):
         raise ValueError(f"{name} must not have a zero-size dim, got shape {tuple(w.shape)}")
     return w
+
+
+def _check_destinations(named) -> None:
+    """The tensors one call writes (``(argument name, tensor or None)`` pairs): all on the meta
+    device (the call is a no-op) or none, each with its own memory (:func:`check_disjoint`)."""
+    named = [(n, t) for n, t in named if t is not None]
+    meta = [n for n, t in named if t.device.type == "meta"]
+    if meta and len(meta) != len(named):
+        real = next((n, t.device) for n, t in named if t.device.type != "meta")
+        raise ValueError(f"{meta[0]} is on the meta device but {real[0]} is on {real[1]}: either every "
+                         f"destination is a meta tensor (nothing is written) or none is")
+    check_disjoint(named)
+
+
+def _check_backend(backend) -> Optional[str]:
+    return check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
+
+
+def _check_gain(gain, dtype: torch.dtype) -> float:
+    """``gain > 0`` whose results stay finite: an entry of an orthonormal row is at most 1 in
+    magnitude (``1 + 2**-23`` after fp32 rounding), the product is formed in fp32 and rounded into
+    ``dtype``, so ``gain`` is at most half the largest finite value of fp32 and of ``dtype``."""
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max) / 2
+    return check_real("gain", gain, min=0.0, min_open=True, max=limit)
 
 
 def _check_head_dim(head_dim, rows: int, name: str) -> int:
@@ -274,10 +300,18 @@ def run_plan(plan: InitPlan, seed: int, method: str, *, memory_budget: Optional[
         if owner is not None:
             seconds[owner] = seconds.get(owner, 0.0) + dt
 
+    # Every group's backends are chosen before anything is written: a backend that cannot run one
+    # group raises here, with every destination untouched.
+    chosen = {}
+    for (device, wide) in plan.groups:
+        concrete = resolve_method(*wide, method)
+        chosen[device, wide] = (concrete, ORTHOGONALIZE.choose(device, backend, method=concrete))
+        RANDN.choose(device)
     for (device, wide), runs in plan.groups.items():
         t0 = time.perf_counter()
-        launches += _execute(seed, runs, wide, resolve_method(*wide, method), device, memory_budget=memory_budget,
-                             backend=backend, observe=observe, on_chunk=on_chunk)
+        concrete, name = chosen[device, wide]
+        launches += _execute(seed, runs, wide, concrete, device, memory_budget=memory_budget,
+                             backend=name, observe=observe, on_chunk=on_chunk)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -437,6 +471,7 @@ def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int
     m, n = (check_int("block_shape", v, min=1) for v in block_shape)
     check_choice("method", method, METHODS)
     check_int("memory_budget", memory_budget, min=1, allow_none=True)
+    _check_backend(backend)
     device = torch.device(device) if device is not None else torch.device("cpu")
     ids = _block_ids(block_ids, device)
     tall = m > n
@@ -473,9 +508,10 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
     _check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
     hd = _check_head_dim(head_dim, rows, "weight")
-    gain = check_real("gain", gain, min=0.0, min_open=True)
+    gain = _check_gain(gain, weight.dtype)
     check_choice("method", method, METHODS)
     stream = _check_stream(stream, "semi_orthogonal")
+    _check_destinations([("weight", weight)])
     seed = check_seed_source(seed, generator)
     if weight.device.type == "meta":
         return weight
@@ -510,6 +546,7 @@ def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_
     if per_head and head_dim is None:
         raise ValueError("per_head=True needs head_dim")
     hd = _check_head_dim(head_dim, rows, "weight")
+    _check_destinations([("weight", weight)])
     if weight.device.type == "meta":
         return weight
     mat = _as_matrix(weight)
@@ -572,6 +609,7 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
     check_choice("v_mode", v_mode, V_MODES)
     check_choice("method", method, METHODS)
     check_int("memory_budget", memory_budget, min=1, allow_none=True)
+    _check_backend(backend)
     seed = check_seed_source(seed, generator)
     if layer_indices is None:
         layer_indices = list(range(len(layers)))
@@ -580,10 +618,20 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
                          for i, L in enumerate(layer_indices)]
         if len(layer_indices) != len(layers):
             raise ValueError(f"layer_indices must have one entry per layer ({len(layers)}), got {len(layer_indices)}")
-    checked = []
+        seen, repeated = set(), []
+        for L in layer_indices:
+            if L in seen and L not in repeated:
+                repeated.append(L)
+            seen.add(L)
+        if repeated:   # two layers with the same index would get the same random blocks
+            raise ValueError(f"layer_indices must be distinct, got {repeated} more than once")
+    checked, destinations = [], []
     for i, layer in enumerate(layers):   # every layer checked before the first write
         names = {key: f"layers[{i}].{key}" for key in _LAYER_KEYS}
-        checked.append(_check_layer(_layer_entry(layer, i), names, num_heads, num_kv_heads, v_mode, f"layers[{i}]"))
+        entry = _layer_entry(layer, i)
+        checked.append(_check_layer(entry, names, num_heads, num_kv_heads, v_mode, f"layers[{i}]"))
+        destinations += [(names[key], entry[key]) for key in _LAYER_KEYS]
+    _check_destinations(destinations)
     plan = InitPlan()
     _plan_layers(plan, checked, layer_indices, num_heads, num_kv_heads, v_mode)
     run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)
@@ -615,9 +663,11 @@ def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: 
     check_int("memory_budget", memory_budget, min=1, allow_none=True)
     seed = check_seed_source(seed, generator)
     layer_index = check_int("layer_index", layer_index, min=0, max=MAX_LAYER_INDEX)
+    _check_backend(backend)
     tensors = {"q": q_weight, "k": k_weight, "v": v_weight, "q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
     names = {key: f"{key}_weight" if key in "qkv" else key for key in _LAYER_KEYS}
     checked = _check_layer(tensors, names, num_heads, num_kv_heads, v_mode, "conditioned_init_")
+    _check_destinations([(names[key], tensors[key]) for key in _LAYER_KEYS])
     plan = InitPlan()
     _plan_layers(plan, [checked], [layer_index], num_heads, num_kv_heads, v_mode)
     run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)

@@ -517,23 +517,24 @@ class _AttentionJVP(torch.autograd.Function):
     """``(out, tout, lse)`` from the fused JVP op; backward = ``condinit::attention_jvp_bwd``, the
     tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
 
-    ``impls`` holds the backends of the JVP and of its backward. The backward is not itself
-    differentiable: second-order gradients through it raise (:class:`_FirstOrderOnly`).
+    ``jvp_impl`` and ``bwd_impl`` name the backends of the JVP and of its backward. The backward
+    is not itself differentiable: second-order gradients through it raise
+    (:class:`_FirstOrderOnly`).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, impls):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impls[0])
+    def forward(q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, impls = inputs
+        q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl = inputs
         ctx.mark_non_differentiable(output[2])
         ctx.present = tuple(t is not None for t in (tq, tk, tv))
         ctx.save_for_backward(q, k, v, tq, tk, tv, *output)
-        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
+        ctx.causal, ctx.scale, ctx.bwd_impl = causal, scale, bwd_impl
 
     @staticmethod
     def backward(ctx, gout, gtout, _glse):
@@ -542,12 +543,12 @@ class _AttentionJVP(torch.autograd.Function):
         recording = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
         with torch.no_grad():  # the op has no autograd formula; _FirstOrderOnly stands in for one
             grads = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
-                                          ctx.causal, ctx.scale, ctx.impls[1])
+                                          ctx.causal, ctx.scale, ctx.bwd_impl)
         if recording:
             grads = _FirstOrderOnly.apply(len(grads), *grads, *inputs)
         dq, dk, dv, *dt = grads
         dt = [g if p else None for g, p in zip(dt, ctx.present)]
-        return (dq, dk, dv, *dt, None, None, None)
+        return (dq, dk, dv, *dt, None, None, None, None)
 
 
 class _AttentionJVPOutGrad(torch.autograd.Function):
@@ -557,22 +558,22 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, impls):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, impls[0])
+    def forward(q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, impls = inputs
+        q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl = inputs
         out, tout, lse = output
         ctx.mark_non_differentiable(tout, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.impls = causal, scale, impls
+        ctx.causal, ctx.scale, ctx.bwd_impl = causal, scale, bwd_impl
 
     @staticmethod
     def backward(ctx, gout, _gtout, _glse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _attention_bwd_op(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
@@ -648,7 +649,8 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
     if needs_grad:
         fn, bwd_op = ((_AttentionJVP, ATTENTION_JVP_BWD) if grad_through_tangent
                       else (_AttentionJVPOutGrad, ATTENTION_BWD))
-        out, tout, _ = fn.apply(q, k, v, *tangents, causal, scale, (impl, _backward_backend(bwd_op, q, backend)))
+        bwd_impl = _backward_backend(bwd_op, q, backend)
+        out, tout, _ = fn.apply(q, k, v, *tangents, causal, scale, impl, bwd_impl)
     else:
         out, tout, _ = _attention_jvp_op(q, k, v, *tangents, causal, scale, impl)
     return out, (tout if has_p else tout.squeeze(0))
