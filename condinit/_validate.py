@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 
 __all__ = ["SEED_MAX", "check_int", "check_real", "check_bool", "check_seed", "check_choice",
-           "check_tensor", "check_no_internal_overlap", "check_disjoint"]
+           "check_tensor", "check_no_internal_overlap", "check_disjoint", "overlaps"]
 
 # Seeds key a 64-bit counter-based generator: every seed in [0, 2**64) is valid everywhere.
 SEED_MAX = 2 ** 64
@@ -163,7 +163,7 @@ def _digit_box(t: torch.Tensor, levels: list[int], base: int):
     return box
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share an element of memory. Exact for views of one tensor with the
     same element size whose strides nest (slices, transposes: e.g. the column blocks of a fused
     ``[D, 3D]`` weight); otherwise (other dtypes, exotic strides) True as soon as their byte
@@ -199,7 +199,7 @@ def check_disjoint(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> None:
         for (lo2, _), n2, t2 in live[i + 1:]:
             if lo2 >= hi:
                 break
-            if _overlap(t, t2):
+            if overlaps(t, t2):
                 same = t2 is t or (t.data_ptr() == t2.data_ptr() and t.shape == t2.shape)
                 raise ValueError(f"{n} and {n2} {'are the same memory' if same else 'overlap in memory'}:"
                                  f" each destination must have its own memory, or the last write wins")

@@ -190,10 +190,11 @@ class Interceptor:
         if self.depth or not (_computed(a) and _computed(b)) or a.dim() < 2 or b.dim() < 2:
             return
         trailing = (a.shape[-2], b.shape[-1])
-        for shape in self.softmax_shapes:
-            if tuple(a.shape[-2:]) == shape:
-                for qa, kb, scores in self.candidates:
-                    if scores == shape:
+        # a softmax over the scores' rows (possibly with extra columns: attention sinks) was taken since
+        if any(rows == a.shape[-2] for rows, _ in self.softmax_shapes):
+            for qa, kb, scores in self.candidates:
+                if scores == tuple(a.shape[-2:]):
+                    if True:
                         self.candidates.clear()
                         self.softmax_shapes.clear()
                         self.on_event(Event("softmax(q k^T) v", _as_bhnd(qa), _as_bhnd(kb.transpose(-1, -2)),
@@ -326,12 +327,13 @@ def discover(model: nn.Module, run: Callable[[nn.Module], None]) -> Discovery:
 class RoleReading:
     """Where one of Q, K, V comes from: a weight matrix and, per distinct head, its rows."""
 
-    weight: str                     # parameter name, relative to the model
+    weight: Optional[str]           # parameter name, relative to the model (None: rule "learned")
     split: int                      # its first ``split`` dimensions index the matrix rows, the rest the columns
     transposed: bool                # stored [in, out] (GPT-2 Conv1D) rather than [out, in]
     heads: list                     # per distinct head: its rows (in the order the attention sees them)
-    rule: str                       # "support" (exact) or "dominant row"
+    rule: str                       # "support" (exact), "dominant row", or "learned" (no projection)
     biases: list                    # [(parameter name, [indices])]
+    learned: Optional[str] = None   # rule "learned": the parameter that is this tensor itself
 
     @property
     def rows(self) -> list:
@@ -393,6 +395,21 @@ def _heads_by_dominant(U: torch.Tensor, H: int, d: int):
     return heads
 
 
+def _rank_one_with_vector_input(M: torch.Tensor) -> bool:
+    """Each element's gradient ``M[e] [out, in]`` is ``u x^T`` with ``x`` a vector (at least two nonzero
+    entries): the gradient of a projection's output wrt its matrix. An additive term (one entry per
+    element) or a matrix upstream of another one (rows that mix) is not."""
+    norms = M.norm(dim=-1)                                          # [E, out]
+    top = norms.argmax(-1)
+    v = M[torch.arange(M.shape[0]), top]                            # [E, in]
+    vmax = v.abs().amax(-1, keepdim=True)
+    if not bool((vmax > 0).all()) or not bool(((v.abs() > SUPPORT_RTOL * vmax).sum(-1) >= 2).all()):
+        return False
+    v = v / v.norm(dim=-1, keepdim=True)
+    residual = M - (M @ v[:, :, None]) * v[:, None, :]
+    return bool((residual.abs().amax((1, 2)) <= RANK_ONE_RTOL * norms.amax(-1)).all())
+
+
 def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> RoleReading:
     """grads: parameter name -> gradient [H*d, *shape] of the role's first-token elements."""
     found = {"support": [], "dominant row": []}
@@ -400,16 +417,10 @@ def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> Role
         if g is None or g.dim() < 3 or not g.any():
             continue
         for split in range(1, g.dim() - 1):
-            G = _matrix_view(g[0], split).shape
-            G = g.reshape(g.shape[0], *G)
+            G = g.reshape(g.shape[0], *_matrix_view(g[0], split).shape)
             for transposed in (False, True):
                 M = G.transpose(1, 2) if transposed else G            # [E, out, in]
-                flat = M.reshape(-1, M.shape[-1]).double()
-                s = torch.linalg.svdvals(flat)
-                if len(s) > 1 and s[1] > RANK_ONE_RTOL * s[0]:
-                    continue
-                # the input factor is the projection's input: a vector, not one entry (an additive term)
-                if int((flat.abs().amax(0) > SUPPORT_RTOL * flat.abs().max()).sum()) < 2:
+                if not _rank_one_with_vector_input(M):
                     continue
                 U = M.abs().amax(-1).double()                          # [E, out]
                 heads = _heads_by_support(U, H, d)
@@ -427,7 +438,13 @@ def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> Role
         if len(hits) > 1:
             raise Unreadable(f"{role}: several weight matrices read as its projection ({', '.join(hits)})")
     else:
+        learned = [n for n, g in grads.items() if g is not None and g.any()
+                   and bool(((g != 0).reshape(g.shape[0], -1).sum(1) == 1).all())]
         dep = [n for n, g in grads.items() if g is not None and g.any() and g.dim() >= 3]
+        if len(learned) == 1 and dep == learned:
+            # the query (or key/value) is a parameter itself, as in attention pooling with a learned query:
+            # there is no projection matrix to condition
+            return RoleReading(None, 0, False, [], "learned", [], learned=learned[0])
         raise Unreadable(f"{role}: no weight matrix reads as its projection (it depends on {dep or 'no weight'})")
     biases = []
     for bname, g in grads.items():
@@ -439,15 +456,48 @@ def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> Role
     return RoleReading(name, split, transposed, heads, rule, biases)
 
 
-def _first_token(t: torch.Tensor) -> torch.Tensor:
-    return t[0, :, 0, :]
+def _fill_zeros(x, g: torch.Generator):
+    """Floating tensors that are all zero (DETR's first decoder input, ...) replaced by random ones:
+    a projection of a zero input has a zero gradient, which would hide where it is read from."""
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() and x.numel() > 1 and not bool(x.any()):
+            return torch.randn(x.shape, generator=g, dtype=x.dtype)
+        return x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_fill_zeros(v, g) for v in x)
+    if isinstance(x, list):
+        return [_fill_zeros(v, g) for v in x]
+    if type(x) is dict:
+        return {k: _fill_zeros(v, g) for k, v in x.items()}
+    return x
+
+
+def _read_role_at_some_token(role: str, t: torch.Tensor, params: list, prefix: str, norm_params: set) -> RoleReading:
+    """Read ``role`` from token 0 of ``t [B, H, N, d]``; from the last, then the middle token when token 0's
+    input is zero (a class token initialized to zero, ...)."""
+    if not _computed(t):
+        raise Unreadable(f"{role}: does not depend on the module's parameters")
+    n = t.shape[2]
+    err = None
+    for tok in dict.fromkeys((0, n - 1, n // 2)):
+        part = t[0, :, tok, :]
+        grads = _jacobian(part.reshape(-1), [p for _, p in params])
+        per = {prefix + pn: g for (pn, _), g in zip(params, grads)}
+        try:
+            return _read_role(role, per, part.shape[0], part.shape[1], norm_params)
+        except Unreadable as e:
+            err = e
+            if "no weight matrix" not in str(e):
+                raise
+    raise err
 
 
 def read_module(model: nn.Module, name: str, call, kinds=()) -> list:
     """Run module ``name`` again on ``call = (args, kwargs)``; read Q/K/V of each attention it computes."""
     mod = dict(model.named_modules())[name]
     events = []
-    args, kwargs = _snapshot(call[0]), _snapshot(call[1])
+    g = torch.Generator().manual_seed(0)
+    args, kwargs = _fill_zeros(_snapshot(call[0]), g), _fill_zeros(_snapshot(call[1]), g)
     try:
         with torch.enable_grad(), Interceptor(events.append):
             mod(*args, **kwargs)
@@ -463,17 +513,8 @@ def read_module(model: nn.Module, name: str, call, kinds=()) -> list:
                    for n in (mn + "." + pn if mn else pn for pn, _ in m.named_parameters(recurse=False))}
     readings = []
     for ev in events:
-        parts = [_first_token(t) for t in (ev.q, ev.k, ev.v)]
-        if not all(_computed(t) for t in parts):
-            raise Unreadable("its query, key or value does not depend on its own parameters")
-        flat = torch.cat([t.reshape(-1) for t in parts])
-        grads = _jacobian(flat, [p for _, p in params])
-        roles, start = [], 0
-        for role, t in zip("qkv", parts):
-            n = t.numel()
-            per = {prefix + pn: (None if g is None else g[start:start + n]) for (pn, _), g in zip(params, grads)}
-            roles.append(_read_role(role, per, t.shape[0], t.shape[1], norm_params))
-            start += n
+        roles = [_read_role_at_some_token(role, t, params, prefix, norm_params)
+                 for role, t in zip("qkv", (ev.q, ev.k, ev.v))]
         r = AttentionReading(name, type(mod).__name__, tuple(sorted(kinds or {ev.kind})), *roles)
         if not any(_same_reading(r, o) for o in readings):
             readings.append(r)
@@ -565,6 +606,8 @@ def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> 
     changed_ok = {}                                 # parameter name -> (mask of entries allowed to change)
     for r in reading.attention:
         for role, rr in (("Q", r.q), ("K", r.k), ("V", r.v)):
+            if rr.weight is None:      # a learned query: nothing to condition, it must stay as it was
+                continue
             p = params[rr.weight]
             mask = changed_ok.setdefault(rr.weight, torch.zeros(p.shape, dtype=torch.bool))
             flat_mask = _matrix_view(mask, rr.split)
@@ -713,6 +756,11 @@ def shrink_config(cfg, _seen=None):
         for key in ("num_hidden_layers", "num_layers", "n_layer"):
             if _is_int(attrs.get(key)):
                 setattr(cfg, key, 2)
+    if isinstance(attrs.get("depths"), (list, tuple)):
+        # hierarchical vision models double the width per stage: start narrower
+        for key in ("embed_dim", "hidden_size"):
+            if _is_int(attrs.get(key)):
+                setattr(cfg, key, HIDDEN // 2)
     if _is_int(attrs.get("window_size")) and isinstance(attrs.get("depths"), (list, tuple)):
         # windowed hierarchical vision models: every stage at least one 2x2 window wide
         cfg.window_size = 2
@@ -833,7 +881,7 @@ def hf_run(model: nn.Module) -> list:
 
     def forward(mod, what, main=None):
         inputs = model_inputs(mod, main)
-        if _accepts(mod.forward, "use_cache"):
+        if "use_cache" in _forward_params(mod):
             inputs["use_cache"] = False
         try:
             mod(**inputs)
@@ -994,3 +1042,99 @@ def memory_cap(extra_bytes: int):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+# ------------------------------------------------------------------------------------------------
+# one architecture, end to end
+
+TIME_CAP_S = 20.0
+MEMORY_CAP = 1536 << 20
+
+
+@dataclass
+class Outcome:
+    """``status``: "conditioned" (every attention layer read and conditioned as the method says),
+    "no attention" (none found, and condinit.apply said so), or "failed" (``details`` say why)."""
+
+    arch: str
+    status: str
+    details: list = field(default_factory=list)
+    layers: int = 0
+    seconds: float = 0.0
+
+
+def _attention_named_classes(model: nn.Module) -> set:
+    holders = _weight_holders(model)
+    return {type(m).__name__ for m in model.modules() if ATTENTION_NAME.search(type(m).__name__) and id(m) in holders}
+
+
+def _full_size_has_attention(arch: Arch) -> set:
+    """Attention-named classes of the architecture at its default (not shrunk) size, built on meta:
+    guards against a shrunk config that dropped the attention layers (a hybrid with one every 8th)."""
+    if not arch.name.startswith("transformers:"):
+        return set()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    model_type = arch.name.split(":", 1)[1]
+    with torch.device("meta"):
+        model = hf_model_class(model_type)._from_config(CONFIG_MAPPING[model_type]())
+    return _attention_named_classes(model)
+
+
+def verify(arch: Arch, apply: Callable[[nn.Module], object]) -> Outcome:
+    """Build ``arch``, read its attention independently, ``apply(model)``, and check the result."""
+    import time
+    t0 = time.perf_counter()
+    out = Outcome(arch.name, "failed")
+    try:
+        with time_cap(TIME_CAP_S), memory_cap(MEMORY_CAP):
+            _verify(arch, apply, out)
+    except ModelTimeout as e:
+        out.details.append(str(e))
+    except Exception as e:  # building or reading failed: that is this architecture's outcome
+        out.details.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    out.seconds = time.perf_counter() - t0
+    if out.details:
+        out.status = "failed"
+    return out
+
+
+def _verify(arch: Arch, apply, out: Outcome) -> None:
+    try:
+        model = arch.build()
+    except (ModelTimeout, MemoryError):
+        raise
+    except Exception as e:
+        out.details.append(f"build failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        return
+    errors = []
+    reading = read_model(model, lambda m: errors.extend(arch.run(m) or []))
+    out.details += errors
+    out.layers = len(reading.attention)
+    before = state_snapshot(model)
+    try:
+        apply(model)
+        apply_error = None
+    except (ModelTimeout, MemoryError):
+        raise
+    except Exception as e:  # condinit's refusal (or failure) is part of the outcome
+        apply_error = e
+    if not reading.has_attention and not errors:
+        lost = _full_size_has_attention(arch) - _attention_named_classes(model)
+        if lost:
+            out.details.append(f"the shrunk config has no attention layer, the default one has {sorted(lost)}")
+        elif apply_error is None:
+            changed = [n for n, t in model.state_dict(keep_vars=True).items() if not bit_equal(before[n], t.detach())]
+            out.details.append(f"no attention found, but condinit.apply did not refuse it (changed {changed[:4]})")
+        elif not (isinstance(apply_error, ValueError) and "no attention" in str(apply_error)):
+            out.details.append(f"no attention found; condinit.apply raised {type(apply_error).__name__}: {apply_error}")
+        else:
+            out.status = "no attention"
+        return
+    if apply_error is not None:
+        msg = str(apply_error).splitlines()[0][:300] if str(apply_error) else ""
+        out.details.append(f"condinit.apply raised {type(apply_error).__name__}: {msg}")
+        out.details += reading.problems()
+    else:
+        out.details += check_conditioned(model, reading, before)
+    if not out.details:
+        out.status = "conditioned"

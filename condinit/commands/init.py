@@ -49,7 +49,10 @@ def add_arguments(p):
     p.add_argument("--method", choices=METHODS, default="auto", help="orthogonalization method (default auto)")
     p.add_argument("--v-mode", choices=("identity", "identity_per_head"), default="identity",
                    help="W_V: identity over the whole matrix (default) or per head")
-    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically)")
+    p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically); a "
+                   "directory (ending in / or existing) gets a from_pretrained-ready sharded checkpoint, streamed")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="with a directory --out: bytes per weights file, e.g. 500MB (default 5GB)")
     p.add_argument("--strict", action="store_true",
                    help="fail (and write nothing) if any attention-like module cannot be conditioned")
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:FUNCTION",
@@ -69,7 +72,8 @@ def run(args) -> int:
     from condinit.models.presets import DTYPES, PRESETS, build_model, load_config_dict
 
     # every check on the input happens before any work
-    out = check_output_path(args.out)
+    to_directory = args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)
+    out = None if to_directory else check_output_path(args.out)
     if args.preset is not None and args.preset not in PRESETS:
         raise CLIError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     check_seed("--seed", args.seed)
@@ -79,6 +83,8 @@ def run(args) -> int:
     config = load_config_dict(args.config) if args.config else None
     preset = None if config is not None else (args.preset or "tiny-llama")
     adapters = [_load_adapter(ref) for ref in args.adapter]
+    if to_directory:
+        return _write_directory(args, preset, config, adapters)
 
     t0 = time.perf_counter()
     # --seed also seeds torch's generator, which the model's own init of the other weights draws
@@ -166,3 +172,36 @@ class _adapters_registered:
             if self.previous is not None:
                 register_adapter(nn.Module, self.previous)
         return False
+
+
+def _write_directory(args, preset, config, adapters) -> int:
+    """``--out DIR/``: the streamed, sharded writer (:func:`condinit.models.stream.write_pretrained`)."""
+    from condinit.cli import CLIError
+    from condinit.models.presets import DTYPES, build_model
+    from condinit.models.stream import parse_shard_size, write_pretrained
+
+    if args.device != "cpu":
+        raise CLIError("--device: a directory --out is written from the CPU, one shard at a time")
+    try:
+        shard = parse_shard_size(args.max_shard_size)
+    except ValueError as exc:
+        raise CLIError(f"--max-shard-size: {exc}") from None
+    model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta")
+    with _adapters_registered(adapters):
+        rep = write_pretrained(model, args.out, seed=args.seed, method=args.method, v_mode=args.v_mode,
+                               max_shard_size=shard, strict=args.strict, family=family,
+                               extra_metadata={"preset": preset, "dtype": args.dtype},
+                               progress=not args.quiet and sys.stderr.isatty())
+    if args.quiet:
+        print(rep.out_dir)
+        return 0
+    from condinit.models.apply import wide_console
+
+    con = wide_console()
+    rep.apply.print(con, max_rows=args.max_rows)
+    con.print(f"wrote {rep.out_dir}: {preset or os.path.basename(args.config)} ({family}), "
+              f"{rep.num_parameters / 1e6:.1f}M parameters, {args.dtype}, {len(rep.files)} file(s), "
+              f"{rep.total_size / 2 ** 20:.1f} MiB, seed {rep.seed}, {rep.time_s:.2f} s"
+              + (f"; {len(rep.uncovered)} attention-like module(s) not conditioned (listed above)"
+                 if rep.uncovered else ""))
+    return 0

@@ -29,8 +29,11 @@ scratch: one batched generate + orthogonalize per chunk, each result written onc
 rounded once into the weight's dtype) into the weights' own memory.
 
 Meta tensors: like ``torch.nn.init``, initializing a meta tensor is a no-op (arguments are still
-validated). Bad input raises ``TypeError``/``ValueError`` naming the argument before anything is
-written.
+validated); a call whose destinations are partly meta, partly real is refused. Bad input raises
+``TypeError``/``ValueError`` naming the argument before anything is written: every argument is
+checked, the destinations must each have their own memory (no expanded weight, no two arguments
+sharing elements), and every group's backends are chosen (``BackendUnavailableError`` when a forced
+one cannot run it) before the first write.
 """
 from __future__ import annotations
 
@@ -498,7 +501,8 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
     columns if ``head_dim > cols``); without, the whole matrix does. Block ``h`` is block id ``h`` of
     ``stream`` (an int, a name hashed by ``stream_id``, default ``"semi_orthogonal"``) under ``seed``
     (default None: one draw from ``generator``, or torch's default generator, as ``torch.nn.init``
-    does, so ``torch.manual_seed`` controls it). Returns ``weight``.
+    does, so ``torch.manual_seed`` controls it). ``gain``: ``0 < gain <=`` half the largest finite
+    value of fp32 and of ``weight``'s dtype (every entry stays finite). Returns ``weight``.
 
     Examples:
         >>> w = torch.empty(4 * 16, 64)
@@ -591,7 +595,7 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
     for the same ``seed`` (default None: one draw from ``generator``, or torch's default
     generator, per call). V: the rectangular identity (:func:`rect_identity_`;
     ``v_mode="identity"``: whole matrix, the default; ``"identity_per_head"``: each head's block).
-    Biases are zeroed.
+    Biases are zeroed. ``layer_indices`` must be distinct; no two destinations may share memory.
 
     ``memory_budget``: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU;
     two or three such buffers are used). ``method``/``backend``: of :func:`orthogonalize`.

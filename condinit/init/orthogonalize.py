@@ -69,7 +69,7 @@ from typing import Callable, Optional
 import torch
 
 from condinit import _backends, _ext
-from condinit._validate import check_choice, check_int, check_tensor
+from condinit._validate import check_choice, check_int, check_no_internal_overlap, check_tensor, overlaps
 
 __all__ = ["orthogonalize", "METHODS", "ORTHOGONALIZE", "resolve_method", "chunk_blocks",
            "gemm_dtype", "run_chunks"]
@@ -95,6 +95,13 @@ MAX_CHUNK_BLOCKS = {"cpu": 64}  # per device type (default 256): bounds the padd
 # float64 GEMMs take float64 copies of their operands and result: chunks that many times smaller.
 FLOAT64_GEMM_MEMORY_FACTOR = 3
 _U32 = 2.0 ** -24
+# orthogonalize: a block whose largest |entry| is outside this range is first scaled by a power of 2
+# (exact) to bring it to [0.5, 1): the result is scale invariant, and the fp32 Gram of an unscaled
+# 1e19 block overflows, that of a 1e-30 block underflows. Blocks inside it (Gaussians) are untouched.
+SAFE_PEAK = (2.0 ** -32, 2.0 ** 32)
+# polar: the largest Gram eigenvalue used for the 1/sigma_max scale is at least this, so the fp32
+# scale**2 stays finite (a zero block keeps X = 0 and ends in the SVD fallback).
+POLAR_MIN_TOP = 2.0 ** -120
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,13 +256,13 @@ def _polar_scale(G: torch.Tensor):
     m = G.shape[-1]
     if m <= POLAR_EXACT_SCALE_MAX_M:
         lam = torch.linalg.eigvalsh(G.double())
-        top = lam[:, -1].clamp_min(1e-300)
+        top = lam[:, -1].clamp_min(POLAR_MIN_TOP)
         smax = top.sqrt() * (1.0 + 1e-4)   # headroom for the fp32 rounding of the Gram
         lower = (lam[:, 0].clamp_min(0.0) / top).sqrt() * (1.0 - 1e-3)
     else:
         G64 = G.double()
         bound = torch.minimum(G64.flatten(1).norm(dim=1), G64.abs().sum(-1).amax(-1))
-        smax = bound.clamp_min(1e-300).sqrt()
+        smax = bound.clamp_min(POLAR_MIN_TOP).sqrt()
         lower = torch.full_like(smax, POLAR_DEFAULT_LOWER)
     return 1.0 / smax, lower
 
@@ -514,8 +521,9 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
         stack: real floating tensor, ``ndim >= 2``, finite.
         method: ``"auto"``, ``"householder"``, ``"cholqr2"``, ``"polar"`` or ``"svd"`` (module
             docstring).
-        out: optional output of ``stack``'s shape and device (any floating dtype, any strides);
-            default a new tensor like ``stack``.
+        out: optional output of ``stack``'s shape and device (any floating dtype, any strides
+            whose elements do not share memory); ``stack`` itself (in place) or memory disjoint
+            from it; default a new tensor like ``stack``.
         backend: force a backend of the ``"orthogonalize"`` op (``"cpp-cpu"``, ``"torch"``,
             ``"triton"``); default automatic (:mod:`condinit._backends`).
         memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU).
@@ -540,6 +548,13 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
     if out is not None and (out.shape != stack.shape or out.device != stack.device):
         raise ValueError(f"out must have stack's shape {tuple(stack.shape)} and device {stack.device}, "
                          f"got {tuple(out.shape)} on {out.device}")
+    if out is not None:
+        check_no_internal_overlap("out", out)
+        in_place = (out.data_ptr() == stack.data_ptr() and out.dtype == stack.dtype
+                    and out.stride() == stack.stride())
+        if not in_place and overlaps(out, stack):
+            raise ValueError("out overlaps stack in memory without being stack itself: pass stack "
+                             "(in place) or a tensor with its own memory")
     m, n = stack.shape[-2:]
     tall = m > n
     wm, wn = (n, m) if tall else (m, n)
@@ -549,18 +564,29 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
         out = torch.empty_like(stack)
     if stack.device.type == "meta":
         return out
-    if not bool(torch.isfinite(stack).all()):
-        raise ValueError("stack must be finite (it holds NaN or Inf)")
     src = stack.reshape(-1, m, n)
     if tall:
         src = src.transpose(1, 2)
     num = src.shape[0]
+    peak = src.abs().amax(dim=(1, 2))   # NaN when a block holds NaN: one pass for both checks
+    if not bool(torch.isfinite(peak).all()):
+        raise ValueError("stack must be finite (it holds NaN or Inf)")
+    rescale = (peak > 0) & ((peak < SAFE_PEAK[0]) | (peak > SAFE_PEAK[1]))
+    factors = None
+    if bool(rescale.any()):
+        # 2**-e with peak = f 2**e, f in [0.5, 1): exact in float64 for every input dtype
+        exponent = torch.frexp(peak.double()).exponent
+        factors = torch.where(rescale, torch.ldexp(torch.ones_like(peak, dtype=torch.float64), -exponent),
+                              1.0)[:, None, None]
     # results go straight into ``out`` when it is a contiguous fp32 wide stack, else via a buffer
     fast = out.dtype == torch.float32 and out.is_contiguous() and not tall
     res = out.view(-1, m, n) if fast else torch.empty((num, wm, wn), dtype=torch.float32, device=stack.device)
 
     def fill(start, stop, A):
-        A.copy_(src[start:stop])
+        if factors is None:
+            A.copy_(src[start:stop])
+        else:
+            A.copy_(src[start:stop] * factors[start:stop])
 
     def sink(start, stop, R):
         res[start:stop].copy_(R)

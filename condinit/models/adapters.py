@@ -67,8 +67,9 @@ from torch import nn
 from condinit._validate import check_bool, check_choice, check_int, check_tensor
 
 __all__ = ["Projection", "AttentionSpec", "AttentionAdapter", "UnsupportedAttention", "Described", "LAYOUTS",
-           "SEPARATE_NAMES", "Q_KV_NAMES", "FUSED_NAMES", "fused_layout", "register_adapter", "unregister_adapter",
-           "get_adapter", "registered_adapters", "describe", "spec_of", "looks_like_attention"]
+           "SEPARATE_NAMES", "Q_KV_NAMES", "FUSED_NAMES", "fused_layout", "heads_of", "register_adapter",
+           "unregister_adapter", "get_adapter", "registered_adapters", "describe", "spec_of", "looks_like_attention",
+           "why_not_recognised"]
 
 # Row layouts of a fused Q/K/V weight (see fused_layout).
 LAYOUTS = ("contiguous", "per_head", "per_group", "grouped")
@@ -441,7 +442,7 @@ class AttentionAdapter:
 # ------------------------------------------------------------------------------------------------
 # head counts, from the module's attributes or its own config
 
-_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads", "num_head")
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads", "num_head", "num_attn_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_kv_head")
 _HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head", "dim_head")
 _HEAD_CFG = ("num_attention_heads", "n_head", "n_heads", "num_heads")
@@ -730,7 +731,6 @@ FUSED_NAMES = ("qkv", "Wqkv", "qkv_proj", "c_attn", "query_key_value", "to_qkv",
                "in_proj")
 _AMBIGUOUS_FUSED = {"in_proj"}   # also the input projection of Mamba-style mixers: needs an attention class name
 
-_MLA_NAMES = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
 _MLA_REASON = ("multi-head latent attention (q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj): Q, K and V are "
                "products of low-rank factors and part of every key is a rope key shared by all heads, so the "
                "method's per-head W_Q, W_K, W_V are not parameters of this module; condinit does not guess which "
@@ -741,7 +741,7 @@ _ATTENTION_NAME = re.compile(r"attention|attn", re.I)
 _GATING_NAME = re.compile(r"(Channel|Spatial|Split|SelectiveKernel|Coord|Triplet|Gather|Efficient[Cc]hannel)"
                           r"(Attn|Attention)\w*$|Cbam|^Eca|^Ceca|SqueezeExcite")
 # names that say attention but are parts of an attention block, not the attention itself
-_PART_NAME = re.compile(r"(Output|Dropout|Norm|Mask|Embeddings?|Rotary\w*|Bias|Scaling)$")
+_PART_NAME = re.compile(r"(Output|Dropout|Norm|Mask|Embeddings?|Rotary\w*|Bias|Scaling|MLP|FeedForward|FFN)$")
 
 
 def _is_linear_like(mod) -> bool:
@@ -816,14 +816,32 @@ def spec_of(module: nn.Module) -> AttentionSpec:
     return found.spec
 
 
+def _projection_module(mod) -> Optional[nn.Module]:
+    """``mod`` when it is linear-like; the one linear-like module inside a wrapper that holds nothing
+    else (a clipping or casting wrapper around an nn.Linear); else None."""
+    if _is_linear_like(mod):
+        return mod
+    if not isinstance(mod, nn.Module) or next(mod.parameters(recurse=False), None) is not None:
+        return None
+    inner = [c for c in mod.modules() if c is not mod and next(c.parameters(recurse=False), None) is not None]
+    if len(inner) == 1 and _is_linear_like(inner[0]):
+        return inner[0]
+    return None
+
+
 def _structural(m: nn.Module) -> Optional[Described]:
     children = dict(m.named_children())
-    linear = {n: c for n, c in children.items() if _is_linear_like(c)}
-    if _MLA_NAMES & set(linear) and ("kv_a_proj_with_mqa" in linear or "kv_b_proj" in linear):
+    linear = {n: p for n, p in ((n, _projection_module(c)) for n, c in children.items()) if p is not None}
+    if ("kv_a_proj_with_mqa" in linear or "kv_b_proj" in linear
+            or ("q_a_proj" in linear and "q_b_proj" in linear)):
         raise UnsupportedAttention(_MLA_REASON)
     if "query_key" in linear and "value" in linear:
         raise UnsupportedAttention("shared query_key projection (Reformer LSH attention): Q and K are one matrix, "
                                    "so they cannot be two independent semi-orthogonal matrices")
+    if "sampling_offsets" in linear and "attention_weights" in linear:
+        raise UnsupportedAttention("deformable attention: it has no query or key projections (sampling offsets and "
+                                   "attention weights are predicted from the query), so there is no W_Q, W_K to "
+                                   "condition")
     for names in SEPARATE_NAMES:
         if all(n in linear for n in names):
             return _separate(m, names, linear)
@@ -850,7 +868,10 @@ def _lin_proj(lin, start=0, stop=None) -> Projection:
 def _separate(m, names, linear) -> Described:
     qn, kn, vn = names
     q, k, v = (_lin_proj(linear[n]) for n in names)
-    H, Hkv, d = heads_of(m, q.rows, k.rows)
+    gated = q.rows % 2 == 0 and _source_says_gated_query(type(m), qn)
+    H, Hkv, d = heads_of(m, q.rows // 2 if gated else q.rows, k.rows)
+    if gated:   # rows [H, 2, d]: each head's query, then its output gate (left as it is)
+        q = Projection(q.weight, 0, d, q.transposed, q.bias, groups=H, stride=2 * d)
     if v.rows != Hkv * d:
         raise UnsupportedAttention(f"{vn} has {v.rows} rows, not {Hkv} key/value heads of head_dim {d} (a value head "
                                    f"size different from the key's)")
@@ -861,7 +882,8 @@ def _separate(m, names, linear) -> Described:
             if f"{pre}{kn}{post}" in linear and f"{pre}{vn}{post}" in linear:
                 partial = (f"also holds {pre}{qn}{post}/{pre}{kn}{post}/{pre}{vn}{post}, a second set of query/key/"
                            f"value projections that is not conditioned")
-    return Described(f"auto({qn}/{kn}/{vn})", AttentionSpec(q, k, v, H, Hkv, d), partial)
+    label = f"auto({qn}/{kn}/{vn}{', gated query' if gated else ''})"
+    return Described(label, AttentionSpec(q, k, v, H, Hkv, d), partial)
 
 
 def _q_kv(m, qn, kvn, linear) -> Described:
@@ -967,6 +989,48 @@ def _role(name: str) -> Optional[str]:
     return _ROLE_WORDS.get(name.lstrip("_").lower().split("_", 1)[0])
 
 
+def _source_says_gated_query(cls, name: str) -> bool:
+    """Whether ``cls`` reads its query projection ``name`` as ``[H, 2, d]``: each head's query, then
+    an output gate (Qwen3-Next, Qwen3.5: ``query, gate = torch.chunk(q_proj(x).view(..., -1,
+    head_dim * 2), 2, dim=-1)``)."""
+    raw = _class_source(cls)
+    if raw is None:
+        return False
+    src = re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", raw))
+    m = re.search(rf"\(?(\w+),(\w+)\)?=torch\.chunk\(self\.{name}\([^()]*\)\.view\([^()]*,-1,self\.head_dim\*2\),2,"
+                  rf"dim=-1\)", src)
+    return m is not None and _role(m[1]) == "q" and _role(m[2]) is None
+
+
+def why_not_recognised(m: nn.Module) -> str:
+    """Why an attention-named module is not recognised: what it holds."""
+    children = dict(m.named_children())
+    roles: dict[str, list] = {}
+    for n, c in children.items():
+        if not any(t.dim() >= 2 for t in c.parameters()):   # norms, dropouts, rotary tables
+            continue
+        role = next((r for r in (_ROLE_WORDS.get(t) for t in n.lower().split("_")) if r), None)
+        if role is None and n.lower() in ("qkv", "kv", "query_key_value", "wqkv"):
+            role = "qkv"
+        if role is not None:
+            roles.setdefault(role, []).append(n)
+    if roles:
+        named = [n for ns in roles.values() for n in ns]
+        kinds = {type(children[n]).__name__ for n in named}
+        unreadable = [n for n in named if _projection_module(children[n]) is None]
+        if unreadable:
+            return (f"its {', '.join(unreadable)} ({', '.join(sorted({type(children[n]).__name__ for n in unreadable}))}) "
+                    f"are not linear projections with a 2-D weight condinit can read")
+        missing = [r for r in ("q", "k", "v") if r not in roles and "qkv" not in roles]
+        if missing:
+            what = {"q": "query", "k": "key", "v": "value"}
+            return (f"it holds {', '.join(named)} but no {' or '.join(what[r] for r in missing)} projection (computed "
+                    f"elsewhere: a learned query, keys and values shared with another layer, ...)")
+        return f"its projections {', '.join(named)} ({', '.join(sorted(kinds))}) follow no naming family condinit reads"
+    held = [f"{n}: {type(c).__name__}" for n, c in children.items()] + [n for n, _ in m.named_parameters(recurse=False)]
+    return f"its class name says attention, but it holds no projections condinit can read ({', '.join(held) or 'nothing'})"
+
+
 def _source_says_contiguous(cls, name: str, parts: int) -> bool:
     """Whether ``cls``'s source splits the output of its fused projection ``name`` into ``parts``
     contiguous runs (Q, K, V or K, V, in that order): a reshape to ``(..., parts, num_heads, ...)``,
@@ -989,12 +1053,12 @@ def _source_says_contiguous(cls, name: str, parts: int) -> bool:
         reshaped = re.search(rf"\b{var}={var}\.{_SHAPE_OPS}\(", src) is not None
         if not reshaped and (re.search(rf"\b{var}\.{_SPLITS}\(", src) or re.search(rf"torch\.{_SPLITS}\({var},", src)):
             split_raw = True
-    head_dim = r"(?<!\w)(?:self\.)?(?:head_dim|head_size|dim_head|d_head|local_dim|attention_head_size)\b"
-    interleaved = (re.search(rf"{_HEADS_RE},{parts}[,*)]", src) is not None          # (..., H, 3, d)
-                   or re.search(rf"-1,{parts}\*", src) is not None                      # (..., -1, 3 * d)
-                   or re.search(rf"\b{parts}\*{head_dim}", src) is not None              # 3 * head_dim
-                   or re.search(rf"{head_dim}\*{parts}\b", src) is not None              # head_dim * 3
-                   or re.search(rf"{_HEADS_RE},-1\)\.(?:split|chunk)", src) is not None or einops_interleaved)
+    head_dim = r"(?:self\.)?(?:head_dim|head_size|dim_head|d_head|local_dim|attention_head_size)\b"
+    interleaved = (re.search(rf"{_HEADS_RE},{parts}[,*)]", src) is not None              # (..., H, 3, d), (H, 3 * d)
+                   or re.search(rf"(?:{_HEADS_RE}|-1),{parts}\*", src) is not None           # (..., -1, 3 * d)
+                   or re.search(rf"(?:{_HEADS_RE}|-1),{head_dim}\*{parts}\b", src) is not None  # (H, d * 3)
+                   or re.search(rf"{_HEADS_RE},-1\)\.(?:split|chunk)", src) is not None     # (H, -1).split
+                   or einops_interleaved)
     if interleaved or not (thirds or split_raw):
         return False
     # the parts are assigned to query, key, value (key, value) in that order, and never in another

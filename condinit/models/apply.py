@@ -59,7 +59,8 @@ from condinit.init.orthogonalize import METHODS
 from condinit.init.philox import stream_id
 from condinit.init.spectrum import spectrum
 
-from .adapters import AttentionSpec, Projection, UnsupportedAttention, describe, looks_like_attention
+from .adapters import (AttentionSpec, Projection, UnsupportedAttention, describe, looks_like_attention,
+                       why_not_recognised)
 from .deferred import has_meta, materialize_
 from .sharded import is_dtensor, local_part, overlap
 
@@ -211,11 +212,7 @@ def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Opt
     for order, name, mod in pending:
         if name in claimed or not _selected(name, inc, exc):
             continue
-        kids = [f"{n}: {type(c).__name__}" for n, c in mod.named_children()]
-        own = [n for n, _ in mod.named_parameters(recurse=False)]
-        held = ", ".join(kids + own) or "nothing"
-        uncovered.append((order, Uncovered(name, _qualname(mod), f"its class name says attention, but it holds no "
-                                                                  f"projections condinit can read ({held})")))
+        uncovered.append((order, Uncovered(name, _qualname(mod), why_not_recognised(mod))))
     uncovered.sort(key=lambda ent: ent[0])
     return Discovery([l for l in found if _selected(l.name, inc, exc)], [u for _, u in uncovered])
 

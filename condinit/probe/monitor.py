@@ -14,6 +14,32 @@ refers to the weights the forward pass used). :meth:`JacobianMonitor.step` then 
 and logs one record per layer to JSONL (and CSV; TensorBoard scalars when ``torch.utils.tensorboard``
 works).
 
+Signals beside kappa, from the same captured step (``signals=True``), per head ``h`` (key/value head
+``g(h)``) and aggregated per layer; the scores are ``s_ij = scale q_i . k_j`` of the operator's
+``A(X)`` (layer weights, biases, scale and causal mask; not RoPE or other position transforms the
+module applies inside, nor padding masks):
+
+* ``max_logit`` (``max_logit_heads``): ``max_ij s_ij`` over the batch, queries and unmasked keys;
+  the layer value is the largest head's.
+* ``entropy_mean`` / ``entropy_min`` (``entropy_mean_heads`` / ``entropy_min_heads``): the
+  attention entropy ``-sum_j p_ij log p_ij`` (nats) averaged over queries, and its minimum over the
+  queries that attend more than one key (under a causal mask the first query sees one key only and
+  has entropy 0 by construction); layer values: the mean over heads, the minimum over heads.
+* ``qk_norm`` (``qk_norm_heads``): the spectral norm of the ``D x D`` bilinear form
+  ``W_Q,h^T W_K,g(h)`` (``s_ij = scale x_i^T W_Q,h^T W_K,g x_j`` without biases), computed exactly
+  as ``||R_Q,h R_K,g^T||_2`` from thin QRs ``W_Q,h^T = Q_Q,h R_Q,h`` (``d x d`` SVDs only); the layer
+  value is the largest head's.
+* ``frobenius`` (with ``frobenius_ci_low`` / ``frobenius_ci_high``): ``||J||_F`` by
+  :func:`~condinit.probe.frobenius_hutchinson`.
+
+Alerts (``alerts={"kappa_growth": 10.0, "max_logit": 50.0, "entropy": 0.1, "qk_norm": 100.0}``):
+kappa over the layer's first recorded kappa above ``kappa_growth``, a head's max logit above
+``max_logit``, a head's mean entropy below ``entropy``, a head's ``qk_norm`` above ``qk_norm``. Each
+fires once per layer and kind: a :class:`ConditioningWarning` (``warnings.warn``) and an alert
+record (``{"alert": kind, "step", "layer", "name", "head", "value", "threshold", ...}``) in the
+JSONL file and in :attr:`JacobianMonitor.alerts` (not in the CSV or :attr:`~JacobianMonitor.history`,
+which hold one row per layer).
+
 It never changes training: the hooks return nothing and only copy detached tensors; estimates run
 under ``torch.no_grad`` on those copies with a private ``torch.Generator`` (no draw from the global or
 any user RNG); no module is called, so no module state, train/eval mode, buffer or ``.grad`` is
@@ -36,6 +62,11 @@ round-robin, so over several sampled steps every layer is covered; layers left o
 logged as skipped. Cost on a CPU (benchmarks/bench_probe.py): one layer's estimate (20 steps, wrt
 weights) is about 40 JVP/VJP passes, each about as costly as that layer's Q/K/V projection forward
 plus 3 attention forwards; ``max_batch=1`` or ``max_layers`` bring ``every=100`` to about 1-3 %.
+The signals add one attention-score pass per layer (``O(B H N^2 d)`` like one attention forward,
+plus ``O((H + Hkv) D d^2)`` for the QRs): the scores are formed in row blocks of at most
+``_SIGNAL_TILE_ELEMENTS`` entries (a few such blocks live at once; a block is never smaller than
+one query row, ``B H N`` entries), so no ``N x N`` matrix is kept, and nothing is stored but
+``O(H)`` statistics.
 """
 from __future__ import annotations
 
@@ -44,6 +75,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -54,11 +86,126 @@ from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, ch
 from .capture import InputCapture
 from .operator import _autocast_disabled
 
-__all__ = ["JacobianMonitor"]
+__all__ = ["JacobianMonitor", "ConditioningWarning", "ALERT_KINDS"]
 
+# per-head signals: the layer aggregate is the key without "_heads"
+_HEAD_SIGNALS = ("max_logit_heads", "entropy_mean_heads", "entropy_min_heads", "qk_norm_heads")
 _CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged",
                "residual_max", "residual_min", "lanczos_steps", "frobenius", "frobenius_ci_low", "frobenius_ci_high",
+               "max_logit", "entropy_mean", "entropy_min", "qk_norm") + _HEAD_SIGNALS + (
                "batch", "tokens", "time_s", "skipped", "notes")
+_TB_SCALARS = ("sigma_max", "sigma_min", "kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
+
+# Attention scores are formed in row blocks of at most this many entries (at least one query row).
+_SIGNAL_TILE_ELEMENTS = 1 << 22
+
+# alert kind -> (what it compares, the bound's check_real arguments)
+ALERT_KINDS = {
+    "kappa_growth": ("kappa / the layer's first recorded kappa above the bound", dict(min=0.0, min_open=True)),
+    "max_logit": ("a head's max attention logit above the bound", {}),
+    "entropy": ("a head's mean attention entropy (nats) below the bound", dict(min=0.0)),
+    "qk_norm": ("a head's ||W_Q,h^T W_K,h||_2 above the bound", dict(min=0.0, min_open=True)),
+}
+
+
+class ConditioningWarning(UserWarning):
+    """An alert of :class:`JacobianMonitor` (a signal crossed a user threshold)."""
+
+
+def _check_alerts(alerts) -> dict:
+    if alerts is None:
+        return {}
+    if not isinstance(alerts, dict):
+        raise TypeError(f"alerts must be a dict mapping alert kinds ({', '.join(ALERT_KINDS)}) to thresholds, "
+                        f"got {type(alerts).__name__}")
+    out = {}
+    for kind, bound in alerts.items():
+        if kind not in ALERT_KINDS:
+            raise ValueError(f"alerts: unknown kind {kind!r}; expected one of {', '.join(ALERT_KINDS)}")
+        out[kind] = check_real(f"alerts[{kind!r}]", bound, **ALERT_KINDS[kind][1])
+    return out
+
+
+# record keys a trainer callback passes on to its trainer's logger, as "jacobian/LAYER/KEY"
+LOGGED_KEYS = ("kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
+
+
+def _logged_metrics(records) -> dict:
+    """``{"jacobian/LAYER/KEY": value}`` for the non-None :data:`LOGGED_KEYS` of ``records`` (a later
+    record of a layer overrides an earlier one): what the trainer callbacks log."""
+    out = {}
+    for rec in records:
+        for key in LOGGED_KEYS:
+            if rec.get(key) is not None:
+                out[f"jacobian/{rec['layer']:02d}/{key}"] = rec[key]
+    return out
+
+
+def _finite_or_none(v):
+    """Floats (also inside lists) that are NaN / inf become None: a log line must stay valid JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_finite_or_none(x) for x in v]
+    return v
+
+
+def _attention_signals(op) -> dict:
+    """Per-head attention statistics of one captured layer (see the module docstring).
+
+    ``op`` is a :class:`~condinit.probe.JacobianOperator` built from a module (it holds ``X`` and
+    the weights). Returns the per-head lists (``max_logit_heads``, ``entropy_mean_heads``,
+    ``entropy_min_heads``, ``qk_norm_heads``) and their layer aggregates, as Python floats
+    (``entropy_min`` None when no query attends more than one key). Runs in the operator's dtype
+    under ``torch.no_grad`` with autocast off; scores in row blocks of at most
+    ``_SIGNAL_TILE_ELEMENTS`` entries.
+    """
+    with torch.no_grad(), _autocast_disabled(op.device):
+        q, k = op._primal()[:2]                     # [B, H, N, d], [B, Hkv, N, d]: the operator's own
+        B, H, N, d = q.shape
+        Hkv, G = k.shape[1], H // k.shape[1]
+        qg = q.reshape(B, Hkv, G, N, d)              # head h = g * G + j reads key/value head g
+        kt = k.unsqueeze(2).transpose(-1, -2)        # [B, Hkv, 1, d, N]
+        rows = max(1, _SIGNAL_TILE_ELEMENTS // max(1, B * H * N))
+        dev, dt = q.device, q.dtype
+        max_logit = torch.full((H,), -math.inf, device=dev, dtype=dt)
+        ent_sum = torch.zeros(H, device=dev, dtype=dt)
+        ent_min = torch.full((H,), math.inf, device=dev, dtype=dt)
+        keys = torch.arange(N, device=dev)
+        # queries that see more than one key: all when N > 1 without a mask, i >= 1 with it
+        first = 1 if op.causal else (0 if N > 1 else N)
+        for i0 in range(0, N, rows):
+            i1 = min(N, i0 + rows)
+            s = (qg[..., i0:i1, :] @ kt) * op.scale                       # [B, Hkv, G, r, N]
+            if op.causal:
+                masked = keys.unsqueeze(0) > torch.arange(i0, i1, device=dev).unsqueeze(1)   # [r, N]
+                s = s.masked_fill(masked, -math.inf)
+            max_logit = torch.maximum(max_logit, s.amax(dim=(0, 3, 4)).reshape(H))
+            p = torch.softmax(s, dim=-1)
+            ent = -torch.special.xlogy(p, p).sum(dim=-1)                  # [B, Hkv, G, r]; 0 log 0 = 0
+            del s, p
+            ent_sum += ent.sum(dim=(0, 3)).reshape(H)
+            lo = max(i0, first)
+            if lo < i1:
+                ent_min = torch.minimum(ent_min, ent[..., lo - i0:].amin(dim=(0, 3)).reshape(H))
+        ent_mean = ent_sum / (B * N)
+        # ||W_Q,h^T W_K,g||_2 = ||R_Q,h R_K,g^T||_2 with W^T = Q R thin QRs ([D, d] -> R [d, d])
+        # Each weight is divided by its largest |entry| first (finite weights, so the product and the
+        # SVD cannot overflow the dtype and fail on inf), the norm multiplied back in float64.
+        units = [float(w.abs().max()) or 1.0 for w in (op.Wq, op.Wk)]
+        wq = (op.Wq / units[0]).reshape(H, d, op.D).transpose(-1, -2)
+        wk = (op.Wk / units[1]).reshape(Hkv, d, op.D).transpose(-1, -2)
+        if op.D > d:
+            wq, wk = torch.linalg.qr(wq, mode="r")[1], torch.linalg.qr(wk, mode="r")[1]
+        form = wq @ wk.repeat_interleave(G, dim=0).transpose(-1, -2)
+        qk = torch.linalg.matrix_norm(form, ord=2).double() * (units[0] * units[1])
+        # layer aggregates with torch's reductions, which propagate NaN (Python's max / min do not)
+        seen = ent_min[~torch.isinf(ent_min)]
+        return {"max_logit": max_logit.max().item(), "entropy_mean": ent_mean.mean().item(),
+                "entropy_min": seen.min().item() if seen.numel() else None, "qk_norm": qk.max().item(),
+                "max_logit_heads": max_logit.tolist(), "entropy_mean_heads": ent_mean.tolist(),
+                "entropy_min_heads": [None if math.isinf(v) else v for v in ent_min.tolist()],
+                "qk_norm_heads": qk.tolist()}
 
 
 class JacobianMonitor:
@@ -84,6 +231,14 @@ class JacobianMonitor:
         include, exclude: fnmatch patterns on module names (as in :func:`condinit.apply`).
         tensorboard: also write TensorBoard scalars to ``log_dir`` when ``torch.utils.tensorboard``
             imports.
+        signals: also log max logit, attention entropy and ``||W_Q,h^T W_K,h||_2`` per head (one extra
+            attention-score pass per layer; see the module docstring).
+        alerts: thresholds per alert kind (:data:`ALERT_KINDS`: ``"kappa_growth"``, ``"max_logit"``,
+            ``"entropy"``, ``"qk_norm"``); each fires once per layer and kind, as a
+            :class:`ConditioningWarning` and a record in :attr:`alerts` and the JSONL file.
+
+    :attr:`capturing` (default True) switches the hooks off while False (a trainer callback sets it
+    False between its steps, so evaluation forwards are not taken for the next training step's).
 
     Examples:
         >>> model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
@@ -93,14 +248,15 @@ class JacobianMonitor:
         ...         loss = model(torch.randn(2, 8, 16)).square().mean()
         ...         loss.backward(); opt.step(); opt.zero_grad()
         ...         records = monitor.step()          # one record per layer on steps 0 and 2
-        >>> monitor.history[0]["kappa"]
+        >>> monitor.history[0]["kappa"], monitor.history[0]["max_logit_heads"]
+        >>> mon = condinit.JacobianMonitor(model, every=1, alerts={"max_logit": 20.0, "kappa_growth": 10.0})
     """
 
     def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 20, *,
                  log_dir=None, path=None, seed: int = 0, wrt: str = "weights", causal: Optional[bool] = None,
                  max_layers: Optional[int] = None, max_batch: Optional[int] = 1,
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
-                 exclude=None, tensorboard: bool = True):
+                 exclude=None, tensorboard: bool = True, signals: bool = True, alerts: Optional[dict] = None):
         from condinit.models.apply import _no_attention_error, find_attention
         from .operator import WRT, check_dtype
 
@@ -121,13 +277,20 @@ class JacobianMonitor:
         check_bool("causal", causal, allow_none=True)
         check_dtype("dtype", dtype)
         check_bool("tensorboard", tensorboard)
+        check_bool("signals", signals)
+        alerts = _check_alerts(alerts)
         self.layers = find_attention(model, include=include, exclude=exclude)
         if not self.layers:
             raise _no_attention_error(model, include, exclude)
         self.every, self.budget, self.steps, self.seed, self.wrt = every, budget, steps, seed, wrt
         self.causal, self.max_layers, self.max_batch, self.max_tokens = causal, max_layers, max_batch, max_tokens
         self.frobenius_samples, self.dtype = frobenius_samples, dtype
+        self.signals, self.thresholds = signals, alerts
         self.history: list[dict] = []
+        self.alerts: list[dict] = []
+        self.capturing = True
+        self._kappa_first: dict = {}     # layer index -> its first recorded kappa
+        self._alerted: set = set()       # (layer index, kind) already reported
         self.step_count = 0
         self._cursor = 0          # round-robin position over layers
         self._captured: dict = {}
@@ -170,7 +333,7 @@ class JacobianMonitor:
 
     def _on_input(self, idx: int, module: nn.Module, x) -> None:
         """Pre-hook callback: on a sampled step, snapshot layer ``idx``'s first forward as an operator."""
-        if not self.sampling or idx in self._captured or idx in self._errors:
+        if not self.capturing or not self.sampling or idx in self._captured or idx in self._errors:
             return
         if x is None:
             self._errors[idx] = "could not find a [B, N, D] input tensor"
@@ -239,12 +402,13 @@ class JacobianMonitor:
             t0 = time.perf_counter()
             seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
             with torch.no_grad(), _autocast_disabled(op.device):
+                sig = _attention_signals(op) if self.signals else {}
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
                 fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                     if self.frobenius_samples and math.isfinite(est.sigma_max) else None
             if not math.isfinite(est.sigma_max):
                 # the estimators report an overflow of the compute dtype as NaN values with the reason
-                records.append({**base, "batch": op.B, "tokens": op.N, "time_s": time.perf_counter() - t0,
+                records.append({**base, **sig, "batch": op.B, "tokens": op.N, "time_s": time.perf_counter() - t0,
                                 "skipped": est.notes})
                 done += 1
                 self._cursor = (idx + 1) % len(self.layers)
@@ -257,28 +421,77 @@ class JacobianMonitor:
                    "notes": est.notes}
             if fro is not None:
                 rec.update(frobenius=fro.frobenius, frobenius_ci_low=fro.ci_low, frobenius_ci_high=fro.ci_high)
+            rec.update(sig)
             records.append(rec)
             done += 1
             self._cursor = (idx + 1) % len(self.layers)
         self._captured = {}
-        self._write(records)
+        alerts = []
+        for r in records:      # before NaN / inf become None; a loop, not a comprehension: see stacklevel
+            alerts += self._check_thresholds(r)
+        self._write(records + alerts)
         self.history.extend(records)
+        self.alerts.extend(alerts)
         return records
+
+    def _check_thresholds(self, rec: dict) -> list[dict]:
+        """The alert records ``rec`` triggers (each (layer, kind) once per monitor), with their warnings."""
+        out = []
+        if "kappa_growth" in self.thresholds and rec.get("kappa") is not None:
+            first = self._kappa_first.setdefault(rec["layer"], rec["kappa"])
+            growth = rec["kappa"] / first
+            if growth > self.thresholds["kappa_growth"]:
+                out += self._alert(rec, "kappa_growth", None, growth, kappa=rec["kappa"], kappa_first=first)
+        for kind, key, worst in (("max_logit", "max_logit_heads", max), ("entropy", "entropy_mean_heads", min),
+                                 ("qk_norm", "qk_norm_heads", max)):
+            values = rec.get(key)
+            if kind not in self.thresholds or not values:
+                continue
+            bound = self.thresholds[kind]
+            # a NaN value (a diverged head) counts as crossing the bound, whichever its direction
+            nan = [h for h, v in enumerate(values) if v is not None and math.isnan(v)]
+            finite = [h for h, v in enumerate(values) if v is not None and not math.isnan(v)]
+            if not nan and not finite:
+                continue
+            head = nan[0] if nan else worst(finite, key=lambda h: values[h])
+            value = values[head]
+            if nan or (value < bound if kind == "entropy" else value > bound):
+                out += self._alert(rec, kind, head, value)
+        return out
+
+    def _alert(self, rec: dict, kind: str, head: Optional[int], value: float, **extra) -> list[dict]:
+        if (rec["layer"], kind) in self._alerted:
+            return []
+        self._alerted.add((rec["layer"], kind))
+        bound = self.thresholds[kind]
+        where = f"layer {rec['layer']} ({rec['name']})" + ("" if head is None else f" head {head}")
+        message = (f"condinit JacobianMonitor: step {rec['step']}: {where}: {kind} = {value:.4g} "
+                   f"({ALERT_KINDS[kind][0]} {bound:g})")
+        # stacklevel 5: the caller of JacobianMonitor.step (step -> _estimate -> _check_thresholds -> _alert)
+        warnings.warn(message, ConditioningWarning, stacklevel=5)
+        return [{"step": rec["step"], "layer": rec["layer"], "name": rec["name"], "alert": kind, "head": head,
+                 "value": value, "threshold": bound, **extra, "message": message}]
 
     def _write(self, records):
         for r in records:
             for k, v in r.items():   # a log line must never carry NaN / inf (or break training)
-                if isinstance(v, float) and not math.isfinite(v):
-                    r[k] = None
+                r[k] = _finite_or_none(v)
             if self._jsonl is not None:
                 self._jsonl.write(json.dumps(r, allow_nan=False, default=str) + "\n")
+            if "alert" in r:         # alerts go to the JSONL file only: the CSV has one row per layer
+                continue
             if self._csv is not None:
-                self._csv.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in _CSV_FIELDS})
-            if self._tb is not None and r.get("skipped") is None:
+                self._csv.writerow({k: ("" if r.get(k) is None else json.dumps(r[k]) if isinstance(r[k], list)
+                                        else r[k]) for k in _CSV_FIELDS})
+            if self._tb is not None:
                 tag = f"jacobian/{r['layer']:03d}"
-                for key in ("sigma_max", "sigma_min", "kappa", "frobenius"):
+                for key in _TB_SCALARS:
                     if r.get(key) is not None:
                         self._tb.add_scalar(f"{tag}/{key}", r[key], r["step"])
+                for key in _HEAD_SIGNALS:
+                    for h, v in enumerate(r.get(key) or ()):
+                        if v is not None:
+                            self._tb.add_scalar(f"{tag}/{key[:-len('_heads')]}/head_{h:02d}", v, r["step"])
         for fh in (self._jsonl, self._csv_fh):
             if fh is not None:
                 fh.flush()

@@ -1,0 +1,106 @@
+"""The conditioning monitor inside a Hugging Face ``transformers.Trainer``.
+
+    from condinit.integrations.trainer import JacobianMonitorCallback
+
+    trainer = Trainer(model, args, train_dataset=ds,
+                      callbacks=[JacobianMonitorCallback(every=100, alerts={"max_logit": 50.0})])
+    trainer.train()        # records in args.output_dir/jacobian/jacobian.jsonl (and .csv)
+
+This module imports ``transformers``; ``import condinit`` does not import it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from transformers import TrainerCallback
+
+from condinit._validate import check_bool, check_int
+from condinit.probe.monitor import _logged_metrics
+
+__all__ = ["JacobianMonitorCallback"]
+
+
+class JacobianMonitorCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that runs a :class:`condinit.JacobianMonitor` on the model.
+
+    ``on_train_begin`` creates the monitor on the Trainer's model (``JacobianMonitor(model,
+    every=every, log_dir=log_dir, **monitor_kwargs)``; ``log_dir`` defaults to
+    ``args.output_dir/jacobian``), numbering steps by ``state.global_step`` (so a resumed run goes
+    on from its checkpoint's step). Inputs are captured only between ``on_step_begin`` and
+    ``on_step_end`` (the first micro-batch of a sampled optimizer step; evaluation forwards are
+    never taken); ``on_step_end`` runs :meth:`~condinit.JacobianMonitor.step`; ``on_train_end``
+    closes the monitor. With ``log_signals``, ``on_log`` adds the latest records' values (kappa,
+    ``||J||_F``, max logit, entropy, ``qk_norm`` as ``jacobian/LAYER/KEY``) to the Trainer's
+    ``logs`` and its last ``log_history`` entry (``trainer_state.json``); the reporting
+    integrations (``report_to``) run before user callbacks and do not see them: the monitor's own
+    JSONL / CSV / TensorBoard files hold every record. Only the main process (``state.is_world_process_zero``)
+    monitors.
+
+    The monitor never changes training: with the same seed, the final weights are bit-identical
+    with and without this callback.
+
+    Args:
+        every: sample every ``every``-th optimizer step (steps ``0, every, ...``).
+        log_dir: the monitor's directory (default ``args.output_dir/jacobian``).
+        log_signals: add the latest values to the Trainer's logs in ``on_log``.
+        **monitor_kwargs: further :class:`~condinit.JacobianMonitor` arguments (``alerts``,
+            ``budget``, ``steps``, ``max_layers``, ``signals``, ...), checked by it on ``on_train_begin``.
+
+    Examples:
+        >>> from condinit.integrations.trainer import JacobianMonitorCallback
+        >>> cb = JacobianMonitorCallback(every=50, alerts={"kappa_growth": 10.0}, max_layers=4)
+        >>> trainer = transformers.Trainer(model, args, train_dataset=ds, callbacks=[cb])
+        >>> trainer.train()
+        >>> cb.monitor.history[-1]["kappa"]
+    """
+
+    def __init__(self, every: int = 100, log_dir=None, log_signals: bool = True, **monitor_kwargs):
+        self.every = check_int("every", every, min=1)
+        self.log_signals = check_bool("log_signals", log_signals)
+        for key in ("model", "path"):
+            if key in monitor_kwargs:
+                raise TypeError(f"JacobianMonitorCallback: {key!r} is not an argument here (the model is the "
+                                f"Trainer's; the files go to log_dir)")
+        self.log_dir = log_dir
+        self.monitor_kwargs = monitor_kwargs
+        self.monitor = None
+        self._pending: dict = {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if model is None:
+            raise ValueError("JacobianMonitorCallback: the Trainer passed no model to on_train_begin")
+        from condinit.probe import JacobianMonitor
+
+        log_dir = self.log_dir if self.log_dir is not None else os.path.join(args.output_dir, "jacobian")
+        self.monitor = JacobianMonitor(model, every=self.every, log_dir=log_dir, **self.monitor_kwargs)
+        self.monitor.step_count = state.global_step
+        self.monitor.capturing = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.step_count = state.global_step
+            self.monitor.capturing = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            return
+        self.monitor.capturing = False
+        # global_step was advanced before on_step_end: the step that just ran is global_step - 1
+        records = self.monitor.step(step=state.global_step - 1)
+        if self.log_signals:
+            self._pending.update(_logged_metrics(records))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending or logs is None:
+            return
+        logs.update(self._pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._pending)
+        self._pending = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.close()

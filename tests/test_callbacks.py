@@ -1,0 +1,121 @@
+"""Trainer callbacks around JacobianMonitor: Hugging Face Trainer (records written, training unchanged)
+and Lightning (skipped when it is not installed); neither framework is imported by ``import condinit``."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_import_condinit_imports_no_trainer_framework():
+    code = ("import sys, condinit, condinit.probe, condinit.probe.monitor, condinit.integrations.lightning\n"
+            "condinit.JacobianMonitor\n"
+            "print([m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _lightning_installed() -> bool:
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
+
+
+@pytest.mark.skipif(_lightning_installed(), reason="Lightning is installed: the missing-package error cannot occur")
+def test_lightning_callback_without_lightning_names_the_package():
+    import condinit.integrations.lightning as lmod
+    with pytest.raises(ImportError, match="pip install lightning"):
+        lmod.JacobianMonitorCallback
+    with pytest.raises(ImportError, match="pip install lightning"):
+        from condinit.integrations.lightning import JacobianMonitorCallback  # noqa: F401
+
+
+@pytest.mark.skipif(not _lightning_installed(), reason="neither lightning nor pytorch_lightning is installed")
+def test_lightning_callback_records(tmp_path):
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        import pytorch_lightning as pl
+    from condinit.integrations.lightning import JacobianMonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=24, batch_first=True)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16))
+    cb = JacobianMonitorCallback(every=2, steps=4, frobenius_samples=0, log_dir=tmp_path, log_signals=False)
+    trainer = pl.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, accelerator="cpu")
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=2))
+    recs = [json.loads(l) for l in open(tmp_path / "jacobian.jsonl")]
+    assert [r["step"] for r in recs] == [0, 2]
+
+
+# -- Hugging Face Trainer --------------------------------------------------------------------------
+
+def _hf_run(tmp_path, name, callbacks, steps=4):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (16, 8), generator=gen)
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=steps, per_device_train_batch_size=2,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+                             disable_tqdm=True, seed=3, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train()
+    del transformers
+    return model, trainer
+
+
+def test_hf_trainer_callback_writes_records_and_leaves_training_unchanged(tmp_path):
+    from condinit.integrations.trainer import JacobianMonitorCallback
+
+    model0, _ = _hf_run(tmp_path, "plain", None)
+    cb = JacobianMonitorCallback(every=2, steps=4, frobenius_samples=2, alerts={"max_logit": 1e-3})
+    with pytest.warns(UserWarning, match="max_logit"):
+        model1, trainer = _hf_run(tmp_path, "monitored", [cb])
+    for (n0, p0), (n1, p1) in zip(model0.state_dict().items(), model1.state_dict().items()):
+        assert n0 == n1 and torch.equal(p0, p1), n0
+    path = tmp_path / "monitored" / "jacobian" / "jacobian.jsonl"
+    lines = [json.loads(l) for l in open(path)]
+    recs = [r for r in lines if "alert" not in r]
+    # optimizer steps 0 and 2 of 4 are sampled, both layers each, all estimated
+    assert [(r["step"], r["layer"]) for r in recs] == [(s, l) for s in (0, 2) for l in (0, 1)]
+    assert all(r["skipped"] is None and r["kappa"] is not None and len(r["max_logit_heads"]) == 4 for r in recs)
+    assert {(a["layer"], a["alert"]) for a in lines if "alert" in a} == {(0, "max_logit"), (1, "max_logit")}
+    assert os.path.getsize(path.with_suffix(".csv")) > 0
+    assert cb.monitor._capture is None                      # closed on train end
+    # the latest values reached the Trainer's log history, on the logging step after each sampled step
+    logged = [h for h in trainer.state.log_history if "jacobian/00/kappa" in h]
+    assert [h["step"] for h in logged] == [1, 3]
+    assert logged[-1]["jacobian/01/max_logit"] == recs[-1]["max_logit"]
+
+
+def test_hf_callback_rejects_bad_arguments():
+    pytest.importorskip("transformers")
+    from condinit.integrations.trainer import JacobianMonitorCallback
+
+    with pytest.raises(ValueError, match="every"):
+        JacobianMonitorCallback(every=0)
+    with pytest.raises(TypeError, match="log_signals"):
+        JacobianMonitorCallback(log_signals=1)
+    with pytest.raises(TypeError, match="model"):
+        JacobianMonitorCallback(model=torch.nn.Linear(2, 2))
