@@ -15,9 +15,15 @@ fails because triton or the native extension is missing):
 * real models (``condinit.models``): :func:`apply`, :func:`register_adapter`, :func:`find_attention`;
 * attention Jacobian probes (``condinit.probe``): :class:`JacobianOperator`, :class:`JacobianMonitor`,
   :func:`lanczos_svd`, :func:`power_sigma_max`, :func:`condition_number`,
-  :func:`frobenius_hutchinson`, :func:`condition_number_bound`;
+  :func:`frobenius_hutchinson`, :func:`condition_number_bound`; the monitor also logs max attention
+  logit, attention entropy and ``||W_Q,h^T W_K,h||_2`` per head and issues :class:`ConditioningWarning`
+  alerts on user thresholds;
+* trainer callbacks for the monitor (imported only when asked; ``import condinit`` imports neither
+  framework): ``condinit.integrations.trainer.JacobianMonitorCallback`` (Hugging Face ``Trainer``),
+  ``condinit.integrations.lightning.JacobianMonitorCallback`` (Lightning);
 
-``python -m condinit info`` lists which backends (cuda, triton, cpp-cpu, torch) each op can use.
+``python -m condinit info`` lists which backends (cuda, triton, cpp-cpu, torch) each op can use;
+``condinit plot RUN_DIR`` draws a monitor run's kappa, max logit and entropy per layer.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ _LAZY = {
     "find_attention": "condinit.models",
     "JacobianOperator": "condinit.probe",
     "JacobianMonitor": "condinit.probe",
+    "ConditioningWarning": "condinit.probe.monitor",
     "lanczos_svd": "condinit.probe",
     "power_sigma_max": "condinit.probe",
     "condition_number": "condinit.probe",

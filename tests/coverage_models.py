@@ -194,12 +194,11 @@ class Interceptor:
         if any(rows == a.shape[-2] for rows, _ in self.softmax_shapes):
             for qa, kb, scores in self.candidates:
                 if scores == tuple(a.shape[-2:]):
-                    if True:
-                        self.candidates.clear()
-                        self.softmax_shapes.clear()
-                        self.on_event(Event("softmax(q k^T) v", _as_bhnd(qa), _as_bhnd(kb.transpose(-1, -2)),
-                                            _as_bhnd(b), self.owners()))
-                        return
+                    self.candidates.clear()
+                    self.softmax_shapes.clear()
+                    self.on_event(Event("softmax(q k^T) v", _as_bhnd(qa), _as_bhnd(kb.transpose(-1, -2)),
+                                        _as_bhnd(b), self.owners()))
+                    return
         self.candidates.append((a, b, trailing))
         del self.candidates[:-16]
 
@@ -696,7 +695,10 @@ _SET = (  # (tiny value, attribute names)
     (2, ("num_experts_per_tok", "moe_topk", "index_n_heads")),
     (8, ("qk_rope_head_dim", "qk_nope_head_dim", "index_topk")),
     (24, ("kv_lora_rank", "q_lora_rank")),
-    (16, ("max_source_positions", "num_conv_pos_embeddings", "linear_key_head_dim", "linear_value_head_dim")),
+    (16, ("max_source_positions", "num_conv_pos_embeddings", "linear_key_head_dim", "linear_value_head_dim",
+          "mamba_d_head")),
+    (8, ("rotary_dim",)),
+    (4, ("mamba_n_heads",)),
 )
 
 _SET_ONE = ("n_group", "topk_group", "n_shared_experts", "num_shared_experts", "num_conv_pos_embedding_groups")
@@ -773,10 +775,15 @@ def shrink_config(cfg, _seen=None):
         for key in ("num_hidden_layers", "num_layers", "n_layer"):
             if _is_int(attrs.get(key)):
                 setattr(cfg, key, len(distinct))
+    if _is_int(attrs.get("kv_lora_rank")) and _is_int(attrs.get("head_dim")):
+        cfg.head_dim = attrs.get("qk_rope_head_dim", cfg.head_dim)   # multi-head latent attention: rotary dim
     rope = attrs.get("rope_parameters") or attrs.get("rope_scaling")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), (list, tuple)):
-        sec = rope["mrope_section"]
-        half = (attrs.get("head_dim") or HEAD_DIM) // 2
+    multimodal_rope = "mrope_section" in getattr(type(cfg), "ignore_keys_at_rope_validation", ())
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), (list, tuple)) or multimodal_rope):
+        sec = rope.get("mrope_section") or [16, 24, 24]
+        head_dim = attrs.get("head_dim") or HEAD_DIM
+        factor = rope.get("partial_rotary_factor", attrs.get("partial_rotary_factor", 1.0)) or 1.0
+        half = int(head_dim * factor) // 2
         base = [half // len(sec)] * len(sec)
         base[0] += half - sum(base)
         rope["mrope_section"] = base
@@ -822,7 +829,7 @@ def _text_ids(cfg, n=TOKENS):
     return torch.tensor(ids)[torch.randint(0, len(ids), (1, n), generator=g)]
 
 
-INPUT_NAMES = ("input_ids", "pixel_values", "pixel_values_videos", "input_values", "input_features")
+INPUT_NAMES = ("input_ids", "pixel_values", "pixel_values_videos", "input_values", "input_features", "past_values")
 
 
 def _forward_params(mod: nn.Module) -> list:
@@ -833,31 +840,83 @@ def _forward_params(mod: nn.Module) -> list:
         return []
 
 
-def model_inputs(model: nn.Module, main: Optional[str] = None) -> dict:
-    """A tiny input for ``model`` (a transformers model or sub-module with a ``config``), for its main input."""
-    cfg = model.config
-    main = main or getattr(model, "main_input_name", "input_ids")
-    g = torch.Generator().manual_seed(0)
+def _modality_input(cfg, name: str, g: torch.Generator):
+    """A tiny tensor for the input ``name`` of a model configured by ``cfg``; None if it cannot say."""
     vcfg = getattr(cfg, "vision_config", None) or cfg
-    if main == "input_ids":
-        inputs = {"input_ids": _text_ids(getattr(cfg, "text_config", None) or cfg)}
-    elif main in ("pixel_values", "pixel_values_videos"):
+    acfg = getattr(cfg, "audio_config", None) or cfg
+    if name == "input_ids":
+        tcfg = getattr(cfg, "text_config", None) or cfg
+        return _text_ids(tcfg) if _is_int(getattr(tcfg, "vocab_size", None)) else None
+    if name in ("pixel_values", "pixel_values_videos"):
         size = _first_int(getattr(vcfg, "image_size", None), getattr(cfg, "image_size", None), default=IMAGE)
         ch = _first_int(getattr(vcfg, "num_channels", None), getattr(cfg, "num_channels", None), default=3)
-        shape = (1, ch, size, size) if main == "pixel_values" else (1, 2, ch, size, size)
-        inputs = {main: torch.randn(*shape, generator=g)}
-    elif main == "input_values":
-        inputs = {main: torch.randn(1, 1600, generator=g)}
-    elif main == "input_features":
-        mel = _first_int(getattr(cfg, "num_mel_bins", None), getattr(cfg, "feature_size", None),
-                         getattr(cfg, "input_feat_per_channel", None), default=80)
-        frames = 2 * _first_int(getattr(cfg, "max_source_positions", None), default=16)
-        inputs = {main: torch.randn(1, mel, frames, generator=g)}
-    else:
-        inputs = {}
-    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in _forward_params(model):
-        inputs["decoder_input_ids"] = _text_ids(getattr(cfg, "decoder", None) or cfg, 4)
-    return inputs
+        frames = _first_int(getattr(vcfg, "num_frames", None), default=0)
+        if name == "pixel_values_videos" or frames:
+            return torch.randn(1, max(frames, 2), ch, size, size, generator=g)
+        return torch.randn(1, ch, size, size, generator=g)
+    if name == "input_values":
+        return torch.randn(1, 1600, generator=g)
+    if name == "input_features":
+        mel = _first_int(getattr(acfg, "num_mel_bins", None), getattr(acfg, "feature_size", None),
+                         getattr(acfg, "input_feat_per_channel", None), default=80)
+        frames = 2 * _first_int(getattr(acfg, "max_source_positions", None), default=16)
+        return torch.randn(1, mel, frames, generator=g)
+    if name == "past_values":
+        length = _first_int(getattr(cfg, "context_length", None), default=32)
+        channels = _first_int(getattr(cfg, "num_input_channels", None), getattr(cfg, "input_size", None), default=1)
+        return torch.randn(1, length, channels, generator=g) if channels > 1 else torch.randn(1, length, generator=g)
+    return None
+
+
+GRID_NAMES = ("grid_thw", "image_grid_thw")
+
+
+def _patch_grid_inputs(cfg, params: list, g: torch.Generator) -> dict:
+    """Vision towers fed flattened patches and a (t, h, w) grid (Qwen2-VL style)."""
+    vcfg = getattr(cfg, "vision_config", None) or cfg
+    patch = _first_int(getattr(vcfg, "patch_size", None), default=PATCH)
+    tp = _first_int(getattr(vcfg, "temporal_patch_size", None), default=1)
+    ch = _first_int(getattr(vcfg, "in_channels", None), getattr(vcfg, "in_chans", None),
+                    getattr(vcfg, "num_channels", None), default=3)
+    merge = _first_int(getattr(vcfg, "spatial_merge_size", None), default=1)
+    side = 2 * merge
+    pixels = torch.randn(side * side, ch * tp * patch * patch, generator=g)
+    first = next(p for p in params if p not in ("self",))
+    grid_name = next(p for p in params if p in GRID_NAMES)
+    return {first: pixels, grid_name: torch.tensor([[1, side, side]])}
+
+
+def input_attempts(model: nn.Module, main: Optional[str] = None) -> list:
+    """Tiny inputs for ``model`` (a transformers model, or a part with a ``config``), most complete first:
+    every modality its forward takes, then its main input alone."""
+    cfg = model.config
+    params = _forward_params(model)
+    main = main or getattr(model, "main_input_name", "input_ids")
+    g = torch.Generator().manual_seed(0)
+    attempts = []
+    if any(p in GRID_NAMES for p in params) and main != "input_ids":
+        attempts.append(_patch_grid_inputs(cfg, params, g))
+    base = {}
+    t = _modality_input(cfg, main, g)
+    if t is not None:
+        base[main] = t
+    full = dict(base)
+    for name in ("input_ids", "pixel_values", "input_features", "input_values"):
+        if name in params and name not in full:
+            sub = {"input_ids": "text_config", "pixel_values": "vision_config",
+                   "input_features": "audio_config", "input_values": "audio_config"}[name]
+            if getattr(cfg, sub, None) is not None:
+                t = _modality_input(cfg, name, g)
+                if t is not None:
+                    full[name] = t
+    attempts += [full] if full != base else []
+    attempts.append(base)
+    for a in attempts:
+        if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+            a["decoder_input_ids"] = _text_ids(getattr(cfg, "decoder", None) or cfg, 4)
+        if "use_cache" in params:
+            a["use_cache"] = False
+    return attempts
 
 
 def _accepts(fn, name) -> bool:
@@ -875,28 +934,35 @@ def hf_run(model: nn.Module) -> list:
 
     Returns the errors, one line per failed forward.
     """
-    reached = set()
-    handles = [m.register_forward_pre_hook(lambda mod, args: reached.add(id(mod))) for m in model.modules()]
+    reached, entered = set(), set()     # modules run by a forward that succeeded / by the current attempt
+    handles = [m.register_forward_pre_hook(lambda mod, args: entered.add(id(mod))) for m in model.modules()]
     errors = []
 
     def forward(mod, what, main=None):
-        inputs = model_inputs(mod, main)
-        if "use_cache" in _forward_params(mod):
-            inputs["use_cache"] = False
-        try:
-            mod(**inputs)
-        except ModelTimeout:
-            raise
-        except Exception as e:  # recorded: a model whose forward fails is not verified
-            msg = str(e).splitlines()[0][:200] if str(e) else ""
-            errors.append(f"{what} forward failed: {type(e).__name__}: {msg}")
+        last = None
+        for inputs in input_attempts(mod, main):
+            entered.clear()
+            try:
+                mod(**inputs)
+                reached.update(entered)
+                return
+            except ModelTimeout:
+                raise
+            except Exception as e:  # recorded if no attempt works: a model whose forward fails is not verified
+                last = e
+        msg = str(last).splitlines()[0][:200] if str(last) else ""
+        errors.append(f"{what} forward failed: {type(last).__name__}: {msg}")
+
     try:
         forward(model, type(model).__name__)
         done = []
         for n, m in model.named_modules():
             if not n or id(m) in reached or any(n.startswith(d + ".") for d in done) or not hasattr(m, "config"):
                 continue
-            main = next((p for p in _forward_params(m) if p in INPUT_NAMES), None)
+            params = _forward_params(m)
+            main = next((p for p in params if p in INPUT_NAMES), None)
+            if main is None and any(p in GRID_NAMES for p in params):
+                main = "pixel_values"
             if main is None:
                 continue
             done.append(n)

@@ -239,6 +239,23 @@ def test_jvp_of_vmap_and_vmap_of_jvp(backend, rng):
 
 
 @pytest.mark.parametrize("backend", backend_params())
+def test_func_grad_and_grad_of_grad(backend, rng):
+    """torch.func.grad (and grad of grad) over the op, against the float64 naive attention."""
+    device = require(backend)
+    dtype = _ad_dtype(backend)
+    q, k, v = make_qkv(1, 2, 1, 7, 9, 16, dtype, rng, device)
+    ours, ref = _attention(backend, True, 0.25), _naive(True, 0.25)
+    g = torch.func.grad(lambda a: ours(a, k, v).sin().sum())(q)
+    k64, v64 = f64(k, v)
+    g_ref = torch.func.grad(lambda a: ref(a, k64, v64).sin().sum())(f64(q)[0])
+    assert_close(g, g_ref, dtype, "func.grad")
+    h = torch.func.grad(lambda a: torch.func.grad(lambda b: ours(b, k, v).sin().sum())(a).square().sum())(q)
+    h_ref = torch.func.grad(lambda a: torch.func.grad(
+        lambda b: ref(b, k64, v64).sin().sum())(a).square().sum())(f64(q)[0])
+    assert_close(h, h_ref, dtype, "grad of grad", joint_floor([h_ref]))
+
+
+@pytest.mark.parametrize("backend", backend_params())
 def test_jacfwd_jacrev(backend, rng):
     """Full Jacobians by forward mode (fused JVP under vmap) and reverse mode (flash VJP under
     vmap) against the naive attention's."""

@@ -179,8 +179,9 @@ def test_vmap(backend, rng):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_grad_and_double_backward_of_a_jvp_loss(backend, rng):
-    """torch.func.grad of a loss on (out, tangent), and a second derivative through it (the
-    backward is itself differentiable)."""
+    """torch.func.grad of a loss on (out, tangent); a second derivative through the tangent
+    backward is refused with a clear error (it is first-order only), and with
+    grad_through_tangent=False the flash backward of out stays twice differentiable."""
     device = require(backend)
     dtype = _ad_dtype(backend)
     q, k, v = make_qkv(1, 2, 1, 8, 10, 16, dtype, rng, device)
@@ -196,12 +197,19 @@ def test_grad_and_double_backward_of_a_jvp_loss(backend, rng):
     for name, a, b in zip(("q", "k", "v", "tq", "tk", "tv"), g, g_ref):
         assert_close(a, b, dtype, f"grad {name}", joint_floor(g_ref))
 
+    leaves = [x.clone().requires_grad_() for x in xs]
+    gq = torch.autograd.grad(loss(ours, *leaves), leaves[0], create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="second"):
+        torch.autograd.grad(gq.sum(), leaves)
+
     def second(fn, args):
         leaves = [x.clone().requires_grad_() for x in args]
-        gq = torch.autograd.grad(loss(fn, *leaves), leaves[0], create_graph=True)[0]
-        return torch.autograd.grad(gq.sum(), leaves)
-    h, h_ref = second(ours, xs), second(ref, f64(*xs))
-    for name, a, b in zip(("q", "k", "v", "tq", "tk", "tv"), h, h_ref):
+        gq = torch.autograd.grad(fn(*leaves)[0].sin().sum(), leaves[0], create_graph=True)[0]
+        return torch.autograd.grad(gq.sum(), leaves[:3])
+    first_only = lambda *a: condinit.attention_jvp(*a, causal=True, backend=backend,  # noqa: E731
+                                                    grad_through_tangent=False)
+    h, h_ref = second(first_only, xs), second(ref, f64(*xs))
+    for name, a, b in zip(("q", "k", "v"), h, h_ref):
         assert_close(a, b, dtype, f"d (sum d loss / d q) / d {name}", joint_floor(h_ref))
 
 

@@ -7,7 +7,8 @@ through ``CONDINIT_BACKEND=attention_jvp_bwd=...`` (the forward is the automatic
 N = 1, ragged and multi-tile N, causal with Nq != Nk both ways (rows that see no key), GQA,
 P = 1 and 3 probes, float32 / bfloat16 / float64. Then None tangents, the tiled reference with
 small blocks, the C++ kernel's determinism, ``grad_through_tangent=False``, the error on a
-second-order gradient, ``torch.func`` and the backward's O(N) memory.
+second-order gradient, ``torch.func``, ``torch.compile``, a forced backend without a
+tangent-backward row, and the backward's O(N) memory.
 """
 import dataclasses
 import math
@@ -287,6 +288,44 @@ def test_vmap_of_grad(rng):
     batched = torch.func.vmap(grad_q)(tq)
     looped = torch.stack([grad_q(t) for t in tq])
     assert_close(batched, looped, F64, "vmap over probes")
+
+
+def test_torch_compile_backward(rng):
+    """fullgraph through the op's fake kernel, forward and backward (aot_eager: cheap)."""
+    inputs, gout, gtout = make_inputs((1, 4, 2, 13, 21, 16, True), 2, FP32, rng)
+    torch._dynamo.reset()
+
+    def loss(q, k, v, tq):
+        out, tout = condinit.attention_jvp(q, k, v, tq, None, None, causal=True)
+        return (out * gout).sum() + (tout * gtout).sum()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    leaves = [x.clone().requires_grad_() for x in inputs[:4]]
+    for a, b in zip(torch.autograd.grad(compiled(*leaves), leaves), torch.autograd.grad(loss(*leaves), leaves)):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+@pytest.mark.triton
+def test_forced_backend_without_a_tangent_backward_row(rng, monkeypatch):
+    """backend="triton" forces the JVP; the tangent backward, which has no Triton kernel, takes
+    the automatic row (and the gradients are right)."""
+    ok, why = _backends.available("triton", "cpu")
+    if not ok:
+        pytest.skip(why)
+    ran = []
+    for name, impl in ATTENTION_JVP_BWD.impls.items():
+        def spy(*args, _fn=impl.fn, _name=name):
+            ran.append(_name)
+            return _fn(*args)
+        monkeypatch.setitem(ATTENTION_JVP_BWD.impls, name, dataclasses.replace(impl, fn=spy))
+    inputs, gout, gtout = make_inputs((1, 2, 1, 9, 9, 16, True), 1, FP32, rng)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    grads = torch.autograd.grad(condinit.attention_jvp(*leaves, causal=True, backend="triton"), leaves,
+                                (gout, gtout))
+    assert ran == [ATTENTION_JVP_BWD.choose("cpu", None, dtype=FP32, head_dim=16)]
+    ref = naive_grads(inputs, gout, gtout, True, 0.25)
+    for name, g, r, floor in zip(NAMES, grads, ref, floors(ref)):
+        assert_close(g, r, FP32, f"d loss / d {name}", floor)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -67,12 +67,13 @@ def test_lightning_callback_records(tmp_path):
 def _hf_run(tmp_path, name, callbacks, steps=4):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = LlamaForCausalLM(cfg)
+    # GPT-2: causal, fused c_attn Conv1D, and dropout (a draw from the global RNG by the monitor would
+    # change the weights). A tiny Llama is checked by tests/test_monitor_signals.py.
+    cfg = GPT2Config(vocab_size=32, n_embd=16, n_head=4, n_layer=2, n_positions=16)
+    model = GPT2LMHeadModel(cfg)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32, (16, 8), generator=gen)
     data = [{"input_ids": r, "labels": r} for r in ids]

@@ -63,3 +63,89 @@ def test_refusals_name_real_architectures():
     unknown = sorted(set(REFUSED) - set(_archs()))
     assert not unknown, f"REFUSED lists architectures the sweep does not have: {unknown}"
     assert all(isinstance(r, str) and len(r) > 10 for r in REFUSED.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# the reading itself, on layouts known by hand (it must not depend on condinit to be right)
+
+def _read(model_type):
+    model = build_hf(model_type)
+    errors = []
+    reading = read_model(model, lambda m: errors.extend(hf_run(m)))
+    assert not errors and not reading.problems(), errors + reading.problems()
+    return model, reading
+
+
+def test_reading_finds_gpt2_fused_transposed_layout():
+    model, reading = _read("gpt2")
+    [r] = reading.attention
+    E, d = model.config.n_embd, model.config.n_embd // model.config.n_head
+    assert (r.q.weight, r.k.weight, r.v.weight) == ("h.0.attn.c_attn.weight",) * 3
+    assert r.q.transposed and r.k.transposed and r.v.transposed          # Conv1D: [in, out]
+    assert r.q.heads == [list(range(h * d, (h + 1) * d)) for h in range(model.config.n_head)]
+    assert r.k.rows == list(range(E, 2 * E)) and r.v.rows == list(range(2 * E, 3 * E))
+    assert [b for b, _ in r.q.biases] == ["h.0.attn.c_attn.bias"]
+
+
+def test_reading_finds_gpt_neox_interleaved_heads():
+    model, reading = _read("gpt_neox")
+    [r] = reading.attention
+    H = model.config.num_attention_heads
+    d = model.config.hidden_size // H
+    # query_key_value rows are [head 0: q k v | head 1: q k v | ...]
+    assert r.q.heads == [list(range(3 * d * h, 3 * d * h + d)) for h in range(H)]
+    assert r.k.heads == [list(range(3 * d * h + d, 3 * d * h + 2 * d)) for h in range(H)]
+    assert r.v.heads == [list(range(3 * d * h + 2 * d, 3 * d * h + 3 * d)) for h in range(H)]
+    assert not r.q.transposed
+
+
+def test_reading_finds_grouped_kv_heads_and_mha_in_proj():
+    model, reading = _read("llama")
+    [r] = reading.attention
+    cfg = model.config
+    assert len(r.q.heads) == cfg.num_attention_heads and len(r.k.heads) == cfg.num_key_value_heads
+    mha = torch.nn.MultiheadAttention(24, 3, batch_first=True)
+    x = torch.randn(1, 5, 24)
+    [m] = read_model(mha, lambda m: m(x, x, x)).attention
+    assert m.q.weight == m.k.weight == m.v.weight == "in_proj_weight"
+    assert (m.q.rows, m.k.rows, m.v.rows) == (list(range(24)), list(range(24, 48)), list(range(48, 72)))
+    assert len(m.q.heads) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# negative controls: the check must fail where the method was not applied
+
+def test_check_fails_on_default_init():
+    for model_type in ("llama", "gpt2", "gpt_neox"):
+        model, reading = _read(model_type)
+        failures = check_conditioned(model, reading, state_snapshot(model))
+        assert any(" Q head " in f for f in failures), (model_type, failures)
+        assert any(" K head " in f for f in failures), (model_type, failures)
+        assert any(": V " in f for f in failures), (model_type, failures)
+
+
+def test_check_fails_after_one_change_to_a_conditioned_model():
+    model, reading = _read("bert")
+    before = state_snapshot(model)
+    apply_condinit(model)
+    assert check_conditioned(model, reading, before) == []
+    conditioned = state_snapshot(model)
+    [r] = reading.attention
+    params = dict(model.named_parameters())
+
+    def fails_after(name, index, what):
+        with torch.no_grad():
+            params[name][index] += 1e-3
+        failures = check_conditioned(model, reading, before)
+        with torch.no_grad():
+            params[name].copy_(conditioned[name])
+        assert any(what in f for f in failures), (name, failures)
+
+    q_row = r.q.heads[1][0]
+    fails_after(r.q.weight, (q_row, 0), " Q head 1 ")
+    fails_after(r.k.weight, (r.k.heads[0][3], 5), " K head 0 ")
+    fails_after(r.v.weight, (r.v.heads[1][2], 7), ": V ")
+    fails_after(r.q.biases[0][0], r.q.biases[0][1][0], " Q bias ")
+    mlp = next(n for n in params if "intermediate" in n and n.endswith("weight"))
+    fails_after(mlp, (0, 0), f"{mlp}: changed")
+    assert check_conditioned(model, reading, before) == []

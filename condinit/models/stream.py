@@ -285,18 +285,12 @@ def _swapped(mod: nn.Module, tensors: dict):
             table[attr] = t
 
 
-_CHECK_CHUNK = 1 << 22
-
-
 def _left_uninitialized(t: torch.Tensor) -> bool:
-    """A floating tensor still holding a NaN of the fill, or an integer one still all sentinel;
-    checked in chunks: a mask of a whole embedding matrix would be a unit's worth of extra memory."""
-    flat = t.reshape(-1)
+    """A floating tensor still holding a NaN of the fill (its sum is NaN: one pass, no mask the
+    size of the tensor), or an integer one still all sentinel."""
     if t.is_floating_point():
-        return any(bool(flat[i:i + _CHECK_CHUNK].isnan().any()) for i in range(0, flat.numel(), _CHECK_CHUNK))
-    sentinel = torch.iinfo(t.dtype).min
-    return flat.numel() > 0 and all(bool((flat[i:i + _CHECK_CHUNK] == sentinel).all())
-                                    for i in range(0, flat.numel(), _CHECK_CHUNK))
+        return bool(torch.isnan(t.sum()))
+    return t.numel() > 0 and bool(t.eq(torch.iinfo(t.dtype).min).all())
 
 
 class _Materializer:
@@ -586,8 +580,6 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
         path = os.path.join(out_dir, stale)
         if os.path.isfile(path) and not (stale == WEIGHTS_NAME and WEIGHTS_NAME in files):
             os.unlink(path)
-    if WEIGHTS_NAME in files and os.path.isfile(os.path.join(out_dir, WEIGHTS_INDEX_NAME)):
-        os.unlink(os.path.join(out_dir, WEIGHTS_INDEX_NAME))
 
     config = copy.deepcopy(model.config)
     config.dtype = str(next(iter(state.values())).dtype).split(".")[1] if state else None

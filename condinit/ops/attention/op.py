@@ -182,29 +182,37 @@ def _(dout, q, k, v, out, lse, causal, scale, impl):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _bwd_setup_context(ctx, inputs, output):
-    dout, q, k, v, out, lse, causal, scale, impl = inputs
-    ctx.save_for_backward(dout, q, k, v)
-    ctx.causal, ctx.scale = causal, scale
+class _AttentionBwd(torch.autograd.Function):
+    """The flash VJP op, differentiable again: double backward differentiates the VJP as a
+    function of (dout, q, k, v) through the tiled reference. ``out`` and ``lse`` are functions of
+    q, k, v already accounted for by the recomputation, so they get no gradient of their own.
+    (An autograd.Function rather than ``torch.library.register_autograd``, whose generated
+    function does not run under ``torch.func.grad``.)"""
 
+    generate_vmap_rule = True
 
-def _bwd_backward(ctx, gdq, gdk, gdv):
-    """Double backward: the VJP as a function of (dout, q, k, v), differentiated through the
-    tiled reference. ``out`` and ``lse`` are functions of q, k, v already accounted for by the
-    recomputation, so they get no gradient of their own."""
-    dout, q, k, v = ctx.saved_tensors
-    causal, scale = ctx.causal, ctx.scale
+    @staticmethod
+    def forward(dout, q, k, v, out, lse, causal, scale, impl):
+        return _attention_bwd_op(dout, q, k, v, out, lse, causal, scale, impl)
 
-    def vjp_of_attention(do, q_, k_, v_):
-        f = lambda a, b, c: reference.attention_fwd(a, b, c, causal, scale)[0]  # noqa: E731
-        return torch.func.vjp(f, q_, k_, v_)[1](do)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        dout, q, k, v, out, lse, causal, scale, impl = inputs
+        ctx.save_for_backward(dout, q, k, v)
+        ctx.causal, ctx.scale = causal, scale
 
-    _, vjp_fn = torch.func.vjp(vjp_of_attention, dout, q, k, v)
-    gdout, gq, gk, gv = vjp_fn((gdq, gdk, gdv))
-    return gdout, gq, gk, gv, None, None, None, None, None
+    @staticmethod
+    def backward(ctx, gdq, gdk, gdv):
+        dout, q, k, v = ctx.saved_tensors
+        causal, scale = ctx.causal, ctx.scale
 
+        def vjp_of_attention(do, q_, k_, v_):
+            f = lambda a, b, c: reference.attention_fwd(a, b, c, causal, scale)[0]  # noqa: E731
+            return torch.func.vjp(f, q_, k_, v_)[1](do)
 
-torch.library.register_autograd("condinit::attention_bwd", _bwd_backward, setup_context=_bwd_setup_context)
+        _, vjp_fn = torch.func.vjp(vjp_of_attention, dout, q, k, v)
+        gdout, gq, gk, gv = vjp_fn((gdq, gdk, gdv))
+        return gdout, gq, gk, gv, None, None, None, None, None
 
 
 @torch.library.custom_op("condinit::attention_jvp", mutates_args=())
@@ -404,7 +412,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
+        dq, dk, dv = _AttentionBwd.apply(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -572,7 +580,7 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout, _gtout, _glse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd_op(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
+        dq, dk, dv = _AttentionBwd.apply(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

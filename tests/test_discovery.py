@@ -1,0 +1,793 @@
+"""Discovery by structure: the attention layers of every family people train, read back the way
+each model's own code reads them, and nothing left out silently.
+
+Every model is built from a tiny config (no download). Q/K/V are read back through oracles written
+here from each model's ``forward`` (``view(..., H, 3, d)`` for GPT-NeoX, Falcon's groups, CodeGen's
+four ``[Q; V; K]`` groups, ...), never through condinit's adapters, so a wrong layout fails. The
+fused layouts are also checked through the model's own forward: the attention inputs it computes
+from a probe of unit vectors are the columns of its effective per-head W_Q, W_K, W_V.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import condinit
+from condinit.models import (AttentionSpec, Projection, UncoveredAttentionError, UncoveredAttentionWarning,
+                             UnsupportedAttention, apply, discover, fused_layout, register_adapter,
+                             unregister_adapter)
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+ORTHO_ATOL = 1e-5   # fp32: max |W W^T - I| per head
+
+BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=99,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SEQ2SEQ = dict(vocab_size=99, pad_token_id=0, bos_token_id=1, eos_token_id=2, d_model=32, encoder_layers=1,
+               decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+               decoder_ffn_dim=32, max_position_embeddings=64)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+              patch_size=8)
+
+
+def _tiny(model_type, base=BASE, **kw):
+    """A tiny randomly initialized transformers model; the model class chosen as ``condinit init`` does."""
+    from condinit.models.presets import model_class_for
+
+    cfg = transformers.AutoConfig.for_model(model_type, **{**base, **kw})
+    cls = getattr(transformers, model_class_for(model_type, cfg))
+    return cls.from_config(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# oracles: per attention module, views of its per-head Q, K, V blocks ([d, in] each, in head order)
+# and of its Q/K/V bias entries, read as the model's forward reads them
+
+def _heads(t, n):
+    return list(t.unflatten(0, (n, -1)).unbind(0))
+
+
+def _separate(qn, kn, vn, H, Hkv):
+    def read(m):
+        q, k, v = (getattr(m, n) for n in (qn, kn, vn))
+        return {"q": _heads(q.weight, H), "k": _heads(k.weight, Hkv), "v": _heads(v.weight, Hkv),
+                "bias": [b for b in (q.bias, k.bias, v.bias) if b is not None]}
+    return read
+
+
+def _per_head(attr, H):
+    """``fused.view(..., H, 3, d)``: GPT-NeoX (``view(-1, 3 * head_size).chunk(3)``), BLOOM, Persimmon,
+    Falcon-RW, GPTBigCode multi-head (``view(H, 3 * head_dim).split(head_dim)``)."""
+    def read(m):
+        lin = getattr(m, attr)
+        w = lin.weight.unflatten(0, (H, 3, -1))
+        out = {p: list(w[:, i].unbind(0)) for i, p in enumerate("qkv")}
+        out["bias"] = [] if lin.bias is None else [lin.bias]
+        return out
+    return read
+
+
+def _contiguous(attr, H, Hkv, transposed=False):
+    """``[Q; K; V]`` along the output: ``split((H d, Hkv d, Hkv d))`` (Phi-3, MPT ``chunk(3)``,
+    GPT-2's Conv1D ``[in, 3E]``, GPTBigCode and Falcon multi-query)."""
+    def read(m):
+        lin = getattr(m, attr)
+        w = lin.weight.t() if transposed else lin.weight
+        d = w.shape[0] // (H + 2 * Hkv)
+        q, k, v = w.split((H * d, Hkv * d, Hkv * d))
+        return {"q": _heads(q, H), "k": _heads(k, Hkv), "v": _heads(v, Hkv),
+                "bias": [] if lin.bias is None else [lin.bias]}
+    return read
+
+
+def _falcon_new(H, Hkv):
+    """Falcon's new decoder architecture: ``view(..., -1, H // Hkv + 2, d)``, queries then key, value."""
+    def read(m):
+        g = H // Hkv
+        w = m.query_key_value.weight.unflatten(0, (Hkv, g + 2, -1))
+        return {"q": [w[i, j] for i in range(Hkv) for j in range(g)], "k": list(w[:, g].unbind(0)),
+                "v": list(w[:, g + 1].unbind(0)), "bias": []}
+    return read
+
+
+def _codegen(H):
+    """CodeGen: ``view(..., mp_num=4, 3 * local_dim).split(local_dim)`` assigned to query, value, key."""
+    def read(m):
+        w = m.qkv_proj.weight.unflatten(0, (4, 3, H // 4, -1))
+        return {p: [w[g, i, j] for g in range(4) for j in range(H // 4)] for i, p in ((0, "q"), (2, "k"), (1, "v"))} \
+            | {"bias": []}
+    return read
+
+
+def _deberta(H):
+    """DeBERTa ``in_proj``: ``transpose_for_scores(qp).chunk(3, dim=-1)`` (the model's own
+    ``in_proj.weight.chunk(H * 3)`` path reads head ``i``'s Q as chunk ``3 i``); biases ``q_bias`` /
+    ``v_bias``."""
+    def read(m):
+        ws = m.in_proj.weight.chunk(H * 3, dim=0)
+        return {"q": list(ws[0::3]), "k": list(ws[1::3]), "v": list(ws[2::3]), "bias": [m.q_bias, m.v_bias]}
+    return read
+
+
+def _modernbert(H):
+    """ModernBERT ``Wqkv``: ``view(..., 3, -1, head_dim).unbind(dim=-3)``."""
+    def read(m):
+        w = m.Wqkv.weight.unflatten(0, (3, H, -1))
+        return {p: list(w[i].unbind(0)) for i, p in enumerate("qkv")} | {"bias": []}
+    return read
+
+
+def _gated_query(H, Hkv):
+    """Qwen3-Next: ``chunk(q_proj(x).view(..., -1, 2 * head_dim), 2, dim=-1)``: query, then gate."""
+    def read(m):
+        q = m.q_proj.weight.unflatten(0, (H, 2, -1))
+        return {"q": list(q[:, 0].unbind(0)), "k": _heads(m.k_proj.weight, Hkv), "v": _heads(m.v_proj.weight, Hkv),
+                "bias": []}
+    return read
+
+
+QKV_PROJ = ("q_proj", "k_proj", "v_proj")
+# name: (build, attention class names, oracle, number of attention modules)
+ARCHS = {
+    "llama": (lambda: _tiny("llama", num_key_value_heads=2), {"LlamaAttention"}, _separate(*QKV_PROJ, 4, 2)),
+    "mixtral": (lambda: _tiny("mixtral", num_key_value_heads=2, num_local_experts=2), {"MixtralAttention"},
+                _separate(*QKV_PROJ, 4, 2)),
+    "qwen3": (lambda: _tiny("qwen3", num_key_value_heads=2, head_dim=8), {"Qwen3Attention"},
+              _separate(*QKV_PROJ, 4, 2)),
+    "qwen2_moe": (lambda: _tiny("qwen2_moe", num_key_value_heads=2, num_experts=2, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=16), {"Qwen2MoeAttention"}, _separate(*QKV_PROJ, 4, 2)),
+    "qwen3_moe": (lambda: _tiny("qwen3_moe", num_key_value_heads=2, head_dim=8, num_experts=2, moe_intermediate_size=16),
+                  {"Qwen3MoeAttention"}, _separate(*QKV_PROJ, 4, 2)),
+    "gemma": (lambda: _tiny("gemma", num_key_value_heads=1, head_dim=8), {"GemmaAttention"}, _separate(*QKV_PROJ, 4, 1)),
+    "gemma2": (lambda: _tiny("gemma2", num_key_value_heads=2, head_dim=16), {"Gemma2Attention"},
+               _separate(*QKV_PROJ, 4, 2)),
+    "gemma3": (lambda: _tiny("gemma3_text", num_key_value_heads=2, head_dim=8), {"Gemma3Attention"},
+               _separate(*QKV_PROJ, 4, 2)),
+    "phi": (lambda: _tiny("phi", num_key_value_heads=2), {"PhiAttention"}, _separate(*QKV_PROJ, 4, 2)),
+    "phi3": (lambda: _tiny("phi3", num_key_value_heads=2), {"Phi3Attention"}, _contiguous("qkv_proj", 4, 2)),
+    "gptj": (lambda: _tiny("gptj", rotary_dim=4), {"GPTJAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "gpt_neox": (lambda: _tiny("gpt_neox"), {"GPTNeoXAttention"}, _per_head("query_key_value", 4)),
+    "bloom": (lambda: _tiny("bloom"), {"BloomAttention"}, _per_head("query_key_value", 4)),
+    "persimmon": (lambda: _tiny("persimmon"), {"PersimmonAttention"}, _per_head("query_key_value", 4)),
+    "falcon_rw": (lambda: _tiny("falcon", new_decoder_architecture=False, multi_query=False, alibi=True),
+                  {"FalconAttention"}, _per_head("query_key_value", 4)),
+    "falcon_mq": (lambda: _tiny("falcon", new_decoder_architecture=False, multi_query=True), {"FalconAttention"},
+                  _contiguous("query_key_value", 4, 1)),
+    "falcon_new": (lambda: _tiny("falcon", new_decoder_architecture=True, num_kv_heads=2), {"FalconAttention"},
+                   _falcon_new(4, 2)),
+    "gpt_bigcode_mq": (lambda: _tiny("gpt_bigcode", multi_query=True), {"GPTBigCodeAttention"},
+                       _contiguous("c_attn", 4, 1)),
+    "gpt_bigcode_mha": (lambda: _tiny("gpt_bigcode", multi_query=False), {"GPTBigCodeAttention"},
+                        _per_head("c_attn", 4)),
+    "gpt2": (lambda: _tiny("gpt2"), {"GPT2Attention"}, _contiguous("c_attn", 4, 4, transposed=True)),
+    "codegen": (lambda: _tiny("codegen", num_attention_heads=8, rotary_dim=2), {"CodeGenAttention"}, _codegen(8)),
+    "mpt": (lambda: _tiny("mpt"), {"MptAttention"}, _contiguous("Wqkv", 4, 4)),
+    "opt": (lambda: _tiny("opt", ffn_dim=64, word_embed_proj_dim=32), {"OPTAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "cohere": (lambda: _tiny("cohere", num_key_value_heads=2), {"CohereAttention"}, _separate(*QKV_PROJ, 4, 2)),
+    "olmo2": (lambda: _tiny("olmo2", num_key_value_heads=2), {"Olmo2Attention"}, _separate(*QKV_PROJ, 4, 2)),
+    "stablelm": (lambda: _tiny("stablelm", num_key_value_heads=2), {"StableLmAttention"}, _separate(*QKV_PROJ, 4, 2)),
+    "starcoder2": (lambda: _tiny("starcoder2", num_key_value_heads=2), {"Starcoder2Attention"},
+                   _separate(*QKV_PROJ, 4, 2)),
+    "qwen3_next": (lambda: _tiny("qwen3_next", num_key_value_heads=2, head_dim=8, num_experts=2,
+                                 moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                 layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                                 linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
+                   {"Qwen3NextAttention"}, _gated_query(4, 2)),
+    "bert": (lambda: _tiny("bert"), {"BertSelfAttention"}, _separate("query", "key", "value", 4, 4)),
+    "distilbert": (lambda: _tiny("distilbert"), {"DistilBertSelfAttention"}, _separate("q_lin", "k_lin", "v_lin", 4, 4)),
+    "albert": (lambda: _tiny("albert", embedding_size=16), {"AlbertAttention"}, _separate("query", "key", "value", 4, 4)),
+    "electra": (lambda: _tiny("electra", embedding_size=16), {"ElectraSelfAttention"},
+                _separate("query", "key", "value", 4, 4)),
+    "deberta": (lambda: _tiny("deberta"), {"DisentangledSelfAttention"}, _deberta(4)),
+    "deberta_v2": (lambda: _tiny("deberta-v2"), {"DisentangledSelfAttention"},
+                   _separate("query_proj", "key_proj", "value_proj", 4, 4)),
+    "modernbert": (lambda: _tiny("modernbert", global_attn_every_n_layers=1, sep_token_id=3, cls_token_id=4),
+                   {"ModernBertAttention"}, _modernbert(4)),
+    "t5": (lambda: _tiny("t5", base={}, vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+           {"T5Attention"}, _separate("q", "k", "v", 4, 4)),
+    "bart": (lambda: _tiny("bart", base=SEQ2SEQ), {"BartAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "mbart": (lambda: _tiny("mbart", base=SEQ2SEQ), {"MBartAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "whisper": (lambda: _tiny("whisper", base=SEQ2SEQ, num_mel_bins=16, max_source_positions=16,
+                              max_target_positions=16, decoder_start_token_id=1), {"WhisperAttention"},
+                _separate(*QKV_PROJ, 4, 4)),
+    "vit": (lambda: _tiny("vit", base=VISION), {"ViTAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "deit": (lambda: _tiny("deit", base=VISION), {"DeiTAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "beit": (lambda: _tiny("beit", base=VISION), {"BeitAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "clip_vision": (lambda: _tiny("clip_vision_model", base=VISION), {"CLIPAttention"}, _separate(*QKV_PROJ, 4, 4)),
+    "swin": (lambda: _tiny("swin", base={}, image_size=16, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                           window_size=2), {"SwinSelfAttention", "SwinAttention"}, _separate(*QKV_PROJ, 2, 2)),
+}
+
+
+def _attention_modules(model, classes):
+    return [m for m in model.modules() if type(m).__name__ in classes and
+            any(n in dict(m.named_children()) or hasattr(m, n) for n in ("q_proj", "query", "q", "q_lin", "query_proj",
+                                                                        "query_key_value", "c_attn", "qkv_proj", "Wqkv",
+                                                                        "in_proj"))]
+
+
+def _assert_orthonormal_rows(w, what):
+    w = w.detach().double()
+    assert w.shape[0] <= w.shape[1], what
+    err = (w @ w.T - torch.eye(w.shape[0], dtype=torch.float64)).abs().max().item()
+    assert err <= ORTHO_ATOL, f"{what}: max |W W^T - I| = {err:.3g}"
+
+
+def _assert_conditioned(read, what):
+    for i, w in enumerate(read["q"]):
+        _assert_orthonormal_rows(w, f"{what} Q head {i}")
+    for i, w in enumerate(read["k"]):
+        _assert_orthonormal_rows(w, f"{what} K head {i}")
+    v = torch.cat([w.detach().float() for w in read["v"]])
+    assert torch.equal(v, torch.eye(*v.shape)), f"{what}: V is not the rectangular identity in the model's head order"
+    for b in read["bias"]:
+        assert torch.count_nonzero(b).item() == 0, f"{what}: a Q/K/V bias is not zero"
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_architecture_conditioned_as_its_forward_reads_it(arch):
+    build, classes, oracle = ARCHS[arch]
+    torch.manual_seed(0)
+    model = build()
+    mods = _attention_modules(model, classes)
+    assert mods, f"no {classes} module in the built model"
+    # the oracle's views of the unconditioned copy are set to NaN: what is left must not change
+    untouched = copy.deepcopy(model)
+    for m in _attention_modules(untouched, classes):
+        with torch.no_grad():
+            read = oracle(m)
+            for t in read["q"] + read["k"] + read["v"] + read["bias"]:
+                t.fill_(float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncoveredAttentionWarning)
+        rep = apply(model, seed=11, strict=True)
+    assert len(rep) == len(mods) and rep.uncovered == []
+    for i, m in enumerate(mods):
+        _assert_conditioned(oracle(m), f"{arch} layer {i}")
+    for (n, p), p0 in zip(model.named_parameters(), untouched.parameters()):
+        keep = ~torch.isnan(p0)
+        assert torch.equal(p.detach()[keep], p0.detach()[keep]), f"{arch}: {n} changed outside Q/K/V"
+    for (n, b), b0 in zip(model.named_buffers(), untouched.buffers()):
+        assert torch.equal(b, b0), f"{arch}: buffer {n} changed"
+    for l in rep:
+        for p in "qk":
+            assert abs(l.after[p].cond - 1) < 1e-4 and abs(l.after[p].sigma_min - 1) < 1e-4
+
+
+def test_cross_attention_reads_decoder_and_encoder_widths():
+    """Encoder-decoder: Q of a cross-attention layer reads the decoder states and K, V the encoder's
+    (same rule per projection); the report marks the layer as cross-attention."""
+    torch.manual_seed(0)
+    model = ARCHS["t5"][0]()
+    rep = apply(model, seed=5)
+    cross = [l for l in rep if l.cross]
+    assert [l.name for l in cross] == [f"decoder.block.{i}.layer.1.EncDecAttention" for i in range(2)]
+    assert all("EncDecAttention" not in l.name for l in rep if not l.cross)
+    # nn.MultiheadAttention with kdim/vdim: K and V are [H d, D_enc], their own input width
+    mha = nn.ModuleDict({"multihead_attn": nn.MultiheadAttention(24, 4, kdim=40, vdim=16, batch_first=True)})
+    rep = apply(mha, seed=5)
+    assert rep[0].cross and rep[0].shapes == {"q": (24, 24), "k": (24, 40), "v": (24, 16)}
+    a = mha["multihead_attn"]
+    for w, name in ((a.q_proj_weight, "q"), (a.k_proj_weight, "k")):
+        for h in range(4):
+            _assert_orthonormal_rows(w[h * 6:(h + 1) * 6], f"{name} head {h}")
+    assert torch.equal(a.v_proj_weight.detach(), torch.eye(24, 16))
+    assert "(cross)" in str(rep)
+
+
+# ------------------------------------------------------------------------------------------------
+# the model's own forward: attention inputs computed from unit-vector probes
+
+@contextlib.contextmanager
+def _probed_attention(model, names):
+    """Feed every attention module ``names`` a probe (batch ``i``, position 0 = unit vector ``e_i``,
+    batch ``D`` = 0) and record the (q, k, v) its forward hands to scaled_dot_product_attention."""
+    import torch.nn.functional as F
+
+    records, current, hooks = {}, [None], []
+    mods = dict(model.named_modules())
+    orig = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        if current[0] is not None:
+            records[current[0]] = (q.detach().clone(), k.detach().clone(), v.detach().clone())
+        return orig(q, k, v, *args, **kwargs)
+
+    for n in names:
+        def pre(mod, args, kwargs, n=n):
+            current[0] = n
+            positional = bool(args) and isinstance(args[0], torch.Tensor)
+            x = args[0] if positional else kwargs["hidden_states"]
+            D = x.shape[-1]
+            probe = torch.randn_like(x)
+            probe[:, 0] = 0
+            probe[:D, 0, :] = torch.eye(D, dtype=x.dtype)
+            return ((probe,) + tuple(args[1:]), kwargs) if positional else (args, dict(kwargs, hidden_states=probe))
+
+        hooks.append(mods[n].register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(mods[n].register_forward_hook(lambda *_: current.__setitem__(0, None)))
+    F.scaled_dot_product_attention = spy
+    try:
+        yield records
+    finally:
+        F.scaled_dot_product_attention = orig
+        for h in hooks:
+            h.remove()
+
+
+def _effective(t, D):
+    """Per-head ``[H, d, D]`` effective weights and ``[H, d]`` biases from a probe's attention input
+    ``t`` ``[B, H, N, d]`` (position 0 is unrotated)."""
+    cols = t[:D, :, 0, :] - t[D:D + 1, :, 0, :]
+    return cols.permute(1, 2, 0), t[D, :, 0, :]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "falcon_rw", "falcon_mq", "falcon_new", "gpt_bigcode_mq",
+                                  "gpt_bigcode_mha", "codegen", "phi3", "gpt2"])
+def test_fused_layouts_through_the_models_own_forward(arch):
+    torch.manual_seed(0)
+    model = ARCHS[arch][0]()
+    model.config._attn_implementation = "sdpa"
+    rep = apply(model, seed=3)
+    D = rep[0].shapes["q"][1]
+    with _probed_attention(model, [l.name for l in rep]) as records, torch.no_grad():
+        model.eval()
+        model(input_ids=torch.randint(3, 90, (D + 1, 2)))
+    assert set(records) == {l.name for l in rep}
+    for l in rep:
+        q, k, v = (_effective(t, D) for t in records[l.name])
+        for name, (w, b) in (("q", q), ("k", k)):
+            for h in range(w.shape[0]):
+                _assert_orthonormal_rows(w[h], f"{arch} {l.name} effective {name} head {h}")
+            assert b.abs().max() == 0
+        wv, bv = v
+        # the forward may repeat K/V heads for GQA: attention head h reads KV head h // (H / H_kv)
+        rep_kv = wv.shape[0] // l.num_kv_heads
+        d = l.head_dim
+        for h in range(wv.shape[0]):
+            g = h // rep_kv
+            assert torch.equal(wv[h], torch.eye(l.num_kv_heads * d, D)[g * d:(g + 1) * d]), f"{arch} V head {h}"
+        assert bv.abs().max() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# composite models and pooling heads: every attention layer
+
+def test_siglip_encoders_and_pooling_head():
+    torch.manual_seed(0)
+    text = dict(BASE, max_position_embeddings=16)
+    model = _tiny("siglip", base={}, text_config=text, vision_config=VISION)
+    rep = apply(model, seed=2, strict=True)
+    names = [l.name for l in rep]
+    assert sum(n.startswith("text_model.encoder.layers.") for n in names) == 2
+    assert sum(n.startswith("vision_model.encoder.layers.") for n in names) == 2
+    assert "vision_model.head.attention" in names      # the attention pool's nn.MultiheadAttention
+    head = model.vision_model.head.attention
+    w = head.in_proj_weight.detach()
+    for h in range(4):
+        for part in range(2):
+            _assert_orthonormal_rows(w[part * 32 + h * 8:part * 32 + (h + 1) * 8], f"head Q/K {part} {h}")
+    assert torch.equal(w[64:], torch.eye(32)) and torch.count_nonzero(head.in_proj_bias) == 0
+
+
+def test_llava_style_composite_gets_vision_tower_and_language_model():
+    torch.manual_seed(0)
+    vision = dict(VISION, model_type="clip_vision_model", projection_dim=32)
+    text = dict(BASE, model_type="llama", num_key_value_heads=2, max_position_embeddings=16)
+    model = _tiny("llava", base={}, vision_config=vision, text_config=text, image_token_index=98)
+    rep = apply(model, seed=2, strict=True)
+    names = [l.name for l in rep]
+    assert sum(".vision_tower." in f".{n}" for n in names) == 2 and sum("language_model." in n for n in names) == 2
+    assert {l.num_kv_heads for l in rep if "language_model" in l.name} == {2}
+    for l in model.language_model.layers:
+        _assert_conditioned(_separate(*QKV_PROJ, 4, 2)(l.self_attn), "llava language model")
+    for l in model.vision_tower.vision_model.encoder.layers:
+        _assert_conditioned(_separate(*QKV_PROJ, 4, 4)(l.self_attn), "llava vision tower")
+
+
+def test_timm_vit_map_pool_and_swin_eva_beit():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=32, depth=2,
+                            num_heads=4, global_pool="map", num_classes=3)
+    latent = vit.attn_pool.latent.detach().clone()
+    rep = apply(vit, seed=4, strict=True)
+    assert [l.name for l in rep] == ["blocks.0.attn", "blocks.1.attn", "attn_pool"]
+    pool = vit.attn_pool
+    for h in range(4):
+        _assert_orthonormal_rows(pool.q.weight[h * 8:(h + 1) * 8], f"attn_pool Q head {h}")
+        _assert_orthonormal_rows(pool.kv.weight[h * 8:(h + 1) * 8], f"attn_pool K head {h}")   # kv = [K; V]
+    assert torch.equal(pool.kv.weight[32:].detach(), torch.eye(32)) and torch.equal(pool.latent, latent)
+    for name, kw in (("swin_tiny_patch4_window7_224", dict(img_size=32, patch_size=4, embed_dim=16, depths=(1, 1),
+                                                            num_heads=(2, 4), window_size=4)),
+                     ("swinv2_tiny_window8_256", dict(img_size=32, patch_size=4, embed_dim=16, depths=(1, 1),
+                                                      num_heads=(2, 4), window_size=4)),
+                     ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=14, embed_dim=32, depth=2, num_heads=4)),
+                     ("beit_base_patch16_224", dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=4))):
+        model = timm.create_model(name, pretrained=False, num_classes=3, **kw)
+        rep = apply(model, seed=4, strict=True)
+        attns = [m for m in model.modules() if hasattr(m, "qkv") and isinstance(m.qkv, nn.Linear)]
+        assert len(rep) == len(attns) >= 2, name
+        for m in attns:   # timm: qkv(x).reshape(B, N, 3, num_heads, head_dim)
+            w = m.qkv.weight.unflatten(0, (3, m.num_heads, -1))
+            _assert_conditioned({"q": list(w[0]), "k": list(w[1]), "v": list(w[2]),
+                                 "bias": [b for b in (m.qkv.bias, getattr(m, "q_bias", None),
+                                                      getattr(m, "v_bias", None)) if isinstance(b, torch.Tensor)]},
+                                name)
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals and uncovered modules: listed, warned, an error under strict
+
+class NoHeadsAttention(nn.Module):
+    """q_proj / k_proj / v_proj and nothing that says how many heads."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+
+
+class GlobalLocalAttention(nn.Module):
+    """Longformer-like: a second set of projections for global attention."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.num_heads = 2
+        for n in ("query", "key", "value", "query_global", "key_global", "value_global"):
+            setattr(self, n, nn.Linear(dim, dim))
+
+
+def test_custom_module_without_adapter_is_warned_listed_and_refused_by_strict():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), NoHeadsAttention())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(UncoveredAttentionError, match=r"1 \(NoHeadsAttention\): cannot find the number of heads"):
+        apply(model, seed=1, strict=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())   # nothing written
+    with pytest.warns(UncoveredAttentionWarning, match="NoHeadsAttention"):
+        rep = apply(model, seed=1)
+    assert [l.name for l in rep] == ["0.self_attn"]
+    assert [(u.name, u.cls) for u in rep.uncovered] == [("1", "NoHeadsAttention")]
+    assert "NoHeadsAttention" in str(rep) and "not conditioned" in str(rep)
+    assert json.loads(json.dumps(rep.to_dict()))["uncovered"][0]["class"] == "NoHeadsAttention"
+    assert torch.equal(model[1].q_proj.weight, before["1.q_proj.weight"])
+    # exclude acknowledges it; an adapter covers it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncoveredAttentionWarning)
+        assert apply(model, seed=1, exclude="1").uncovered == []
+    register_adapter(NoHeadsAttention, lambda m: AttentionSpec.from_linears(m.q_proj, m.k_proj, m.v_proj, num_heads=4))
+    try:
+        rep = apply(model, seed=1, strict=True)
+        assert [l.adapter for l in rep] == ["torch.MultiheadAttention", "NoHeadsAttention"] and rep[1].num_heads == 4
+    finally:
+        unregister_adapter(NoHeadsAttention)
+
+
+def test_second_projection_set_and_attention_named_modules_are_listed():
+    class SpatialGate(nn.Module):     # named like attention, no Q/K/V (CBAM-style)
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 1, 7)
+
+    class MysteryAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wqkv_conv = nn.Conv1d(8, 24, 1)
+
+    model = nn.ModuleDict({"mix": GlobalLocalAttention(), "gate": SpatialGate(), "odd": MysteryAttention()})
+    found = discover(model)
+    assert [l.name for l in found.layers] == ["mix"]
+    reasons = {u.name: u.reason for u in found.uncovered}
+    assert set(reasons) == {"mix", "odd"}
+    assert "query_global/key_global/value_global" in reasons["mix"]
+    assert "class name says attention" in reasons["odd"] and "wqkv_conv" in reasons["odd"]
+    with pytest.raises(UncoveredAttentionError):
+        apply(model, strict=True)
+
+
+def test_mla_is_refused_with_a_reason_naming_the_layer():
+    torch.manual_seed(0)
+    model = _tiny("deepseek_v3", num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                  qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2, moe_intermediate_size=16)
+    found = discover(model)
+    assert found.layers == [] and [u.name for u in found.uncovered] == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all("multi-head latent attention" in u.reason and "does not guess" in u.reason for u in found.uncovered)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UncoveredAttentionError, match=r"model\.layers\.0\.self_attn \(DeepseekV3Attention\): "
+                                                      r"multi-head latent attention"):
+        apply(model, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+class FusedAttention(nn.Module):
+    """A fused qkv whose forward reads it per head (rows [H, 3, d]), or as [Q; K; V] thirds."""
+
+    def __init__(self, dim=24, heads=3, per_head=True):
+        super().__init__()
+        self.num_heads, self.head_dim, self.per_head = heads, dim // heads, per_head
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        if self.per_head:
+            q, k, v = self.qkv(x).view(B, N, self.num_heads, 3, self.head_dim).unbind(3)
+        else:
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)
+        return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+
+
+class ThirdsAttention(FusedAttention):
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_fused_layout_read_from_the_source_never_guessed():
+    found = discover(nn.ModuleDict({"a": FusedAttention(), "b": ThirdsAttention()}))
+    assert [l.name for l in found.layers] == ["b"] and found.layers[0].spec.layout == "contiguous"
+    assert [u.name for u in found.uncovered] == ["a"] and "layout=" in found.uncovered[0].reason
+
+
+def test_user_interleaved_adapter_matches_the_forward_and_contiguous_does_not():
+    """The natural contiguous reading of a [H, 3, d] fused weight mixes the heads' Q, K and V rows."""
+    torch.manual_seed(0)
+    m = FusedAttention()
+    register_adapter(FusedAttention, lambda m: AttentionSpec.from_fused(m.qkv.weight, num_heads=m.num_heads,
+                                                                        bias=m.qkv.bias, layout="per_head"))
+    try:
+        rep = apply(m, seed=0, strict=True)
+    finally:
+        unregister_adapter(FusedAttention)
+    assert rep[0].layout == "per_head"
+    _assert_conditioned(_per_head("qkv", 3)(m), "per_head adapter")
+    # a contiguous description of the same weight sees non-orthonormal "heads"
+    wrong = AttentionSpec.from_fused(m.qkv.weight, num_heads=3)
+    rows = wrong.q.view().reshape(3, 8, 24)
+    assert (rows @ rows.transpose(1, 2) - torch.eye(8)).abs().max() > 0.5
+    # the layout helper and the Projection it describes
+    parts = fused_layout(72, num_heads=3, layout="per_head")
+    assert parts["q"] == (0, 8, 3, 24) and parts["v"] == (16, 24, 3, 24) and parts["heads"] == (3, 3, 8)
+    grouped = fused_layout(8 * (4 + 2 * 2), num_heads=4, num_kv_heads=2, layout="per_group")
+    assert grouped["q"] == (0, 16, 2, 32) and grouped["k"] == (16, 24, 2, 32) and grouped["v"] == (24, 32, 2, 32)
+
+
+def test_head_counts_are_validated_before_anything_is_written():
+    w = torch.empty(36, 12)
+    with pytest.raises(ValueError, match="num_kv_heads=2 must divide num_heads=3"):
+        AttentionSpec.from_fused(w, num_heads=3, num_kv_heads=2, head_dim=3)
+    with pytest.raises(ValueError, match="must divide num_heads"):
+        AttentionSpec(Projection(w, 0, 12), Projection(w, 12, 20), Projection(w, 20, 28), 3, 2, 4)
+    with pytest.raises(ValueError, match="q has 12 rows, expected num_heads \\* head_dim"):
+        AttentionSpec(Projection(w, 0, 12), Projection(w, 12, 24), Projection(w, 24, 36), 4, 4, 4)
+    with pytest.raises(ValueError, match="share rows"):
+        AttentionSpec(Projection(w, 0, 12), Projection(w, 8, 20), Projection(w, 24, 36), 3, 3, 4)
+    with pytest.raises(ValueError, match="rows up to 40"):
+        Projection(w, 4, 8, groups=3, stride=16)
+    with pytest.raises(ValueError, match="layout='grouped' needs groups"):
+        fused_layout(36, num_heads=3, layout="grouped")
+    with pytest.raises(ValueError, match="per_group"):
+        fused_layout(48, num_heads=4, num_kv_heads=2, layout="per_head")
+
+    class Lying(nn.Module):     # says 5 heads of 4 over 16 query rows
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.head_dim = 5, 4
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(16, 16) for _ in range(3))
+
+    class BadGroups(nn.Module):     # 4 heads, 3 key/value heads
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.num_key_value_heads = 4, 3
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16), nn.Linear(16, 12), nn.Linear(16, 12)
+
+    for bad, msg in ((Lying(), r"blocks\.1 \(Lying\): q has 16 rows, but 5 heads \(attribute num_heads\)"),
+                     (BadGroups(), r"blocks\.1 \(BadGroups\): 3 key/value heads .* do not divide 4 heads")):
+        model = nn.ModuleDict({"blocks": nn.ModuleList([nn.MultiheadAttention(16, 2), bad])})
+        w0 = model["blocks"][0].in_proj_weight.detach().clone()
+        with pytest.raises(ValueError, match=msg):
+            apply(model, seed=0)
+        assert torch.equal(model["blocks"][0].in_proj_weight, w0)
+        assert [l.name for l in apply(model, seed=0, exclude="blocks.1")] == ["blocks.0"]
+
+
+def test_unsupported_from_an_adapter_is_listed():
+    class Refused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(4, 4)
+
+    def refuse(m):
+        raise UnsupportedAttention("experimental layout, not described yet")
+
+    register_adapter(Refused, refuse)
+    try:
+        found = discover(nn.Sequential(nn.MultiheadAttention(8, 2), Refused()))
+    finally:
+        unregister_adapter(Refused)
+    assert [str(u) for u in found.uncovered] == ["1 (Refused): experimental layout, not described yet"]
+
+
+# ------------------------------------------------------------------------------------------------
+# meta device and storage dtypes
+
+def test_meta_mha_gets_its_own_init_everywhere():
+    """nn.MultiheadAttention's own init zeroes out_proj.bias after nn.Linear drew it: the meta path
+    runs every reset, so the materialized model equals the one built on the CPU, bit for bit."""
+    def build():   # two layers built one after the other (no deep-copied clones)
+        return nn.Sequential(*(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True) for _ in range(2)))
+
+    torch.manual_seed(7)
+    cpu = build()
+    with torch.device("meta"):
+        meta = build()
+    torch.manual_seed(7)
+    apply(meta, seed=1)
+    apply(cpu, seed=1)
+    for l in meta:
+        assert torch.count_nonzero(l.self_attn.out_proj.bias) == 0
+    for (n, a), b in zip(meta.named_parameters(), cpu.parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["gpt_neox", "falcon_new", "qwen3_next", "llama"])
+def test_low_precision_is_the_fp32_result_rounded_once(arch, dtype):
+    torch.manual_seed(0)
+    m32 = ARCHS[arch][0]()
+    m16 = copy.deepcopy(m32).to(dtype)
+    others = {n: p.detach().clone() for n, p in m16.named_parameters()}
+    apply(m32, seed=21)
+    apply(m16, seed=21)
+    classes, oracle = ARCHS[arch][1], ARCHS[arch][2]
+    for a, b in zip(_attention_modules(m32, classes), _attention_modules(m16, classes)):
+        ra, rb = oracle(a), oracle(b)
+        for part in ("q", "k", "v"):
+            for x, y in zip(ra[part], rb[part]):
+                assert y.dtype == dtype and torch.equal(x.detach().to(dtype), y.detach())
+    assert all(p.dtype == dtype for p in m16.parameters())
+    if arch == "qwen3_next":     # the gate rows of q_proj keep their values
+        for m in _attention_modules(m16, classes):
+            gate = m.q_proj.weight.unflatten(0, (4, 2, -1))[:, 1]
+            name = next(n for n, p in m16.named_parameters() if p is m.q_proj.weight)
+            assert torch.equal(gate, others[name].unflatten(0, (4, 2, -1))[:, 1])
+
+
+# ------------------------------------------------------------------------------------------------
+# condinit init / inspect: any config, layouts in the metadata, --adapter, --strict
+
+def _cli(capsys, *argv):
+    from condinit.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+NEOX = {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 99, "max_position_embeddings": 32}
+
+
+def test_init_config_neox_metadata_layout_and_inspect(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+
+    cfg = tmp_path / "neox.json"
+    cfg.write_text(json.dumps(NEOX))
+    out = tmp_path / "neox.safetensors"
+    rc, text, err = _cli(capsys, "init", "--config", str(cfg), "--strict", "--out", str(out))
+    assert rc == 0, err
+    assert "per_head" in text
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as fh:
+        meta = json.loads(fh.metadata()["condinit"])
+    ent = meta["layers"][0]
+    assert ent["layout"] == "per_head" and meta["uncovered"] == []
+    assert ent["q"] == {"tensor": "gpt_neox.layers.0.attention.query_key_value.weight", "start": 0, "stop": 8,
+                        "transposed": False, "groups": 4, "stride": 24}
+    # the file's rows, read per head as GPT-NeoX reads them
+    w = load_file(str(out))["gpt_neox.layers.1.attention.query_key_value.weight"].unflatten(0, (4, 3, 8, 32))
+    for h in range(4):
+        _assert_orthonormal_rows(w[h, 0], f"file Q head {h}")
+    rc, text, err = _cli(capsys, "inspect", str(out), "--json")
+    assert rc == 0, err
+    for layer in json.loads(text)["layers"]:
+        assert layer["layout"] == "per_head"
+        for p in "qk":
+            assert max(abs(c - 1) for c in layer[p]["cond_per_head"]) < 1e-4
+        assert layer["v"]["cond_per_head"] == [1.0] * 4
+    # without the metadata the layout must be given; the contiguous reading is visibly wrong
+    bare = tmp_path / "bare.safetensors"
+    save_file(load_file(str(out)), str(bare))
+    rc, _, err = _cli(capsys, "inspect", str(bare), "--num-heads", "4")
+    assert rc == 2 and "--layout per_head" in err
+    rc, text, err = _cli(capsys, "inspect", str(bare), "--num-heads", "4", "--layout", "per_head", "--json")
+    assert rc == 0, err
+    assert max(abs(c - 1) for c in json.loads(text)["layers"][0]["q"]["cond_per_head"]) < 1e-4
+    rc, text, _ = _cli(capsys, "inspect", str(bare), "--num-heads", "4", "--layout", "contiguous", "--json")
+    assert max(json.loads(text)["layers"][0]["q"]["cond_per_head"]) > 1.5
+    rc, _, err = _cli(capsys, "inspect", str(out), "--layout", "contiguous")
+    assert rc == 2 and "metadata" in err
+
+
+def test_init_config_model_classes(tmp_path, capsys):
+    """Decoder LMs are built as AutoModelForCausalLM, encoders and encoder-decoders as AutoModel."""
+    from condinit.models.presets import build_model, model_class_for
+
+    assert model_class_for("llama", transformers.LlamaConfig()) == "AutoModelForCausalLM"
+    for mt in ("bert", "roberta", "t5", "bart", "whisper", "vit"):
+        assert model_class_for(mt, transformers.AutoConfig.for_model(mt)) == "AutoModel", mt
+    model, family = build_model(config={"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 1,
+                                        "num_heads": 4, "vocab_size": 99})
+    assert type(model).__name__ == "T5Model" and family == "t5"
+    cfg = tmp_path / "t5.json"
+    cfg.write_text(json.dumps({"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 1,
+                               "num_heads": 4, "vocab_size": 99}))
+    rc, text, err = _cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "t5.safetensors"))
+    assert rc == 0, err
+    assert "EncDecAttention" in text and "(cross)" in text
+
+
+def test_init_unsupported_config_lists_modules_and_strict_writes_nothing(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                               "v_head_dim": 8, "n_routed_experts": 2, "moe_intermediate_size": 16, "vocab_size": 99}))
+    out = tmp_path / "ds.safetensors"
+    rc, _, err = _cli(capsys, "init", "--config", str(cfg), "--out", str(out))
+    assert rc == 2 and "model.layers.0.self_attn (DeepseekV3Attention): multi-head latent attention" in err
+    assert "--adapter" in err and not out.exists()
+    # a model with an uncovered module: --strict refuses before writing, the default lists it
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps({"model_type": "longformer", "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 99,
+                                 "attention_window": 4, "max_position_embeddings": 40, "pad_token_id": 1}))
+    rc, _, err = _cli(capsys, "init", "--config", str(mixed), "--strict", "--out", str(out))
+    assert rc == 2 and "query_global/key_global/value_global" in err and not out.exists()
+    with pytest.warns(UncoveredAttentionWarning):
+        rc, text, err = _cli(capsys, "init", "--config", str(mixed), "--out", str(out))
+    assert rc == 0, err
+    assert "not conditioned" in text and "query_global" in text
+    rc, text, _ = _cli(capsys, "inspect", str(out))
+    assert "not conditioned when the file was written" in text and "LongformerSelfAttention" in text
+
+
+def mla_adapter(module):
+    """An ``--adapter`` for the tests: conditions only DeepSeek's q_b_proj / kv_b_proj factors."""
+    if type(module).__name__ != "DeepseekV3Attention":
+        return None
+    kv = module.kv_b_proj.weight          # [H * (nope + v), rank]: per head its K-nope rows, then its V rows
+    H, nope, vd = module.config.num_attention_heads, module.qk_nope_head_dim, module.v_head_dim
+    return AttentionSpec(Projection(module.q_b_proj.weight, 0, nope, groups=H, stride=nope + module.qk_rope_head_dim),
+                         Projection(kv, 0, nope, groups=H, stride=nope + vd),
+                         Projection(kv, nope, nope + vd, groups=H, stride=nope + vd), H, H, nope)
+
+
+def test_init_adapter_from_the_command_line(tmp_path, capsys):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+                               "v_head_dim": 8, "n_routed_experts": 2, "moe_intermediate_size": 16, "vocab_size": 99}))
+    out = tmp_path / "ds.safetensors"
+    rc, text, err = _cli(capsys, "init", "--config", str(cfg), "--adapter", "test_discovery:mla_adapter", "--strict",
+                         "--out", str(out))
+    assert rc == 0, err
+    assert "--adapter test_discovery:mla_adapter" in text
+    from condinit.models.adapters import registered_adapters
+
+    assert nn.Module not in registered_adapters()       # registered for the command only
+    for bad, msg in (("nocolon", "expected MODULE:FUNCTION"), ("no_such_module_xyz:f", "cannot import"),
+                     ("test_discovery:missing", "has no attribute"), ("test_discovery:NEOX", "expected a function")):
+        rc, _, err = _cli(capsys, "init", "--config", str(cfg), "--adapter", bad, "--out", str(out))
+        assert rc == 2 and msg in err, (bad, err)
