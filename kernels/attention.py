@@ -527,11 +527,12 @@ _INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 # Every entry was compiled offline for sm_80 and sm_90 (tests/test_gpu_resources.py; figures in
 # BENCHMARKS.md, "Static resource model of the GPU kernels"): each fits both targets' shared
 # memory per block (163 KiB on sm_80, 227 KiB on sm_90), so one list serves both, and spills at
-# most _spill_limit bytes per thread on either. The first entry is what runs with
-# CONDINIT_ATTN_AUTOTUNE=0; entries are ordered by fewest spills on the two targets, then by
-# larger tiles. Wider tiles than these spill: at O3, ptxas 12.9 handles a kernel it cannot fit in
-# 255 registers by dropping to 32 registers and spilling 3-13 KB per thread (the JVP above all,
-# and more often for sm_80), so a tile that fits sm_90 may be unusable on sm_80.
+# most _spill_limit bytes per thread on either. The first entry, what runs with
+# CONDINIT_ATTN_AUTOTUNE=0, is a large tile that spills little or nothing on both targets; the
+# others are the autotuner's alternatives. Wider tiles than these spill: when ptxas (12.9, -O3)
+# cannot fit a kernel in 255 registers it often drops to 32 registers and spills 3-13 KB per
+# thread (the JVP above all, and sm_80 more often than sm_90), so a tile that fits sm_90 may be
+# unusable on sm_80.
 #
 # fp32 inputs take IEEE fp32 products (FMA, no tensor cores): each thread then holds whole rows of
 # both operands of a product, so fp32 gets small tiles over 8 warps, and two probes per program
@@ -547,8 +548,8 @@ _CONFIGS = {
     ("jvp", 2, 128, 2): [(128, 16, 8, 2)],
     ("jvp", 2, 256, 1): [(32, 16, 8, 2), (32, 32, 8, 2)],
     ("dkdv", 2, 64, 1): [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
-    ("dkdv", 2, 128, 1): [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-    ("dkdv", 2, 256, 1): [(32, 64, 8, 2), (32, 32, 4, 2)],
+    ("dkdv", 2, 128, 1): [(32, 128, 8, 3), (32, 64, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3)],
+    ("dkdv", 2, 256, 1): [(32, 32, 8, 2), (32, 64, 8, 2), (16, 64, 8, 2)],
     ("dq", 2, 64, 1): [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     ("dq", 2, 128, 1): [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
     ("dq", 2, 256, 1): [(64, 64, 8, 2), (64, 32, 4, 2)],

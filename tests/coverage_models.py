@@ -939,7 +939,7 @@ def hf_run(model: nn.Module) -> list:
     errors = []
 
     def forward(mod, what, main=None):
-        last = None
+        first = None
         for inputs in input_attempts(mod, main):
             entered.clear()
             try:
@@ -949,9 +949,9 @@ def hf_run(model: nn.Module) -> list:
             except ModelTimeout:
                 raise
             except Exception as e:  # recorded if no attempt works: a model whose forward fails is not verified
-                last = e
-        msg = str(last).splitlines()[0][:200] if str(last) else ""
-        errors.append(f"{what} forward failed: {type(last).__name__}: {msg}")
+                first = first or e
+        msg = str(first).splitlines()[0][:200] if str(first) else ""
+        errors.append(f"{what} forward failed: {type(first).__name__}: {msg}")
 
     try:
         forward(model, type(model).__name__)

@@ -65,7 +65,7 @@ def test_lightning_callback_records(tmp_path):
 # -- Hugging Face Trainer --------------------------------------------------------------------------
 
 def _hf_run(tmp_path, name, callbacks, steps=4):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -82,7 +82,6 @@ def _hf_run(tmp_path, name, callbacks, steps=4):
                              disable_tqdm=True, seed=3, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
-    del transformers
     return model, trainer
 
 

@@ -442,3 +442,19 @@ def test_inspect_bad_files_one_line_errors(tmp_path, capsys):
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.splitlines() == [f"condinit inspect: error: {deep} is not a readable safetensors file: its "
                                        f"header is JSON nested too deeply to parse"]
+
+
+@pytest.mark.parametrize("header_len", [640, 896, 1152])
+def test_header_length_that_starts_like_a_pickle_still_reads(tmp_path, header_len):
+    """A valid header whose little-endian length starts with 0x80 0x02..0x05 (a pickle's PROTO
+    opcode) is safetensors, not a pickle."""
+    from condinit.models.checkpoint import open_checkpoint
+    data = torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    hdr = json.dumps({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, len(data)]}}).encode()
+    hdr = hdr + b" " * (header_len - len(hdr))
+    assert struct.pack("<Q", header_len)[0] == 0x80
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", header_len) + hdr + data)
+    ck = open_checkpoint(str(path))
+    with ck as fh:
+        assert torch.equal(fh.get_tensor("w"), torch.arange(6, dtype=torch.float32).view(2, 3))

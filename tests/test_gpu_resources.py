@@ -9,10 +9,9 @@ opt-in limit, registers x threads within the register file, and a stack frame (s
 registers, bytes per thread) within ``_spill_limit`` of kernels/attention.py. Compiles run in a subprocess without
 ``TRITON_INTERPRET`` and with an empty triton cache (nothing is reused between runs).
 
-By default (CI, a few minutes on 2 cores) the first config of each list, the one
-``CONDINIT_ATTN_AUTOTUNE=0`` launches, is compiled for a representative subset: every kernel x
-{bf16, fp32} x head dims {64, 128, 256} x {1, 2} probes, on sm_90 and sm_80 (fp32 at d = 64 on
-sm_90 only). ``CONDINIT_FULL_RESOURCE_CHECK=1`` compiles every config of every list for fp16,
+By default (CI) the first config of a list, the one ``CONDINIT_ATTN_AUTOTUNE=0`` launches, is
+compiled on sm_90 and sm_80 for the lists most at risk (``CI_CASES``: every kernel at d = 256, the
+JVP at d = 128 and 256 and with two probes per program, bf16 at d = 128, bf16 and fp32). ``CONDINIT_FULL_RESOURCE_CHECK=1`` compiles every config of every list for fp16,
 bf16 and fp32, every supported head dim, causal and not, on both targets (about an hour on
 2 cores; ``CONDINIT_RESOURCE_CHECK_JOBS`` sets the number of compiling processes, default 2).
 A deliberately oversized config must be rejected by the same check.
@@ -22,7 +21,7 @@ gives registers, spills and static shared memory per kernel; a small host progra
 the same source prints the tile and dynamic shared memory the launchers pick for every head
 dim, dtype and mode at the target's opt-in limit, and the sum must fit.
 
-``python tests/test_gpu_resources.py --table [--full]`` prints the tables of BENCHMARKS.md,
+``python tests/test_gpu_resources.py --table [--full] [--json PATH]`` prints the tables of BENCHMARKS.md,
 "Static resource model of the GPU kernels". Skipped, with the reason, when triton cannot
 compile for CUDA here (no CUDA backend, no ptxas) or nvcc is absent.
 """
@@ -276,16 +275,19 @@ def _runs_one_probe_per_program(kind, dtype, head_dim, n_probes):
     return n_probes > 1 and attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes) == 1
 
 
+# CI: the first config of the lists most at risk (the JVP, the widest head dims, the two-probe
+# lists), on both targets, plus the largest rowsum kernel. The rest (d = 64 forward / backward,
+# fp16, every further config) is in the full check.
+CI_CASES = [("fwd", "bf16", 128, 1), ("fwd", "bf16", 256, 1), ("fwd", "fp32", 256, 1),
+            ("jvp", "bf16", 128, 1), ("jvp", "bf16", 256, 1), ("jvp", "fp32", 128, 1), ("jvp", "fp32", 256, 1),
+            ("jvp", "bf16", 64, 2), ("jvp", "bf16", 128, 2), ("jvp", "fp32", 64, 2),
+            ("dkdv", "bf16", 128, 1), ("dkdv", "bf16", 256, 1), ("dkdv", "fp32", 256, 1),
+            ("dq", "bf16", 128, 1), ("dq", "bf16", 256, 1), ("dq", "fp32", 256, 1)]
+
+
 def ci_jobs() -> list:
-    jobs = []
-    for kind, dtype, d, n_probes in _kernel_cases((64, 128, 256), ("bf16", "fp32")):
-        if _runs_one_probe_per_program(kind, dtype, d, n_probes):
-            continue
-        for arch in (90, 80):
-            if dtype == "fp32" and d == 64 and arch == 80:
-                continue  # the d = 64 fp32 tiles equal the d = 128 ones: sm_90 shows they fit
-            jobs.append(dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes,
-                             arch=arch, config=0))
+    jobs = [dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes, arch=arch, config=0)
+            for kind, dtype, d, n_probes in CI_CASES for arch in (90, 80)]
     jobs.append(dict(kind="pre", dtype="fp32", head_dim=256, causal=True, n_probes=1, arch=90, config=0))
     return jobs
 
@@ -637,9 +639,10 @@ def print_tables(recs: list, cuda=None) -> None:
                 if r is None:
                     cells += ["-"] * (4 if arch == 90 else 3)
                     continue
-                bad = problems(r, spill_limit(r))
-                mark = " **(!)**" if bad else ""
-                cells += [f"{(r['shared'] + r['static_shared']) / 1024:.1f}{mark}", str(r["regs"]), str(spill_bytes(r))]
+                bad = " ".join(problems(r, spill_limit(r)))
+                marks = [" **(!)**" if word in bad else "" for word in ("shared", "registers x", "spills")]
+                cells += [f"{(r['shared'] + r['static_shared']) / 1024:.1f}{marks[0]}", f"{r['regs']}{marks[1]}",
+                          f"{spill_bytes(r)}{marks[2]}"]
                 if arch == 90:
                     n, lim = blocks_per_sm(r)
                     cells.append(f"{n} ({lim})")
@@ -682,9 +685,11 @@ if __name__ == "__main__":
         start = time.time()
         jobs = full_jobs() if "--full" in sys.argv else table_jobs()
         recs = compile_jobs(jobs)
+        if "--json" in sys.argv:
+            Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(recs, indent=1))
         cuda = cuda_resources(Path(tempfile.mkdtemp(prefix="condinit-nvcc-"))) if _nvcc() else None
         print(f"{len(recs)} Triton compiles ({_tool_versions()}), {platform.machine()}, "
               f"{os.cpu_count()} CPUs, {JOBS} processes, {time.time() - start:.0f} s")
         print_tables(recs, cuda)
     else:
-        sys.exit("usage: python tests/test_gpu_resources.py --table [--full]")
+        sys.exit("usage: python tests/test_gpu_resources.py --table [--full] [--json PATH]")

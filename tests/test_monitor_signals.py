@@ -234,7 +234,7 @@ def test_threshold_alerts_name_layer_head_and_value_once(tmp_path, rng):
     for r in ref:
         for kind, key, worst in (("max_logit", "max_logit_heads", max), ("entropy", "entropy_mean_heads", min),
                                  ("qk_norm", "qk_norm_heads", max)):
-            head = max(range(3), key=lambda h: r[key][h]) if worst is max else min(range(3), key=lambda h: r[key][h])
+            head = worst(range(3), key=lambda h: r[key][h])
             value = r[key][head]
             if (value < alerts[kind]) if kind == "entropy" else (value > alerts[kind]):
                 expected[(r["layer"], kind)] = (head, value)

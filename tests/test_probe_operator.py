@@ -199,7 +199,7 @@ def test_to_scipy_and_float32():
 
 def test_bad_input():
     m, x, op = make("weights", False)
-    with pytest.raises(ValueError, match="no attention adapter"):
+    with pytest.raises(ValueError, match="not recognised as attention"):
         JacobianOperator(nn.Linear(4, 4), torch.randn(1, 3, 4))
     with pytest.raises(ValueError, match="D = 16"):
         JacobianOperator(m, torch.randn(1, 8, 15, dtype=F64))

@@ -11,7 +11,6 @@ This module imports ``transformers``; ``import condinit`` does not import it.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from transformers import TrainerCallback
 

@@ -56,6 +56,7 @@ Reformer's shared ``query_key``, GPTBigCode cross-attention. See ``docs/design.m
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from dataclasses import dataclass
@@ -967,7 +968,10 @@ _SPLITS = r"(?:split|chunk|tensor_split)"
 _SHAPE_OPS = r"(?:view|reshape|unflatten|transpose|permute)"
 
 
+@functools.lru_cache(maxsize=None)
 def _class_source(cls) -> Optional[str]:
+    """The source of ``cls`` and of its bases up to ``nn.Module`` (None when any is unavailable);
+    read once per class."""
     texts = []
     for klass in cls.__mro__:
         if klass is nn.Module or klass is object or klass.__module__.startswith("torch."):

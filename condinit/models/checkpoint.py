@@ -412,9 +412,14 @@ def _read_header(path: str) -> dict:
         if head[:4] == b"PK\x03\x04":
             raise ValueError(f"{path} is a zip archive (a torch.save checkpoint?), not safetensors; condinit reads "
                              f"only safetensors files and never unpickles")
-        if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        # A pickle starts with PROTO (0x80, protocol 2-5); so may a valid header length (640, 896,
+        # ...): it is a pickle only when that length does not fit the file or no JSON follows.
+        looks_pickled = len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+        if looks_pickled and (len(head) < 8 or not 2 <= struct.unpack("<Q", head)[0] <= size - 8
+                              or fh.read(1) != b"{"):
             raise ValueError(f"{path} is a pickle file, not safetensors; condinit reads only safetensors files and "
                              f"never unpickles")
+        fh.seek(8)
         if len(head) < 8:
             raise ValueError(f"{path} is not a safetensors file: {size} bytes, too short for a header")
         (n,) = struct.unpack("<Q", head)

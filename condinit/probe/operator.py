@@ -155,17 +155,13 @@ def _proj_bias(p) -> Optional[Tensor]:
 
 
 def _spec_of(module: nn.Module):
-    from condinit.models.adapters import get_adapter, registered_adapters
+    """The layer's layout, found the way ``condinit.apply`` finds it (adapters, then structure)."""
+    from condinit.models.adapters import spec_of
 
-    adapter = get_adapter(module)
-    if adapter is None:
-        keys = sorted(k.__name__ if isinstance(k, type) else k.rsplit(".", 1)[1] for k in registered_adapters())
-        raise ValueError(
-            f"layer: no attention adapter is registered for {type(module).__module__}.{type(module).__qualname__} "
-            f"(known: {', '.join(keys)}); register one with condinit.models.register_adapter(YourAttention, "
-            f"lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=...)), or pass a (q, k, v) triple "
-            f"with wrt='qkv'")
-    return adapter.spec(module)
+    try:
+        return spec_of(module)
+    except ValueError as exc:
+        raise ValueError(f"layer: {exc}, or pass a (q, k, v) triple with wrt='qkv'") from None
 
 
 def _orth(a: Tensor) -> Tensor:
