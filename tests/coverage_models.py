@@ -864,7 +864,7 @@ def _modality_input(cfg, name: str, g: torch.Generator):
     if name == "past_values":
         length = _first_int(getattr(cfg, "context_length", None), default=32)
         channels = _first_int(getattr(cfg, "num_input_channels", None), getattr(cfg, "input_size", None), default=1)
-        return torch.randn(1, length, channels, generator=g) if channels > 1 else torch.randn(1, length, generator=g)
+        return torch.randn(1, length, channels, generator=g)
     return None
 
 
@@ -892,12 +892,14 @@ def input_attempts(model: nn.Module, main: Optional[str] = None) -> list:
     cfg = model.config
     params = _forward_params(model)
     main = main or getattr(model, "main_input_name", "input_ids")
+    if main not in params:
+        main = next((p for p in params if p in INPUT_NAMES), None)
     g = torch.Generator().manual_seed(0)
     attempts = []
-    if any(p in GRID_NAMES for p in params) and main != "input_ids":
+    if any(p in GRID_NAMES for p in params) and params and params[0] != "input_ids":
         attempts.append(_patch_grid_inputs(cfg, params, g))
     base = {}
-    t = _modality_input(cfg, main, g)
+    t = _modality_input(cfg, main, g) if main else None
     if t is not None:
         base[main] = t
     full = dict(base)
@@ -911,7 +913,15 @@ def input_attempts(model: nn.Module, main: Optional[str] = None) -> list:
                     full[name] = t
     attempts += [full] if full != base else []
     attempts.append(base)
+    if main == "input_features" and main in base:
+        attempts.append({main: base[main].transpose(1, 2).contiguous()})     # [1, frames, mel] encoders
     for a in attempts:
+        for mask in ("input_features_mask", "feature_attention_mask", "attention_mask"):
+            if mask in params and "input_features" in a and "input_ids" not in a:
+                frames = a["input_features"].shape[2 if a["input_features"].shape[1] == _modality_input(
+                    cfg, "input_features", torch.Generator()).shape[1] else 1]
+                a[mask] = torch.ones(1, frames, dtype=torch.long)
+                break
         if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             a["decoder_input_ids"] = _text_ids(getattr(cfg, "decoder", None) or cfg, 4)
         if "use_cache" in params:

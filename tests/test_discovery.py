@@ -388,8 +388,10 @@ def test_llava_style_composite_gets_vision_tower_and_language_model():
     assert {l.num_kv_heads for l in rep if "language_model" in l.name} == {2}
     for l in model.language_model.layers:
         _assert_conditioned(_separate(*QKV_PROJ, 4, 2)(l.self_attn), "llava language model")
-    for l in model.vision_tower.vision_model.encoder.layers:
-        _assert_conditioned(_separate(*QKV_PROJ, 4, 4)(l.self_attn), "llava vision tower")
+    tower = [m for m in model.vision_tower.modules() if type(m).__name__ == "CLIPAttention"]
+    assert len(tower) == 2
+    for m in tower:
+        _assert_conditioned(_separate(*QKV_PROJ, 4, 4)(m), "llava vision tower")
 
 
 def test_timm_vit_map_pool_and_swin_eva_beit():
@@ -549,10 +551,11 @@ def test_user_interleaved_adapter_matches_the_forward_and_contiguous_does_not():
         unregister_adapter(FusedAttention)
     assert rep[0].layout == "per_head"
     _assert_conditioned(_per_head("qkv", 3)(m), "per_head adapter")
-    # a contiguous description of the same weight sees non-orthonormal "heads"
+    # a contiguous description of the same weight takes head 0's key for "Q head 1" and head 2's
+    # query and key for "V": writing through it would break every head
     wrong = AttentionSpec.from_fused(m.qkv.weight, num_heads=3)
-    rows = wrong.q.view().reshape(3, 8, 24)
-    assert (rows @ rows.transpose(1, 2) - torch.eye(8)).abs().max() > 0.5
+    assert torch.equal(wrong.q.view()[8:16], _per_head("qkv", 3)(m)["k"][0])
+    assert not torch.equal(wrong.v.view(), torch.eye(24))
     # the layout helper and the Projection it describes
     parts = fused_layout(72, num_heads=3, layout="per_head")
     assert parts["q"] == (0, 8, 3, 24) and parts["v"] == (16, 24, 3, 24) and parts["heads"] == (3, 3, 8)
@@ -695,7 +698,7 @@ def test_init_config_neox_metadata_layout_and_inspect(tmp_path, capsys):
     assert ent["q"] == {"tensor": "gpt_neox.layers.0.attention.query_key_value.weight", "start": 0, "stop": 8,
                         "transposed": False, "groups": 4, "stride": 24}
     # the file's rows, read per head as GPT-NeoX reads them
-    w = load_file(str(out))["gpt_neox.layers.1.attention.query_key_value.weight"].unflatten(0, (4, 3, 8, 32))
+    w = load_file(str(out))["gpt_neox.layers.1.attention.query_key_value.weight"].unflatten(0, (4, 3, 8))
     for h in range(4):
         _assert_orthonormal_rows(w[h, 0], f"file Q head {h}")
     rc, text, err = _cli(capsys, "inspect", str(out), "--json")
@@ -705,16 +708,37 @@ def test_init_config_neox_metadata_layout_and_inspect(tmp_path, capsys):
         for p in "qk":
             assert max(abs(c - 1) for c in layer[p]["cond_per_head"]) < 1e-4
         assert layer["v"]["cond_per_head"] == [1.0] * 4
-    # without the metadata the layout must be given; the contiguous reading is visibly wrong
+    # every head block of a conditioned file has kappa 1 whichever rows are read: give the heads
+    # known, different kappas (Q head h: h + 2, K head h: h + 10) so that only the right rows match
+    with safe_open(str(out), "pt") as fh:
+        header = fh.metadata()
+    sd = load_file(str(out))
+    for L in range(2):
+        w = sd[f"gpt_neox.layers.{L}.attention.query_key_value.weight"].unflatten(0, (4, 3, 8))
+        for h in range(4):
+            for part, kappa in ((0, h + 2.0), (1, h + 10.0)):
+                w[h, part] = torch.linspace(1.0, kappa, 8)[:, None] * w[h, part]
+    marked = tmp_path / "marked.safetensors"
+    save_file(sd, str(marked), metadata=header)
+    expect = {"q": [2.0, 3.0, 4.0, 5.0], "k": [10.0, 11.0, 12.0, 13.0], "v": [1.0] * 4}
+
+    def kappas(*argv):
+        rc, text, err = _cli(capsys, "inspect", *argv, "--json")
+        assert rc == 0, err
+        return [{p: layer[p]["cond_per_head"] for p in "qkv"} for layer in json.loads(text)["layers"]]
+
+    for got in kappas(str(marked)):
+        for p in "qkv":
+            assert got[p] == pytest.approx(expect[p], rel=1e-5), p
+    # without the metadata the layout must be given; the contiguous reading mixes the heads
     bare = tmp_path / "bare.safetensors"
-    save_file(load_file(str(out)), str(bare))
+    save_file(sd, str(bare))
     rc, _, err = _cli(capsys, "inspect", str(bare), "--num-heads", "4")
     assert rc == 2 and "--layout per_head" in err
-    rc, text, err = _cli(capsys, "inspect", str(bare), "--num-heads", "4", "--layout", "per_head", "--json")
-    assert rc == 0, err
-    assert max(abs(c - 1) for c in json.loads(text)["layers"][0]["q"]["cond_per_head"]) < 1e-4
-    rc, text, _ = _cli(capsys, "inspect", str(bare), "--num-heads", "4", "--layout", "contiguous", "--json")
-    assert max(json.loads(text)["layers"][0]["q"]["cond_per_head"]) > 1.5
+    for got in kappas(str(bare), "--num-heads", "4", "--layout", "per_head"):
+        assert got["q"] == pytest.approx(expect["q"], rel=1e-5) and got["k"] == pytest.approx(expect["k"], rel=1e-5)
+    wrong = kappas(str(bare), "--num-heads", "4", "--layout", "contiguous")[0]
+    assert wrong["q"] == pytest.approx([2.0, 10.0, 1.0, 3.0], rel=1e-5)     # q0, k0, v0, q1
     rc, _, err = _cli(capsys, "inspect", str(out), "--layout", "contiguous")
     assert rc == 2 and "metadata" in err
 

@@ -4,26 +4,28 @@
 (A100) and sm_90 (H100 / H200) with ``triton.compile``, from the argument list the host code
 really builds: the host function runs on CPU tensors with a recording ``_launch``, and triton's
 own binder specializes those arguments (dtypes, 16-divisibility) as the JIT does on a GPU. The
-compiled kernel must fit the target: shared memory (dynamic + static) within the per-block
+compiled kernel must fit its target: shared memory (dynamic + static) within the per-block
 opt-in limit, registers x threads within the register file, and a stack frame (spilled
-registers, bytes per thread) within ``_spill_limit`` of kernels/attention.py. Compiles run in a subprocess without
-``TRITON_INTERPRET`` and with an empty triton cache (nothing is reused between runs).
+registers, bytes per thread) within ``_spill_limit`` of kernels/attention.py. Compiles run in
+subprocesses without ``TRITON_INTERPRET`` and with an empty triton cache (nothing is reused
+between runs). A deliberately oversized config must be rejected by the same check.
 
-By default (CI) the first config of a list, the one ``CONDINIT_ATTN_AUTOTUNE=0`` launches, is
-compiled on sm_90 and sm_80 for the lists most at risk (``CI_CASES``: every kernel at d = 256, the
-JVP at d = 128 and 256 and with two probes per program, bf16 at d = 128, bf16 and fp32). ``CONDINIT_FULL_RESOURCE_CHECK=1`` compiles every config of every list for fp16,
-bf16 and fp32, every supported head dim, causal and not, on both targets (about an hour on
-2 cores; ``CONDINIT_RESOURCE_CHECK_JOBS`` sets the number of compiling processes, default 2).
-A deliberately oversized config must be rejected by the same check.
+By default (CI: about 1.5 minutes on 2 idle cores, 3 under load) the first config of a list, the
+one ``CONDINIT_ATTN_AUTOTUNE=0`` launches, is compiled for the lists most at risk
+(``CI_CASES``: every kernel at d = 256, the JVP at d = 128 and 256 and with two probes per
+program, on sm_90 and mostly sm_80; bf16 at d = 128 on sm_90), bf16 and fp32.
+``CONDINIT_FULL_RESOURCE_CHECK=1`` compiles every config of every list for fp16, bf16 and fp32,
+every supported head dim, causal and not, on both targets (about 1000 compiles: 1-3 hours on 2
+cores; ``CONDINIT_RESOURCE_CHECK_JOBS`` sets the number of compiling processes, default 2).
 
 **CUDA** (csrc/attention/attention_kernels.cu). ``nvcc --resource-usage`` for sm_80 and sm_90
-gives registers, spills and static shared memory per kernel; a small host program built from
-the same source prints the tile and dynamic shared memory the launchers pick for every head
-dim, dtype and mode at the target's opt-in limit, and the sum must fit.
+gives registers, spills and static shared memory per kernel; a small host program built from the
+same source prints the tile and dynamic shared memory the launchers pick for every head dim,
+dtype and mode at each target's opt-in limit, and the launch must fit (under a minute).
 
-``python tests/test_gpu_resources.py --table [--full] [--json PATH]`` prints the tables of BENCHMARKS.md,
-"Static resource model of the GPU kernels". Skipped, with the reason, when triton cannot
-compile for CUDA here (no CUDA backend, no ptxas) or nvcc is absent.
+``python tests/test_gpu_resources.py --table [--full] [--json PATH]`` prints the tables of
+BENCHMARKS.md, "Static resource model of the GPU kernels". Tests are skipped, with the reason,
+when triton cannot compile for CUDA here (no CUDA backend, ptxas or cuobjdump) or nvcc is absent.
 """
 import json
 import os
@@ -52,7 +54,7 @@ CUDA_SPILL_LIMIT = 512
 
 DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4}
 FULL = os.environ.get("CONDINIT_FULL_RESOURCE_CHECK", "0") == "1"
-JOBS = int(os.environ.get("CONDINIT_RESOURCE_CHECK_JOBS", "2"))
+N_PROCS = int(os.environ.get("CONDINIT_RESOURCE_CHECK_JOBS", "2"))
 
 # A config the check must reject: 8 pipeline stages of 128-row K and V tiles need about 273 KiB of
 # shared memory (bf16, d = 64; compiles in seconds, unlike 256 x 256 tiles at d = 256).
@@ -175,25 +177,27 @@ def _worker_main():
         shutil.rmtree(os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
 
-def compile_jobs(jobs: list, n_procs: int = JOBS) -> list:
+def compile_jobs(jobs: list, n_procs: int = None) -> list:
     """Run the compile worker over ``jobs`` in ``n_procs`` subprocesses; results in job order."""
+    n_procs = n_procs or N_PROCS
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     chunks = [jobs[i::n_procs] for i in range(n_procs) if jobs[i::n_procs]]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for _ in chunks]
-    for p, chunk in zip(procs, chunks):
-        p.stdin.write(json.dumps(chunk))
-        p.stdin.close()
     results = {}
-    for p in procs:
-        out = p.stdout.read()
-        err = p.stderr.read()
-        if p.wait() != 0:
-            raise RuntimeError(f"compile worker failed ({p.returncode}):\n{err[-4000:]}")
-        for line in out.splitlines():
-            rec = json.loads(line)
-            results[_job_id(rec)] = rec
+    with tempfile.TemporaryDirectory(prefix="condinit-resources-") as tmp:
+        procs = []
+        for i, chunk in enumerate(chunks):
+            (Path(tmp) / f"jobs{i}.json").write_text(json.dumps(chunk))
+            with open(Path(tmp) / f"jobs{i}.json") as stdin, open(Path(tmp) / f"out{i}", "w") as out, \
+                    open(Path(tmp) / f"err{i}", "w") as err:
+                procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], stdin=stdin, stdout=out,
+                                              stderr=err, env=env, cwd=ROOT))
+        for i, p in enumerate(procs):
+            if p.wait() != 0:
+                err = (Path(tmp) / f"err{i}").read_text()
+                raise RuntimeError(f"compile worker failed ({p.returncode}):\n{err[-4000:]}")
+            for line in (Path(tmp) / f"out{i}").read_text().splitlines():
+                rec = json.loads(line)
+                results[_job_id(rec)] = rec
     return [results[_job_id(j)] for j in jobs]
 
 
@@ -261,33 +265,39 @@ def _kernel_cases(head_dims, dtypes):
             yield "dq", dtype, d, 1
 
 
+def _probes_per_program(kind, dtype, head_dim, n_probes):
+    """What the host launches (kernels/attention.py decides)."""
+    from condinit.kernels import attention as attn
+    block_d = attn._common_meta(head_dim)["BLOCK_D"]
+    return block_d, attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
+
+
 def _list_length(kind, dtype, head_dim, n_probes):
     from condinit.kernels import attention as attn
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    ppp = attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
-    return len(attn._configs(kind, DTYPES[dtype], block_d, ppp))
+    return len(attn._configs(kind, DTYPES[dtype], *_probes_per_program(kind, dtype, head_dim, n_probes)))
 
 
 def _runs_one_probe_per_program(kind, dtype, head_dim, n_probes):
     """A multi-probe JVP that launches one probe per program: the same kernel as one probe."""
-    from condinit.kernels import attention as attn
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    return n_probes > 1 and attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes) == 1
+    return n_probes > 1 and _probes_per_program(kind, dtype, head_dim, n_probes)[1] == 1
 
 
 # CI: the first config of the lists most at risk (the JVP, the widest head dims, the two-probe
-# lists), on both targets, plus the largest rowsum kernel. The rest (d = 64 forward / backward,
-# fp16, every further config) is in the full check.
-CI_CASES = [("fwd", "bf16", 128, 1), ("fwd", "bf16", 256, 1), ("fwd", "fp32", 256, 1),
-            ("jvp", "bf16", 128, 1), ("jvp", "bf16", 256, 1), ("jvp", "fp32", 128, 1), ("jvp", "fp32", 256, 1),
-            ("jvp", "bf16", 64, 2), ("jvp", "bf16", 128, 2), ("jvp", "fp32", 64, 2),
-            ("dkdv", "bf16", 128, 1), ("dkdv", "bf16", 256, 1), ("dkdv", "fp32", 256, 1),
-            ("dq", "bf16", 128, 1), ("dq", "bf16", 256, 1), ("dq", "fp32", 256, 1)]
+# lists) on both targets, and of the common d = 128 on sm_90 (there sm_80's tiles stay 60 KiB
+# under its limit and spill at most a few hundred bytes), plus the largest rowsum kernel. Everything else (d = 16-96, fp16, not causal, every further
+# config of a list) is in the full check.
+BOTH, SM90 = (90, 80), (90,)
+CI_CASES = [("fwd", "bf16", 128, 1, SM90), ("fwd", "bf16", 256, 1, BOTH), ("fwd", "fp32", 256, 1, BOTH),
+            ("jvp", "bf16", 128, 1, BOTH), ("jvp", "bf16", 256, 1, BOTH), ("jvp", "fp32", 128, 1, BOTH),
+            ("jvp", "fp32", 256, 1, BOTH), ("jvp", "bf16", 64, 2, BOTH), ("jvp", "bf16", 128, 2, BOTH),
+            ("jvp", "fp32", 64, 2, BOTH),
+            ("dkdv", "bf16", 128, 1, SM90), ("dkdv", "bf16", 256, 1, BOTH), ("dkdv", "fp32", 256, 1, SM90),
+            ("dq", "bf16", 128, 1, SM90), ("dq", "bf16", 256, 1, SM90), ("dq", "fp32", 256, 1, SM90)]
 
 
 def ci_jobs() -> list:
     jobs = [dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes, arch=arch, config=0)
-            for kind, dtype, d, n_probes in CI_CASES for arch in (90, 80)]
+            for kind, dtype, d, n_probes, archs in CI_CASES for arch in archs]
     jobs.append(dict(kind="pre", dtype="fp32", head_dim=256, causal=True, n_probes=1, arch=90, config=0))
     return jobs
 
@@ -336,13 +346,19 @@ needs_triton_compiler = pytest.mark.skipif(_WHY_NOT_TRITON is not None, reason=s
 # Triton tests
 # ------------------------------------------------------------------------------------------------
 
+def _kernels():
+    pytest.importorskip("triton")
+    from condinit.kernels import attention
+    return attention
+
+
 # Without a usable compiler the parametrized test still shows up, skipped with the reason.
 _JOBS = ((full_jobs() if FULL else ci_jobs()) if _WHY_NOT_TRITON is None else [OVERSIZED])
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Every job of this run compiled once (one batch over JOBS processes), by job id."""
+    """Every job of this run compiled once (one batch over N_PROCS processes), by job id."""
     return {_job_id(r): r for r in compile_jobs(_JOBS + [OVERSIZED])}
 
 
@@ -363,11 +379,21 @@ def test_the_check_rejects_an_oversized_config(compiled):
     assert any("shared memory" in p for p in found), rec
 
 
+def test_the_check_names_each_exceeded_resource():
+    fits = dict(arch=80, shared=160 * 1024, static_shared=0, warps=8, regs=255, stack=512, local=0)
+    assert problems(fits, 512) == []
+    assert blocks_per_sm(fits) == (1, "smem/regs")
+    for change, word in ((dict(shared=163 * 1024, static_shared=1), "shared memory"),
+                         (dict(warps=16), "registers x"), (dict(stack=500, local=13), "spills")):
+        found = problems(dict(fits, **change), 512)
+        assert len(found) == 1 and word in found[0], (change, found)
+
+
 @pytest.mark.triton
 def test_config_lists_cover_every_launch():
     """Every (kernel, dtype size, head-dim bucket) has a list with one probe per program; lists
     hold tl.dot-sized power-of-two tiles; two probes per program only where a list exists."""
-    from condinit.kernels import attention as attn
+    attn = _kernels()
     for (kind, elem_bytes, bucket, ppp), cfgs in attn._CONFIGS.items():
         assert kind in ("fwd", "jvp", "dkdv", "dq") and elem_bytes in (2, 4) and bucket in (64, 128, 256)
         assert ppp == 1 or (kind == "jvp" and ppp == 2)
@@ -391,7 +417,7 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
     """With CONDINIT_ATTN_AUTOTUNE=0 each GPU launch takes the first config of the list for its
     own dtype, head dim and probes per program (the kernels are replaced by recorders)."""
     import torch
-    from condinit.kernels import attention as attn
+    attn = _kernels()
     seen = []
 
     class _Kernel:
@@ -426,7 +452,7 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
 
 @pytest.mark.triton
 def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
-    from condinit.kernels import attention as attn
+    attn = _kernels()
     for kind in ("fwd", "jvp", "dkdv", "dq"):
         for elem_bytes in (2, 4):
             tuner = attn._tuned(kind, elem_bytes, 128, 1)
@@ -587,11 +613,9 @@ def test_cuda_check_rejects_a_launch_over_the_limit(cuda_usage):
 def table_jobs(head_dims=(64, 128, 256), dtypes=("bf16", "fp32")) -> list:
     """Every config of every list for the BENCHMARKS.md tables (causal, both targets), one job
     per distinct (kernel, dtype, head dim, probes per program, config)."""
-    from condinit.kernels import attention as attn
     jobs, seen = [], set()
     for kind, dtype, d, n_probes in _kernel_cases(head_dims, dtypes):
-        block_d = max(16, 1 << (d - 1).bit_length())
-        ppp = attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
+        ppp = _probes_per_program(kind, dtype, d, n_probes)[1]
         for i in range(_list_length(kind, dtype, d, n_probes)):
             if (kind, dtype, d, ppp, i) in seen:
                 continue
@@ -689,7 +713,7 @@ if __name__ == "__main__":
             Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps(recs, indent=1))
         cuda = cuda_resources(Path(tempfile.mkdtemp(prefix="condinit-nvcc-"))) if _nvcc() else None
         print(f"{len(recs)} Triton compiles ({_tool_versions()}), {platform.machine()}, "
-              f"{os.cpu_count()} CPUs, {JOBS} processes, {time.time() - start:.0f} s")
+              f"{os.cpu_count()} CPUs, {N_PROCS} processes, {time.time() - start:.0f} s")
         print_tables(recs, cuda)
     else:
         sys.exit("usage: python tests/test_gpu_resources.py --table [--full] [--json PATH]")

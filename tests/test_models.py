@@ -453,10 +453,12 @@ def test_meta_uninitialized_parameter_is_reported_and_init_fn_fixes_it():
 # custom adapters and bad inputs
 
 class ToyAttention(nn.Module):
+    """wq / wk / wv, found by structure, but its head count is an attribute no one else uses."""
+
     def __init__(self, dim=30, heads=5, kv_heads=1):
         super().__init__()
         d = dim // heads
-        self.heads, self.kv_heads = heads, kv_heads
+        self.n_q, self.n_kv = heads, kv_heads
         self.wq = nn.Linear(dim, heads * d, bias=False)
         self.wk = nn.Linear(dim, kv_heads * d, bias=False)
         self.wv = nn.Linear(dim, kv_heads * d, bias=False)
@@ -464,9 +466,9 @@ class ToyAttention(nn.Module):
 
 def test_register_custom_adapter():
     model = nn.Sequential(ToyAttention(), nn.ReLU(), ToyAttention())
-    with pytest.raises(ValueError, match="no attention layer found"):
+    with pytest.raises(ValueError, match=r"0 \(ToyAttention\): cannot find the number of heads"):
         apply(model)
-    register_adapter(ToyAttention, lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=m.heads))
+    register_adapter(ToyAttention, lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=m.n_q))
     try:
         rep = apply(model, seed=6)
         assert [l.name for l in rep] == ["0", "2"] and rep[0].num_kv_heads == 1 and rep[0].adapter == "ToyAttention"
@@ -476,7 +478,7 @@ def test_register_custom_adapter():
         unregister_adapter(ToyAttention)
     # by dotted name, without importing the class
     register_adapter(f"{ToyAttention.__module__}.ToyAttention",
-                     lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=m.heads), name="toy")
+                     lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=m.n_q), name="toy")
     try:
         assert [l.adapter for l in find_attention(model)] == ["toy", "toy"]
     finally:

@@ -970,16 +970,22 @@ _SHAPE_OPS = r"(?:view|reshape|unflatten|transpose|permute)"
 
 @functools.lru_cache(maxsize=None)
 def _class_source(cls) -> Optional[str]:
-    """The source of ``cls`` and of its bases up to ``nn.Module`` (None when any is unavailable);
+    """The source of the methods ``cls`` uses (each name's effective definition along the MRO up to
+    ``nn.Module``: an overridden base method does not count), or None when any is unavailable;
     read once per class."""
-    texts = []
+    texts, seen = [], set()
     for klass in cls.__mro__:
         if klass is nn.Module or klass is object or klass.__module__.startswith("torch."):
             break
-        try:
-            texts.append(inspect.getsource(klass))
-        except (OSError, TypeError):     # built in C, defined in a REPL, source not shipped
-            return None
+        for name, obj in vars(klass).items():
+            fn = obj.fget if isinstance(obj, property) else getattr(obj, "__func__", obj)
+            if name in seen or not inspect.isfunction(fn):
+                continue
+            seen.add(name)
+            try:
+                texts.append(inspect.getsource(fn))
+            except (OSError, TypeError):     # defined in a REPL, source not shipped
+                return None
     return "\n".join(texts) if texts else None
 
 
