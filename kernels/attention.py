@@ -570,6 +570,10 @@ _CONFIGS = {
 }
 
 
+def _head_dim_bucket(block_d: int) -> int:
+    return 64 if block_d <= 64 else block_d
+
+
 def _spill_limit(kind: str, elem_bytes: int, block_d: int) -> int:
     """Largest stack frame (spilled registers, bytes per thread) an entry of _CONFIGS may need on
     sm_80 or sm_90 (checked by tests/test_gpu_resources.py). One exception: the fp32 JVP at
@@ -579,10 +583,6 @@ def _spill_limit(kind: str, elem_bytes: int, block_d: int) -> int:
     if (kind, elem_bytes, _head_dim_bucket(block_d)) == ("jvp", 4, 256):
         return 5 * 1024
     return 512
-
-
-def _head_dim_bucket(block_d: int) -> int:
-    return 64 if block_d <= 64 else block_d
 
 
 def _probes_per_program(elem_bytes: int, block_d: int, jvp: bool, n_probes: int) -> int:

@@ -16,11 +16,16 @@ How a module is recognised (:func:`describe`), first match wins:
    ``None`` for a module it does not handle, and the lookup goes on;
 2. its structure: three separate projections under one of the naming families of
    :data:`SEPARATE_NAMES` (``q_proj/k_proj/v_proj``, ``query/key/value``, T5's ``q/k/v``, ...), a
-   ``q`` projection with a fused ``kv`` (:data:`Q_KV_NAMES`), or one fused projection
+   ``q`` projection with a fused ``kv`` (:data:`Q_KV_NAMES`), a fused ``qk`` with a ``v``
+   (:data:`QK_V_NAMES`), or one fused projection
    (:data:`FUSED_NAMES`: ``qkv``, ``Wqkv``, ``qkv_proj``, ``c_attn``, ``in_proj_weight``, ...). Head
    counts come from the module's attributes (``num_heads``, ``num_attention_heads``, ``n_heads``,
    ``num_key_value_heads``, ``head_dim``, ...) or its own ``config`` (``num_attention_heads``,
-   ``num_key_value_heads``, ``head_dim``), and must agree with the projections' row counts.
+   ``num_key_value_heads``, ``head_dim``), and must agree with the projections' row counts. A
+   projection may be an ``nn.Linear`` (or transformers' ``Conv1D``) or a wrapper holding exactly
+   one (a clipping linear). A query projection whose rows alternate each head's query and output
+   gate (Qwen3-Next, Qwen3.5: ``chunk(q_proj(x).view(..., -1, 2 * head_dim), 2)``, read from the
+   source) has its query rows conditioned and its gate rows left alone.
 
 Separate projections have one reading. A fused projection does not: ``[Q; K; V]`` thirds and
 per-head interleaved ``[H, 3, d]`` rows have the same shape. Structure alone accepts a fused
@@ -52,7 +57,9 @@ V]``, multi-head ``[H, 3d]``), Phi-3 (``qkv_proj``, ``[Q; K; V]`` with GQA), DeB
 ``[H, 3, d]`` with separate ``q_bias`` / ``v_bias``), CodeGen (``qkv_proj`` in 4 groups ordered
 Q, V, K), MiniMax lightning attention (``[H, 3d]``). Refused with a reason: multi-head latent
 attention (DeepSeek-V2/V3 and others: ``q_a_proj/q_b_proj``, ``kv_a_proj_with_mqa/kv_b_proj``),
-Reformer's shared ``query_key``, GPTBigCode cross-attention. See ``docs/design.md``, "Model layouts".
+Reformer's shared ``query_key``, deformable attention (no query or key projections), GPTBigCode
+cross-attention. :func:`looks_like_attention` says which unrecognised modules
+:func:`condinit.apply` must report instead of skipping them. See ``docs/design.md``, "Model layouts".
 """
 from __future__ import annotations
 
@@ -68,7 +75,7 @@ from torch import nn
 from condinit._validate import check_bool, check_choice, check_int, check_tensor
 
 __all__ = ["Projection", "AttentionSpec", "AttentionAdapter", "UnsupportedAttention", "Described", "LAYOUTS",
-           "SEPARATE_NAMES", "Q_KV_NAMES", "FUSED_NAMES", "fused_layout", "heads_of", "register_adapter",
+           "SEPARATE_NAMES", "Q_KV_NAMES", "QK_V_NAMES", "FUSED_NAMES", "fused_layout", "heads_of", "register_adapter",
            "unregister_adapter", "get_adapter", "registered_adapters", "describe", "spec_of", "looks_like_attention",
            "why_not_recognised"]
 
@@ -118,8 +125,9 @@ class Projection:
 
     def __post_init__(self):
         if not isinstance(self.weight, torch.Tensor) or self.weight.dim() != 2:
-            raise TypeError(f"Projection: weight must be a 2-D tensor, got "
-                            f"{type(self.weight).__name__}{'' if not isinstance(self.weight, torch.Tensor) else ' of shape ' + str(tuple(self.weight.shape))}")
+            got = (f"shape {tuple(self.weight.shape)}" if isinstance(self.weight, torch.Tensor)
+                   else type(self.weight).__name__)
+            raise TypeError(f"Projection: weight must be a 2-D tensor, got {got}")
         check_int("Projection start", self.start, min=0)
         check_int("Projection stop", self.stop, min=self.start + 1)
         check_bool("Projection transposed", self.transposed)
@@ -543,9 +551,10 @@ def _hf_gpt2(m: nn.Module) -> AttentionSpec:
     """HF GPT-2 and its copies: Conv1D stores ``weight`` as ``[in, out]`` (x @ W + b); ``c_attn``
     fuses Q, K, V, split with ``.split(split_size, dim=2)`` (K, V for cross-attention, whose Q is
     ``q_attn``)."""
-    H, _, d = heads_of(m, m.c_attn.weight.shape[1] // (2 if getattr(m, "is_cross_attention", False) else 3),
-                       m.c_attn.weight.shape[1] // (2 if getattr(m, "is_cross_attention", False) else 3))
-    if getattr(m, "is_cross_attention", False):
+    cross = getattr(m, "is_cross_attention", False) is True
+    e = m.c_attn.weight.shape[1] // (2 if cross else 3)
+    H, _, d = heads_of(m, e, e)
+    if cross:
         e = H * d
         return AttentionSpec(Projection(m.q_attn.weight, 0, e, True, m.q_attn.bias),
                              Projection(m.c_attn.weight, 0, e, True, m.c_attn.bias),
@@ -727,6 +736,8 @@ SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q
                   ("projection_query", "projection_key", "projection_value"))
 # A query projection and a fused [K; V] projection.
 Q_KV_NAMES = (("q", "kv"), ("q_proj", "kv_proj"), ("to_q", "to_kv"), ("query", "key_value"))
+# A fused [Q; K] projection and a value projection (timm ConViT's GPSA, TNT).
+QK_V_NAMES = (("qk", "v"), ("qk_proj", "v_proj"))
 # One fused [Q; K; V] projection (a child module, or a parameter for in_proj_weight).
 FUSED_NAMES = ("qkv", "Wqkv", "qkv_proj", "c_attn", "query_key_value", "to_qkv", "W_pack", "qkv_linear", "att_proj",
                "in_proj")
@@ -758,14 +769,38 @@ def _is_conv1d(mod) -> bool:
     return type(mod).__name__ == "Conv1D" and isinstance(getattr(mod, "nf", None), int)
 
 
+_FUSED_ROLES = {"qkv": "qkv", "wqkv": "qkv", "qk": "qk", "kv": "kv"}
+
+
+def _projection_roles(m: nn.Module) -> dict:
+    """``role -> [child names]`` of ``m``'s children that hold a matrix (2-D or more) and are named
+    like a query, key or value projection (``q_proj``, ``to_key``, ``value``) or a fused one
+    (``qkv``, ``qk``, ``kv``, ``query_key_value``)."""
+    roles: dict[str, list] = {}
+    for n, c in m.named_children():
+        if not any(t.dim() >= 2 for t in c.parameters()):   # norms, dropouts, rotary tables
+            continue
+        low = n.lower()
+        role = "qkv" if low in ("query_key_value", "w_pack") else None
+        for t in low.split("_"):
+            role = role or _ROLE_WORDS.get(t) or _FUSED_ROLES.get(t)
+        if role is not None:
+            roles.setdefault(role, []).append(n)
+    return roles
+
+
 def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class name says attention (``Attention`` / ``Attn``), it is not a part of
-    one (``...Output``, ``...Dropout``, ...) nor channel/spatial gating (squeeze-excite, CBAM), and
-    it holds parameters."""
+    """Whether ``module`` looks like attention: it holds projections named for two of query, key
+    and value (``qk`` + ``v``, ``q_proj`` + ``k_proj``, ...), or its class name says attention
+    (``Attention`` / ``Attn``), is not a part of one (``...Output``, ``...Dropout``, ...) nor
+    channel/spatial gating (squeeze-excite, CBAM), and it holds parameters."""
     name = type(module).__name__
-    if not _ATTENTION_NAME.search(name) or _GATING_NAME.search(name) or _PART_NAME.search(name):
+    if _GATING_NAME.search(name) or _PART_NAME.search(name):
         return False
-    return next(module.parameters(), None) is not None
+    covered = {r for role in _projection_roles(module) for r in role}
+    if len(covered & {"q", "k", "v"}) >= 2:
+        return True
+    return _ATTENTION_NAME.search(name) is not None and next(module.parameters(), None) is not None
 
 
 class Described(NamedTuple):
@@ -849,6 +884,9 @@ def _structural(m: nn.Module) -> Optional[Described]:
     for qn, kvn in Q_KV_NAMES:
         if qn in linear and kvn in linear:
             return _q_kv(m, qn, kvn, linear)
+    for qkn, vn in QK_V_NAMES:
+        if qkn in linear and vn in linear:
+            return _qk_v(m, qkn, vn, linear)
     for fn in FUSED_NAMES:
         if fn in linear:
             if fn in _AMBIGUOUS_FUSED and not looks_like_attention(m):
@@ -885,6 +923,22 @@ def _separate(m, names, linear) -> Described:
                            f"value projections that is not conditioned")
     label = f"auto({qn}/{kn}/{vn}{', gated query' if gated else ''})"
     return Described(label, AttentionSpec(q, k, v, H, Hkv, d), partial)
+
+
+def _qk_v(m, qkn, vn, linear) -> Described:
+    qk_lin = linear[qkn]
+    if not _source_says_contiguous(type(m), qkn, 2, ("q", "k")):
+        raise UnsupportedAttention(_unconfirmed(type(m), qkn, "[Q; K]"))
+    v = _lin_proj(linear[vn])
+    qk_rows = qk_lin.weight.shape[1 if _is_conv1d(qk_lin) else 0]
+    if qk_rows % 2:
+        raise ValueError(f"{qkn} has {qk_rows} rows, not two equal halves Q and K")
+    H, Hkv, d = heads_of(m, qk_rows // 2, qk_rows // 2)
+    half = H * d
+    q, k = _lin_proj(qk_lin, 0, half), _lin_proj(qk_lin, half, 2 * half)
+    if v.rows != Hkv * d:
+        raise UnsupportedAttention(f"{vn} has {v.rows} rows, not {Hkv} value heads of head_dim {d}")
+    return Described(f"auto({qkn}+{vn})", AttentionSpec(q, k, v, H, Hkv, d))
 
 
 def _q_kv(m, qn, kvn, linear) -> Described:
@@ -1013,37 +1067,31 @@ def _source_says_gated_query(cls, name: str) -> bool:
 
 
 def why_not_recognised(m: nn.Module) -> str:
-    """Why an attention-named module is not recognised: what it holds."""
+    """Why an attention-like module is not recognised: what it holds."""
     children = dict(m.named_children())
-    roles: dict[str, list] = {}
-    for n, c in children.items():
-        if not any(t.dim() >= 2 for t in c.parameters()):   # norms, dropouts, rotary tables
-            continue
-        role = next((r for r in (_ROLE_WORDS.get(t) for t in n.lower().split("_")) if r), None)
-        if role is None and n.lower() in ("qkv", "kv", "query_key_value", "wqkv"):
-            role = "qkv"
-        if role is not None:
-            roles.setdefault(role, []).append(n)
+    roles = _projection_roles(m)
     if roles:
         named = [n for ns in roles.values() for n in ns]
-        kinds = {type(children[n]).__name__ for n in named}
         unreadable = [n for n in named if _projection_module(children[n]) is None]
         if unreadable:
             return (f"its {', '.join(unreadable)} ({', '.join(sorted({type(children[n]).__name__ for n in unreadable}))}) "
                     f"are not linear projections with a 2-D weight condinit can read")
-        missing = [r for r in ("q", "k", "v") if r not in roles and "qkv" not in roles]
+        present = {r for role in roles for r in role}
+        missing = [r for r in ("q", "k", "v") if r not in present]
         if missing:
             what = {"q": "query", "k": "key", "v": "value"}
-            return (f"it holds {', '.join(named)} but no {' or '.join(what[r] for r in missing)} projection (computed "
-                    f"elsewhere: a learned query, keys and values shared with another layer, ...)")
-        return f"its projections {', '.join(named)} ({', '.join(sorted(kinds))}) follow no naming family condinit reads"
+            return (f"it holds {', '.join(named)} but no {' or '.join(what[r] for r in missing)} projection (a learned "
+                    f"query, keys and values taken from another layer, or no such role)")
+        kinds = sorted({type(children[n]).__name__ for n in named})
+        return f"its projections {', '.join(named)} ({', '.join(kinds)}) follow no naming family condinit reads"
     held = [f"{n}: {type(c).__name__}" for n, c in children.items()] + [n for n, _ in m.named_parameters(recurse=False)]
     return f"its class name says attention, but it holds no projections condinit can read ({', '.join(held) or 'nothing'})"
 
 
-def _source_says_contiguous(cls, name: str, parts: int) -> bool:
+def _source_says_contiguous(cls, name: str, parts: int, roles: Optional[tuple] = None) -> bool:
     """Whether ``cls``'s source splits the output of its fused projection ``name`` into ``parts``
-    contiguous runs (Q, K, V or K, V, in that order): a reshape to ``(..., parts, num_heads, ...)``,
+    contiguous runs holding ``roles`` in that order (default Q, K, V for 3 parts, K, V for 2): a
+    reshape to ``(..., parts, num_heads, ...)``,
     an einops ``(3 h d)``, or a split/chunk of the raw output, and nothing that views it per head
     first (``(num_heads, 3, d)``, ``(num_heads, 3 * d)``)."""
     raw = _class_source(cls)
@@ -1072,7 +1120,7 @@ def _source_says_contiguous(cls, name: str, parts: int) -> bool:
     if interleaved or not (thirds or split_raw):
         return False
     # the parts are assigned to query, key, value (key, value) in that order, and never in another
-    want = ("q", "k", "v")[3 - parts:]
+    want = tuple(roles) if roles is not None else ("q", "k", "v")[3 - parts:]
     lhs = r"(?<![\w.])\(?" + r"\s*,\s*".join([r"(\w+)"] * parts) + r"\s*\)?\s*=(?!=)"
     orders = {tuple(_role(n) for n in names) for names in re.findall(lhs, code)}
     return {o for o in orders if set(o) == set(want) and len(o) == parts} == {want}

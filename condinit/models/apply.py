@@ -209,9 +209,10 @@ def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Opt
         found.append(AttentionLayer(layer_offset + len(found), name, mod, hit.adapter, hit.spec, _is_cross(name, mod)))
         if hit.partial and selected:
             uncovered.append((order, Uncovered(name, _qualname(mod), hit.partial)))
-    for order, name, mod in pending:
+    for order, name, mod in reversed(pending):   # innermost first: a wrapper of a listed module is not listed again
         if name in claimed or not _selected(name, inc, exc):
             continue
+        claim(name)
         uncovered.append((order, Uncovered(name, _qualname(mod), why_not_recognised(mod))))
     uncovered.sort(key=lambda ent: ent[0])
     return Discovery([l for l in found if _selected(l.name, inc, exc)], [u for _, u in uncovered])

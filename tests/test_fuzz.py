@@ -1,0 +1,326 @@
+"""Property-based fuzz of the public entry points: ``orthogonalize``, ``semi_orthogonal_``,
+``rect_identity_``, ``conditioned_init_``, ``spectrum``, ``condinit.attention``,
+``condinit.attention_jvp``.
+
+Random shapes (including 0 and 1), dtypes (float32/64, bfloat16, float16, int32), layouts
+(transposed, sliced, expanded, overlapping views), values (NaN, Inf, huge, tiny) and argument
+values (negative, bool, str, None, huge ints). Every call either
+
+* raises ``ValueError`` / ``TypeError`` / ``condinit.BackendUnavailableError`` whose message names
+  one of the function's parameters, every input tensor byte-identical afterwards, or
+* returns a result that matches a float64 reference (orthonormal rows spanning the input's rows,
+  the rectangular identity, naive attention and its JVP) within a per-dtype tolerance.
+
+Examples are derandomized (a fixed seed: reproducible in CI) unless ``CONDINIT_FUZZ_RANDOM=1``;
+then hypothesis picks a seed and prints it on failure (``--hypothesis-seed=<seed>`` replays it).
+"""
+import inspect
+import math
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import condinit  # noqa: E402
+from condinit.init import conditioned_init_, orthogonalize, rect_identity_, semi_orthogonal_, spectrum  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+F64 = torch.float64
+RANDOM = os.environ.get("CONDINIT_FUZZ_RANDOM") == "1"
+FUZZ = settings(max_examples=int(os.environ.get("CONDINIT_FUZZ_EXAMPLES", "40")), deadline=None,
+                derandomize=not RANDOM, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+ERRORS = (ValueError, TypeError, condinit.BackendUnavailableError)
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+DTYPES = FLOATS + (torch.int32,)
+EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+# ---------------------------------------------------------------------------------------------------
+# strategies
+
+VALUES = ("normal", "normal", "normal", "nan", "inf", "huge", "tiny", "zero")
+LAYOUTS = ("contiguous", "contiguous", "transposed", "sliced", "expanded")
+
+
+@st.composite
+def tensors(draw, shape, dtypes=DTYPES, values=VALUES, layouts=LAYOUTS):
+    """A tensor of ``shape`` with a random dtype, value class and memory layout."""
+    dtype = draw(st.sampled_from(dtypes))
+    kind = draw(st.sampled_from(values))
+    layout = draw(st.sampled_from(layouts))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+    base_shape = shape
+    if layout == "transposed" and len(shape) >= 2:
+        base_shape = shape[:-2] + (shape[-1], shape[-2])
+    elif layout == "sliced" and len(shape) >= 1:
+        base_shape = (2 * shape[0],) + shape[1:]
+    elif layout == "expanded" and len(shape) >= 1:
+        base_shape = (1,) + shape[1:]
+    x = torch.randn(base_shape, generator=g, dtype=F64)
+    if kind == "huge":
+        x = x * 1e30
+    elif kind == "tiny":
+        x = x * 1e-30
+    elif kind == "zero":
+        x = torch.zeros_like(x)
+    elif kind in ("nan", "inf") and x.numel():
+        x.view(-1)[int(torch.randint(x.numel(), (1,), generator=g))] = math.nan if kind == "nan" else math.inf
+    x = (x * 4).round().to(dtype) if dtype == torch.int32 else x.to(dtype)
+    if layout == "transposed" and len(shape) >= 2:
+        x = x.transpose(-1, -2)
+    elif layout == "sliced" and len(shape) >= 1:
+        x = x[::2]
+    elif layout == "expanded" and len(shape) >= 1:
+        x = x.expand(shape)
+    assert tuple(x.shape) == shape
+    return x
+
+
+dims = st.integers(0, 5) | st.sampled_from([1, 8, 16])
+small = st.integers(1, 4)
+BAD = st.sampled_from([-1, 0, True, False, "2", None, 2 ** 70, 1.5, math.nan])
+seeds = st.integers(0, 2 ** 64 - 1) | st.sampled_from([-1, 2 ** 64, True, "0", None, 1.0])
+methods = st.sampled_from(["auto", "householder", "cholqr2", "polar", "svd"]) | st.sampled_from(["qr", 3, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the contract
+
+def _snapshot(args):
+    return [(t, t.clone()) for t in args if isinstance(t, torch.Tensor)]
+
+
+def _same(t, before):
+    return t.dtype == before.dtype and torch.equal(t.view(-1).nan_to_num() if t.is_floating_point() else t,
+                                                   before.view(-1).nan_to_num() if t.is_floating_point() else before) \
+        and (not t.is_floating_point() or torch.equal(t.isnan(), before.isnan()))
+
+
+def call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``: the result, or None after checking the error contract."""
+    snap = _snapshot(list(args) + list(kwargs.values()))
+    try:
+        return fn(*args, **kwargs), True
+    except ERRORS as exc:
+        names = inspect.signature(fn).parameters
+        msg = str(exc)
+        assert any(name in msg for name in names), f"{type(exc).__name__} names no parameter of {fn.__name__}: {msg}"
+        for i, (t, before) in enumerate(snap):
+            assert _same(t, before.reshape(t.shape) if t.shape == before.shape else before), \
+                f"input tensor {i} changed although {fn.__name__} raised {msg!r}"
+        return None, False
+
+
+def _orth_err(W: torch.Tensor) -> float:
+    W = W.double()
+    if W.shape[-2] > W.shape[-1]:
+        W = W.transpose(-1, -2)
+    return (W @ W.transpose(-1, -2) - torch.eye(W.shape[-2], dtype=F64)).abs().max().item() if W.numel() else 0.0
+
+
+def _check_orthonormal_span(A: torch.Tensor, Q: torch.Tensor, what: str):
+    """Q's blocks are orthonormal (rows, or columns when tall) and span A's (float64)."""
+    eps = EPS[Q.dtype]
+    assert Q.isfinite().all(), f"{what}: non-finite result"
+    assert _orth_err(Q) <= 8 * eps + 1e-5, f"{what}: not orthonormal ({_orth_err(Q):.2e})"
+    A64 = A.double()
+    A64 = A64 / A64.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-300)
+    Q64 = Q.double()
+    if Q.shape[-2] > Q.shape[-1]:
+        A64, Q64 = A64.transpose(-1, -2), Q64.transpose(-1, -2)
+    resid = (A64 - A64 @ Q64.transpose(-1, -2) @ Q64).abs().max().item() if A64.numel() else 0.0
+    assert resid <= 64 * eps * max(A64.shape[-1], 1) + 1e-5, f"{what}: does not span the input ({resid:.2e})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the init engine
+
+@FUZZ
+@given(data=st.data(), m=dims, n=dims, batch=st.sampled_from([(), (1,), (3,), (0,), (2, 1)]), method=methods,
+       budget=st.sampled_from([None, None, 1, 2 ** 62]) | BAD, with_out=st.booleans())
+def test_fuzz_orthogonalize(data, m, n, batch, method, budget, with_out):
+    stack = data.draw(tensors(batch + (m, n)))
+    out = data.draw(tensors(batch + (m, n), dtypes=FLOATS, values=("zero",))) if with_out else None
+    kwargs = {"memory_budget": budget} if budget is not None else {}
+    res, ok = call(orthogonalize, stack, method, out=out, **kwargs)
+    if ok:
+        assert res.shape == stack.shape
+        if res.numel():
+            _check_orthonormal_span(stack, res, f"orthogonalize({method})")
+
+
+@FUZZ
+@given(data=st.data(), heads=small, d=small, cols=dims, head_dim=st.sampled_from([None, "d"]) | BAD,
+       gain=st.sampled_from([1.0, 0.5, 3e38, 1e39]) | BAD, seed=seeds, method=methods)
+def test_fuzz_semi_orthogonal(data, heads, d, cols, head_dim, gain, seed, method):
+    w = data.draw(tensors((heads * d, cols)))
+    hd = d if head_dim == "d" else head_dim
+    res, ok = call(semi_orthogonal_, w, head_dim=hd, gain=gain, seed=seed, method=method)
+    if ok:
+        assert res is w
+        blocks = (w.double() / gain).view(-1 if hd is None else heads, w.shape[0] if hd is None else d, cols)
+        _check_orthonormal_span(blocks, blocks.to(w.dtype), "semi_orthogonal_")
+
+
+@FUZZ
+@given(data=st.data(), heads=small, d=small, cols=dims, per_head=st.booleans() | BAD,
+       head_dim=st.sampled_from([None, "d"]) | BAD)
+def test_fuzz_rect_identity(data, heads, d, cols, per_head, head_dim):
+    w = data.draw(tensors((heads * d, cols)))
+    hd = d if head_dim == "d" else head_dim
+    res, ok = call(rect_identity_, w, head_dim=hd, per_head=per_head)
+    if ok:
+        want = torch.eye(d, cols, dtype=F64).repeat(heads, 1) if per_head else torch.eye(heads * d, cols, dtype=F64)
+        assert torch.equal(res.double(), want)
+
+
+@FUZZ
+@given(data=st.data(), kv=small, group=small, d=small, D=st.integers(1, 12), v_rows=small,
+       num_heads=st.sampled_from(["H"]) | BAD, seed=seeds, alias=st.sampled_from([None, None, "qk", "qv", "rows"]),
+       layer_index=st.sampled_from([0, 3, 2 ** 31 - 1]) | BAD, method=methods)
+def test_fuzz_conditioned_init(data, kv, group, d, D, v_rows, num_heads, seed, alias, layer_index, method):
+    H = kv * group
+    q = data.draw(tensors((H * d, D)))
+    k = data.draw(tensors((kv * d, D)))
+    v = data.draw(tensors((v_rows, D)))
+    aliased = True
+    if alias == "qk":
+        k = q
+    elif alias == "qv":
+        v = q
+    elif alias == "rows" and H > kv:
+        k = q[q.shape[0] - kv * d:]       # k's rows inside q's
+    else:
+        aliased = False
+    heads = H if num_heads == "H" else num_heads
+    res, ok = call(conditioned_init_, q, k, v, num_heads=heads, num_kv_heads=kv, seed=seed,
+                   layer_index=layer_index, method=method)
+    if ok:
+        assert not aliased, "aliased destinations accepted"
+        for name, w, h in (("q", q, H), ("k", k, kv)):
+            blocks = w.double().view(h, d, D)
+            _check_orthonormal_span(blocks, blocks.to(w.dtype), f"conditioned_init_ {name}")
+        assert torch.equal(v.double(), torch.eye(v_rows, D, dtype=F64))
+
+
+@FUZZ
+@given(data=st.data(), m=dims, n=dims, batch=st.sampled_from([(), (2,), (0,)]),
+       method=st.sampled_from(["auto", "svd", "gram"]) | st.sampled_from(["eig", None, 1]))
+def test_fuzz_spectrum(data, m, n, batch, method):
+    stack = data.draw(tensors(batch + (m, n)))
+    res, ok = call(spectrum, stack, method=method)
+    if ok and stack.numel():
+        X = stack.double().reshape(-1, m, n)
+        for i in range(X.shape[0]):
+            block = X[i]
+            got = [f.reshape(-1)[i].item() for f in res]
+            if not bool(block.isfinite().all()):
+                assert all(math.isnan(g) for g in got), f"spectrum of a non-finite block: {got}"
+                continue
+            scale = block.abs().max().item()
+            s = torch.linalg.svdvals(block / scale) * scale if scale > 0 else torch.zeros(min(m, n), dtype=F64)
+            want = (s[0].item(), s[-1].item())
+            for g, w in zip(got[:2], want):
+                assert abs(g - w) <= 1e-6 * want[0] + (1e-6 * want[0] if stack.dtype != F64 else 0), \
+                    f"spectrum {got} vs svdvals {want}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the attention op
+
+def _naive_attention(q, k, v, causal, scale):
+    q, k, v = q.double(), k.double(), v.double()
+    H, Hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(H // Hkv, dim=1)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    S = scale * q @ k.transpose(-1, -2)
+    Nq, Nk = S.shape[-2:]
+    if causal:
+        keep = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
+        S = S.masked_fill(~keep, -math.inf)
+        empty = ~keep.any(-1)
+        P = torch.softmax(S, dim=-1).masked_fill(empty[:, None], 0.0)   # a query with no key gets 0
+        # masked keys contribute nothing, not even a NaN of their value row
+        return (P.unsqueeze(-1) * v.unsqueeze(-3)).masked_fill(~keep[:, :, None], 0.0).sum(-2)
+    return torch.softmax(S, dim=-1) @ v
+
+
+ATTN_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32)
+ATTN_TOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _attention_inputs(data, B, Hkv, group, Nq, Nk, d):
+    dtype = data.draw(st.sampled_from(ATTN_DTYPES))
+    layouts = ("contiguous", "contiguous", "transposed", "sliced", "expanded")
+    # huge values make the float64 reference itself meaningless (exp overflow): normal and tiny,
+    # plus NaN / Inf, whose propagation is compared with the reference's
+    values = ("normal", "normal", "normal", "tiny", "zero", "nan")
+    shapes = ((B, Hkv * group, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d))
+    return [data.draw(tensors(s, dtypes=(dtype,), values=values, layouts=layouts)) for s in shapes]
+
+
+def _check_against(got, want, dtype, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    g, w = got.double(), want.double()
+    assert torch.equal(g.isnan(), w.isnan()), f"{what}: NaN pattern differs from the reference"
+    fin = ~w.isnan()
+    if fin.any():
+        scale = max(w[fin].abs().max().item(), 1.0)
+        err = (g[fin] - w[fin]).abs().max().item() / scale
+        assert err <= ATTN_TOL[dtype], f"{what}: error {err:.2e} vs float64 reference"
+
+
+attn_dims = dict(B=st.integers(0, 2), Hkv=st.integers(1, 2), group=st.integers(1, 2), Nq=st.integers(0, 5),
+                 Nk=st.integers(0, 5), d=st.sampled_from([1, 4, 8, 16]))
+attn_opts = dict(causal=st.booleans() | st.sampled_from([1, "yes", None]),
+                 scale=st.sampled_from([None, None, 0.5, 0.0, -1.0]) | st.sampled_from([math.inf, math.nan, "1", True]),
+                 backend=st.sampled_from([None, None, "torch", "cpp-cpu", "auto"]) | st.sampled_from(["bogus", 7, "cuda"]))
+
+
+@FUZZ
+@given(data=st.data(), **attn_dims, **attn_opts)
+def test_fuzz_attention(data, B, Hkv, group, Nq, Nk, d, causal, scale, backend):
+    q, k, v = _attention_inputs(data, B, Hkv, group, Nq, Nk, d)
+    out, ok = call(condinit.attention, q, k, v, causal=causal, scale=scale, backend=backend)
+    if ok:
+        s = 1.0 / math.sqrt(d) if scale is None else scale
+        _check_against(out, _naive_attention(q, k, v, causal, s), q.dtype, "attention")
+
+
+@FUZZ
+@given(data=st.data(), **attn_dims, **attn_opts, probes=st.sampled_from([None, 1, 2]),
+       which=st.sampled_from(["qkv", "q", "v", "kv"]))
+def test_fuzz_attention_jvp(data, B, Hkv, group, Nq, Nk, d, causal, scale, backend, probes, which):
+    q, k, v = _attention_inputs(data, B, Hkv, group, Nq, Nk, d)
+    lead = () if probes is None else (probes,)
+    tangents = {}
+    for name, primal in zip("qkv", (q, k, v)):
+        if name in which:
+            g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+            t = torch.randn(lead + tuple(primal.shape), generator=g, dtype=F64)
+            tangents["t" + name] = t.to(primal.dtype) if primal.is_floating_point() else t
+    res, ok = call(condinit.attention_jvp, q, k, v, causal=causal, scale=scale, backend=backend, **tangents)
+    if ok:
+        out, tout = res
+        s = 1.0 / math.sqrt(d) if scale is None else scale
+        primals = tuple(t.double() for t in (q, k, v))
+        zero = lambda p: torch.zeros(lead + tuple(p.shape), dtype=F64)  # noqa: E731
+        tans = [tangents.get("t" + n, None) for n in "qkv"]
+        tans = [zero(p) if t is None else t.double() for p, t in zip(primals, tans)]
+        fn = lambda a, b, c: _naive_attention(a, b, c, causal, s)  # noqa: E731
+        if probes is None:
+            want_out, want_t = torch.func.jvp(fn, primals, tuple(tans))
+        else:
+            pairs = [torch.func.jvp(fn, primals, tuple(t[i] for t in tans)) for i in range(probes)]
+            want_out = pairs[0][0] if pairs else fn(*primals)
+            want_t = torch.stack([p[1] for p in pairs])
+        _check_against(out, want_out, q.dtype, "attention_jvp out")
+        _check_against(tout, want_t, q.dtype, "attention_jvp tangent")
