@@ -15,24 +15,27 @@ whose class name says "attention" or "attn" and holds weights, but where no atte
 was seen, is reported as not read (the check then fails); classes named as linear attention
 ("LinearAttention", "LightningAttention") are not, as they have no softmax to find.
 
-**Reading the weights.** Each such module is run again on the inputs it received, with its own
-parameters requiring grad, and the query, key and value tensors ``[B, H, N, d]`` that reach the
-attention computation are captured. The gradient of each element ``(h, i)`` of ``q[0, :, 0, :]``
-(first token) with respect to each weight matrix of the module is ``u v^T``: ``v`` the projection's
-input, ``u`` how the element depends on the projection's output channels. The matrix whose
-gradients are rank one along a shared input axis, with ``u`` supported on one head's rows, is the Q
-projection, stored either way round (``nn.Linear`` ``[out, in]`` or GPT-2 ``Conv1D`` ``[in, out]``).
-The rows that feed head ``h`` are the union of the supports of its elements: exact for plain
-reshapes, for rotary embeddings (a rotation inside each head) and for per-head q/k norms. When q/k
-norms span all heads, each element's dominant row is used instead. Fused and interleaved layouts
-(``[q | k | v]``, per-head ``[q_h, k_h, v_h]``, grouped queries) need no special case; key/value
-heads repeated for grouped-query attention are recognized as identical row sets. Bias vectors
-(1-D parameters named ``*bias*`` outside norm layers) that the element depends on are the Q/K/V
-biases.
+**Reading the weights.** Each such module is run again on the inputs it received (all-zero inputs
+replaced by random ones), with its own parameters requiring grad, and the query, key and value
+tensors ``[B, H, N, d]`` that reach the attention computation are captured. The gradient of each
+element ``(h, i)`` of ``q[0, :, t, :]`` (token ``t = 0``, or another token when token 0's input is
+zero) with respect to each weight matrix of the module is ``u x^T``: ``x`` the projection's input,
+``u`` how the element depends on the projection's output channels. The matrix whose gradients have
+that form, with ``u`` supported on one head's rows, is the Q projection, stored either way round
+(``nn.Linear`` ``[out, in]`` or GPT-2 ``Conv1D`` ``[in, out]``; 1x1 convolutions and 3-D weights are
+read as matrices). The rows that feed head ``h`` are the union of the supports of its elements:
+exact for plain reshapes, for rotary embeddings (a rotation inside each head) and for per-head q/k
+norms. When q/k norms span all heads, each element's dominant row is used instead. Fused and
+interleaved layouts (``[q | k | v]``, per-head ``[q_h, k_h, v_h]``, grouped queries) need no special
+case; heads repeated for grouped-query attention (or windows folded into heads) are recognized as
+identical row sets. Bias vectors (1-D parameters named ``*bias*`` outside norm layers) that the
+element depends on are the Q/K/V biases. A query that is a parameter itself (attention pooling with
+a learned query) has no projection to condition and must stay unchanged.
 
-**What conditioned means** (``docs/design.md``, "The method"): per head, the Q and K row blocks have
-orthonormal rows (``max |W W^T - I| <= 1e-5`` in fp32); V, the value heads' rows in the order the
-attention sees them, is exactly the rectangular identity ``[H_kv * d_v, in]``; the Q/K/V biases are
+**What conditioned means** (``docs/design.md``, "The method"): per head, the Q and K row blocks are
+semi-orthogonal (every singular value 1: ``max |W W^T - I| <= 1e-5`` in fp32, ``W^T W`` for a head
+wider than its input); V, the value heads' rows in the order the attention computations of the
+module see them, is exactly the rectangular identity ``[H_kv * d_v, in]``; the Q/K/V biases are
 exactly zero; every other parameter and buffer is bit for bit what it was before.
 """
 from __future__ import annotations
@@ -48,7 +51,7 @@ from torch import nn
 import torch.nn.functional as F
 
 ORTHO_ATOL = 1e-5          # fp32: max |W W^T - I| per Q/K head block
-RANK_ONE_RTOL = 1e-5       # second singular value / first, for "the gradient is rank one"
+RANK_ONE_RTOL = 1e-5       # residual of an element's gradient off its rank-one part, relative to its largest row
 SUPPORT_RTOL = 1e-6        # an output channel counts as feeding an element above this share of the largest
 DOMINANCE = 2.0            # dominant-row reading: the largest dependence must be this many times the next
 
@@ -157,7 +160,8 @@ class Interceptor:
         self._saved.append((mapping, key, orig))
 
         def interface(module, query, key_, value, *args, **kwargs):
-            return self._attention("transformers", orig, (query, key_, value), (module, query, key_, value) + args, kwargs)
+            return self._attention("transformers", orig, (query, key_, value),
+                                   (module, query, key_, value) + args, kwargs)
         mapping[key] = interface
 
     def __exit__(self, *exc):
@@ -667,7 +671,11 @@ class ModelTimeout(Exception):
 
 @contextlib.contextmanager
 def time_cap(seconds: float):
-    """Raise ModelTimeout in the main thread after ``seconds`` of wall time."""
+    """Raise ModelTimeout in the main thread after ``seconds`` of wall time (POSIX; elsewhere no cap)."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
     def alarm(signum, frame):
         raise ModelTimeout(f"over the {seconds:.0f} s per-model cap")
     old = signal.signal(signal.SIGALRM, alarm)
@@ -745,7 +753,7 @@ def shrink_config(cfg, _seen=None):
                        "linear_num_key_heads", "linear_num_value_heads"):
                 grouped = _is_int(heads_before) and val < heads_before
                 setattr(cfg, key, 1 if grouped else HEADS)
-            if key in ("vocab_size", "n_words") and val > VOCAB:
+            if key in ("vocab_size", "n_words", "vocab_size_per_layer_input") and val > VOCAB:
                 setattr(cfg, key, VOCAB)
             if key == "image_size":
                 setattr(cfg, key, IMAGE)
@@ -1137,21 +1145,28 @@ def architectures() -> list:
     return archs
 
 
-def _vm_data() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _vm_data() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @contextlib.contextmanager
 def memory_cap(extra_bytes: int):
-    """Make allocations beyond ``extra_bytes`` more than now fail (RLIMIT_DATA; Linux), so that a
-    config the shrinker missed raises instead of exhausting the machine's memory."""
+    """Make allocations beyond ``extra_bytes`` more than now fail (RLIMIT_DATA), so that a config the
+    shrinker missed raises instead of exhausting the machine's memory. Linux only; elsewhere no cap."""
+    now = _vm_data()
+    if now is None:
+        yield
+        return
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    limit = _vm_data() + extra_bytes
+    limit = now + extra_bytes
     resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     try:
         yield

@@ -473,23 +473,30 @@ def test_custom_module_without_adapter_is_warned_listed_and_refused_by_strict():
 
 
 def test_second_projection_set_and_attention_named_modules_are_listed():
-    class SpatialGate(nn.Module):     # named like attention, no Q/K/V (CBAM-style)
+    class SpatialAttention(nn.Module):     # CBAM-style spatial gating: named attention, no Q/K/V
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(2, 1, 7)
 
-    class MysteryAttention(nn.Module):
+    class MysteryAttention(nn.Module):     # named attention, projections under no known name
+        def __init__(self):
+            super().__init__()
+            self.mix = nn.Linear(8, 24)
+
+    class TokenMixer(nn.Module):           # not named attention, but holds a fused qkv condinit cannot read
         def __init__(self):
             super().__init__()
             self.wqkv_conv = nn.Conv1d(8, 24, 1)
 
-    model = nn.ModuleDict({"mix": GlobalLocalAttention(), "gate": SpatialGate(), "odd": MysteryAttention()})
+    model = nn.ModuleDict({"mix": GlobalLocalAttention(), "gate": SpatialAttention(), "odd": MysteryAttention(),
+                           "conv": TokenMixer()})
     found = discover(model)
     assert [l.name for l in found.layers] == ["mix"]
     reasons = {u.name: u.reason for u in found.uncovered}
-    assert set(reasons) == {"mix", "odd"}
+    assert set(reasons) == {"mix", "odd", "conv"}
     assert "query_global/key_global/value_global" in reasons["mix"]
-    assert "class name says attention" in reasons["odd"] and "wqkv_conv" in reasons["odd"]
+    assert "class name says attention" in reasons["odd"] and "mix: Linear" in reasons["odd"]
+    assert "wqkv_conv (Conv1d) are not linear projections" in reasons["conv"]
     with pytest.raises(UncoveredAttentionError):
         apply(model, strict=True)
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 F64 = torch.float64
 RANDOM = os.environ.get("CONDINIT_FUZZ_RANDOM") == "1"
-FUZZ = settings(max_examples=int(os.environ.get("CONDINIT_FUZZ_EXAMPLES", "40")), deadline=None,
+FUZZ = settings(max_examples=int(os.environ.get("CONDINIT_FUZZ_EXAMPLES", "80")), deadline=None,
                 derandomize=not RANDOM, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 ERRORS = (ValueError, TypeError, condinit.BackendUnavailableError)
@@ -44,14 +44,15 @@ EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -23, torch.bfloat16: 2.0
 # ---------------------------------------------------------------------------------------------------
 # strategies
 
-VALUES = ("normal", "normal", "normal", "nan", "inf", "huge", "tiny", "zero")
-LAYOUTS = ("contiguous", "contiguous", "transposed", "sliced", "expanded")
+VALUES = ("normal",) * 9 + ("nan", "inf", "huge", "tiny", "zero")
+LAYOUTS = ("contiguous",) * 4 + ("transposed", "transposed", "sliced", "sliced", "expanded")
 
 
 @st.composite
 def tensors(draw, shape, dtypes=DTYPES, values=VALUES, layouts=LAYOUTS):
     """A tensor of ``shape`` with a random dtype, value class and memory layout."""
-    dtype = draw(st.sampled_from(dtypes))
+    dtype = draw(st.sampled_from([d for d in dtypes if d.is_floating_point] * 4       # integers rarely
+                                 + [d for d in dtypes if not d.is_floating_point]))
     kind = draw(st.sampled_from(values))
     layout = draw(st.sampled_from(layouts))
     seed = draw(st.integers(0, 2 ** 31 - 1))
@@ -84,11 +85,17 @@ def tensors(draw, shape, dtypes=DTYPES, values=VALUES, layouts=LAYOUTS):
     return x
 
 
-dims = st.integers(0, 5) | st.sampled_from([1, 8, 16])
+def rarely(valid, bad, one_in: int = 8):
+    """``valid``, or ``bad`` about once in ``one_in`` draws (most calls must get far enough to be
+    checked against the reference)."""
+    return st.integers(0, one_in - 1).flatmap(lambda i: bad if i == 0 else valid)
+
+
+dims = rarely(st.integers(1, 6) | st.sampled_from([8, 16]), st.just(0), 10)
 small = st.integers(1, 4)
 BAD = st.sampled_from([-1, 0, True, False, "2", None, 2 ** 70, 1.5, math.nan])
-seeds = st.integers(0, 2 ** 64 - 1) | st.sampled_from([-1, 2 ** 64, True, "0", None, 1.0])
-methods = st.sampled_from(["auto", "householder", "cholqr2", "polar", "svd"]) | st.sampled_from(["qr", 3, None])
+seeds = rarely(st.integers(0, 2 ** 64 - 1), st.sampled_from([-1, 2 ** 64, True, "0", 1.0]))
+methods = rarely(st.sampled_from(["auto", "householder", "cholqr2", "polar", "svd"]), st.sampled_from(["qr", 3, None]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,10 +105,12 @@ def _snapshot(args):
     return [(t, t.clone()) for t in args if isinstance(t, torch.Tensor)]
 
 
-def _same(t, before):
-    return t.dtype == before.dtype and torch.equal(t.view(-1).nan_to_num() if t.is_floating_point() else t,
-                                                   before.view(-1).nan_to_num() if t.is_floating_point() else before) \
-        and (not t.is_floating_point() or torch.equal(t.isnan(), before.isnan()))
+def _same(t, before) -> bool:
+    if t.dtype != before.dtype or t.shape != before.shape:
+        return False
+    if not t.is_floating_point():
+        return torch.equal(t, before)
+    return torch.equal(t.isnan(), before.isnan()) and torch.equal(t.nan_to_num(0.0), before.nan_to_num(0.0))
 
 
 def call(fn, *args, **kwargs):
@@ -114,7 +123,7 @@ def call(fn, *args, **kwargs):
         msg = str(exc)
         assert any(name in msg for name in names), f"{type(exc).__name__} names no parameter of {fn.__name__}: {msg}"
         for i, (t, before) in enumerate(snap):
-            assert _same(t, before.reshape(t.shape) if t.shape == before.shape else before), \
+            assert _same(t, before), \
                 f"input tensor {i} changed although {fn.__name__} raised {msg!r}"
         return None, False
 
@@ -145,7 +154,7 @@ def _check_orthonormal_span(A: torch.Tensor, Q: torch.Tensor, what: str):
 
 @FUZZ
 @given(data=st.data(), m=dims, n=dims, batch=st.sampled_from([(), (1,), (3,), (0,), (2, 1)]), method=methods,
-       budget=st.sampled_from([None, None, 1, 2 ** 62]) | BAD, with_out=st.booleans())
+       budget=rarely(st.sampled_from([None, None, 1, 2 ** 62]), BAD), with_out=st.booleans())
 def test_fuzz_orthogonalize(data, m, n, batch, method, budget, with_out):
     stack = data.draw(tensors(batch + (m, n)))
     out = data.draw(tensors(batch + (m, n), dtypes=FLOATS, values=("zero",))) if with_out else None
@@ -158,8 +167,8 @@ def test_fuzz_orthogonalize(data, m, n, batch, method, budget, with_out):
 
 
 @FUZZ
-@given(data=st.data(), heads=small, d=small, cols=dims, head_dim=st.sampled_from([None, "d"]) | BAD,
-       gain=st.sampled_from([1.0, 0.5, 3e38, 1e39]) | BAD, seed=seeds, method=methods)
+@given(data=st.data(), heads=small, d=small, cols=dims, head_dim=rarely(st.sampled_from([None, "d"]), BAD),
+       gain=rarely(st.sampled_from([1.0, 0.5, 1e-30, 1.7e38]), BAD | st.sampled_from([3e38, 1e39, -0.0])), seed=seeds, method=methods)
 def test_fuzz_semi_orthogonal(data, heads, d, cols, head_dim, gain, seed, method):
     w = data.draw(tensors((heads * d, cols)))
     hd = d if head_dim == "d" else head_dim
@@ -171,8 +180,8 @@ def test_fuzz_semi_orthogonal(data, heads, d, cols, head_dim, gain, seed, method
 
 
 @FUZZ
-@given(data=st.data(), heads=small, d=small, cols=dims, per_head=st.booleans() | BAD,
-       head_dim=st.sampled_from([None, "d"]) | BAD)
+@given(data=st.data(), heads=small, d=small, cols=dims, per_head=rarely(st.booleans(), BAD),
+       head_dim=rarely(st.sampled_from([None, "d"]), BAD))
 def test_fuzz_rect_identity(data, heads, d, cols, per_head, head_dim):
     w = data.draw(tensors((heads * d, cols)))
     hd = d if head_dim == "d" else head_dim
@@ -184,8 +193,9 @@ def test_fuzz_rect_identity(data, heads, d, cols, per_head, head_dim):
 
 @FUZZ
 @given(data=st.data(), kv=small, group=small, d=small, D=st.integers(1, 12), v_rows=small,
-       num_heads=st.sampled_from(["H"]) | BAD, seed=seeds, alias=st.sampled_from([None, None, "qk", "qv", "rows"]),
-       layer_index=st.sampled_from([0, 3, 2 ** 31 - 1]) | BAD, method=methods)
+       num_heads=rarely(st.just("H"), BAD), seed=seeds,
+       alias=rarely(st.none(), st.sampled_from(["qk", "qv", "rows"]), 4),
+       layer_index=rarely(st.sampled_from([0, 3, 2 ** 31 - 1]), BAD | st.just(2 ** 31)), method=methods)
 def test_fuzz_conditioned_init(data, kv, group, d, D, v_rows, num_heads, seed, alias, layer_index, method):
     H = kv * group
     q = data.draw(tensors((H * d, D)))
@@ -213,7 +223,7 @@ def test_fuzz_conditioned_init(data, kv, group, d, D, v_rows, num_heads, seed, a
 
 @FUZZ
 @given(data=st.data(), m=dims, n=dims, batch=st.sampled_from([(), (2,), (0,)]),
-       method=st.sampled_from(["auto", "svd", "gram"]) | st.sampled_from(["eig", None, 1]))
+       method=rarely(st.sampled_from(["auto", "svd", "gram"]), st.sampled_from(["eig", None, 1])))
 def test_fuzz_spectrum(data, m, n, batch, method):
     stack = data.draw(tensors(batch + (m, n)))
     res, ok = call(spectrum, stack, method=method)
@@ -253,16 +263,16 @@ def _naive_attention(q, k, v, causal, scale):
     return torch.softmax(S, dim=-1) @ v
 
 
-ATTN_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32)
+ATTN_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16) * 3 + (torch.int32,)
 ATTN_TOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
 def _attention_inputs(data, B, Hkv, group, Nq, Nk, d):
     dtype = data.draw(st.sampled_from(ATTN_DTYPES))
-    layouts = ("contiguous", "contiguous", "transposed", "sliced", "expanded")
+    layouts = LAYOUTS
     # huge values make the float64 reference itself meaningless (exp overflow): normal and tiny,
     # plus NaN / Inf, whose propagation is compared with the reference's
-    values = ("normal", "normal", "normal", "tiny", "zero", "nan")
+    values = ("normal",) * 8 + ("tiny", "zero", "nan")
     shapes = ((B, Hkv * group, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d))
     return [data.draw(tensors(s, dtypes=(dtype,), values=values, layouts=layouts)) for s in shapes]
 
@@ -278,11 +288,12 @@ def _check_against(got, want, dtype, what):
         assert err <= ATTN_TOL[dtype], f"{what}: error {err:.2e} vs float64 reference"
 
 
-attn_dims = dict(B=st.integers(0, 2), Hkv=st.integers(1, 2), group=st.integers(1, 2), Nq=st.integers(0, 5),
-                 Nk=st.integers(0, 5), d=st.sampled_from([1, 4, 8, 16]))
-attn_opts = dict(causal=st.booleans() | st.sampled_from([1, "yes", None]),
-                 scale=st.sampled_from([None, None, 0.5, 0.0, -1.0]) | st.sampled_from([math.inf, math.nan, "1", True]),
-                 backend=st.sampled_from([None, None, "torch", "cpp-cpu", "auto"]) | st.sampled_from(["bogus", 7, "cuda"]))
+attn_dims = dict(B=rarely(st.integers(1, 2), st.just(0)), Hkv=st.integers(1, 2), group=st.integers(1, 2),
+                 Nq=rarely(st.integers(1, 5), st.just(0)), Nk=rarely(st.integers(1, 5), st.just(0)),
+                 d=st.sampled_from([1, 4, 8, 16]))
+attn_opts = dict(causal=rarely(st.booleans(), st.sampled_from([1, "yes", None])),
+                 scale=rarely(st.sampled_from([None, None, 0.5, 0.0, -1.0]), st.sampled_from([math.inf, math.nan, "1", True])),
+                 backend=rarely(st.sampled_from([None, None, "torch", "cpp-cpu", "auto"]), st.sampled_from(["bogus", 7, "cuda"])))
 
 
 @FUZZ
@@ -311,7 +322,7 @@ def test_fuzz_attention_jvp(data, B, Hkv, group, Nq, Nk, d, causal, scale, backe
     if ok:
         out, tout = res
         s = 1.0 / math.sqrt(d) if scale is None else scale
-        primals = tuple(t.double() for t in (q, k, v))
+        primals = tuple(t.double().contiguous() for t in (q, k, v))   # torch.func.jvp refuses expanded primals
         zero = lambda p: torch.zeros(lead + tuple(p.shape), dtype=F64)  # noqa: E731
         tans = [tangents.get("t" + n, None) for n in "qkv"]
         tans = [zero(p) if t is None else t.double() for p, t in zip(primals, tans)]

@@ -400,3 +400,20 @@ def test_haar_test_has_power(shape):
     with pytest.raises(AssertionError):
         _haar_checks(_qr_without_sign_fix(W))
     _haar_checks(orthogonalize(W, "householder"))  # ... and accept it with the fix
+
+
+def test_no_deadlock_after_the_caller_changes_thread_counts():
+    """torch.set_num_threads turns MKL's dynamic threading off; MKL LAPACK inside the chunk
+    scheduler's parallel region then opened its own team and deadlocked. Run in a subprocess with a
+    timeout, so a regression fails instead of hanging the suite."""
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from condinit.init import orthogonalize\n"
+            "torch.set_num_threads(1); torch.set_num_threads(2)\n"
+            "for method in ('householder', 'svd', 'cholqr2', 'polar'):\n"
+            "    for shape in ((3, 64, 256), (4, 40, 100)):\n"
+            "        orthogonalize(torch.randn(*shape), method)\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -47,9 +47,10 @@ def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None, layout=No
     :func:`condinit.models.adapters.fused_layout`).
 
     Examples:
-        >>> meta, rows = analyze("tiny.safetensors")
-        >>> rows[0]["q"]["cond_per_head"][:2]
-        [1.0000001, 1.0000002]
+        >>> meta, rows = analyze("tiny.safetensors")                       # condinit init --preset tiny-llama
+        >>> len(rows), rows[0]["layout"]
+        (4, 'separate')
+        >>> meta, rows = analyze("neox.safetensors", num_heads=16, layout="per_head")   # no metadata
     """
     from condinit._validate import check_choice, check_int
     from condinit.init.spectrum import spectrum

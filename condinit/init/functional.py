@@ -162,9 +162,9 @@ def _check_layer(tensors: dict, names: dict, num_heads: int, num_kv_heads: int, 
             raise ValueError(f"{names[key]} has {w.shape[0]} rows, not a multiple of {heads_name}={heads}")
         hd = w.shape[0] // heads
         if d is not None and hd != d:
-            raise ValueError(f"{where}: q and k head dims differ ({d} vs {hd})")
+            raise ValueError(f"{where}: {names['q']} and {names['k']} head dims differ ({d} vs {hd})")
         if D is not None and w.shape[1] != D:
-            raise ValueError(f"{where}: q and k in-features differ ({D} vs {w.shape[1]})")
+            raise ValueError(f"{where}: {names['q']} and {names['k']} in-features differ ({D} vs {w.shape[1]})")
         d, D = hd, w.shape[1]
     if v is not None:
         _check_weight(v, names["v"], dim=2)

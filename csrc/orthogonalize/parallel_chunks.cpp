@@ -8,7 +8,8 @@
 // ops of the chunk release while they compute.
 //
 // Why a parallel region: every ATen op called inside one runs single-threaded
-// (at::in_parallel_region()), and so do MKL's BLAS / LAPACK (nested OpenMP regions are inactive).
+// (at::in_parallel_region()), and MKL's BLAS / LAPACK are made single-threaded per worker with
+// MKL's thread-local setting (below).
 // So each chunk runs on one thread without changing torch's process-wide thread count, and its
 // bits do not depend on how many workers there are or on which worker runs it. The GEMMs here are
 // small (64 x 2048 blocks): one thread per chunk needs no barrier at all, where a multithreaded
@@ -33,6 +34,13 @@
 
 namespace py = pybind11;
 
+// MKL's thread-local thread count (exported by libtorch_cpu when torch is built with MKL; weak, so
+// a build against another BLAS links and simply skips it). Nested OpenMP regions are not enough
+// to keep MKL single-threaded: with its dynamic adjustment off (torch.set_num_threads turns it
+// off), MKL LAPACK opens its own thread team inside the region, which deadlocked here. A
+// thread-local setting affects only the calling worker and is restored when it finishes.
+extern "C" int mkl_set_num_threads_local(int nthreads) __attribute__((weak));
+
 namespace condinit {
 namespace {
 
@@ -49,6 +57,12 @@ void run_chunks_in_parallel_region(int64_t num_chunks, const py::function& fn) {
   auto work = [&](int64_t worker) {
     at::ThreadLocalStateGuard state_guard(caller_state);
     c10::ParallelGuard in_region(true);
+    struct MklSingleThread {  // restores the worker's previous MKL thread-local setting
+      int previous = mkl_set_num_threads_local ? mkl_set_num_threads_local(1) : 0;
+      ~MklSingleThread() {
+        if (mkl_set_num_threads_local) mkl_set_num_threads_local(previous);
+      }
+    } mkl_single_thread;
     while (!failed.load()) {
       const int64_t chunk = next_chunk.fetch_add(1);
       if (chunk >= num_chunks) break;
