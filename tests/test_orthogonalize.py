@@ -152,8 +152,6 @@ def test_meta_and_bad_input():
 # --------------------------------------------------------------------------------------------------
 # the caller's process state: thread count and matmul precision are read, never changed
 
-CPP_CPU = _backends.available("cpp-cpu", "cpu")
-needs_cpp = pytest.mark.skipif(not CPP_CPU[0], reason=f"cpp-cpu unavailable: {CPP_CPU[1]}")
 
 
 @pytest.fixture
@@ -240,8 +238,7 @@ def test_gemm_dtype_follows_the_callers_settings(restore_precision):
     assert orth_mod.gemm_dtype("cpu") == orth_mod.gemm_dtype("cuda") == torch.float64
 
 
-@needs_cpp
-def test_bits_do_not_depend_on_worker_count(rng):
+def test_bits_do_not_depend_on_thread_count(rng):
     W = torch.randn(21, 16, 200, generator=rng)
     budget = 3 * 4 * 16 * 200                                 # 7 chunks of 3 blocks
     threads = torch.get_num_threads()
@@ -251,7 +248,6 @@ def test_bits_do_not_depend_on_worker_count(rng):
         torch.set_num_threads(2)
         for method, ref in one.items():
             assert torch.equal(orthogonalize(W, method, memory_budget=budget), ref), method
-            assert torch.equal(orthogonalize(W, method, backend="cpp-cpu"), ref), method
     finally:
         torch.set_num_threads(threads)
 
@@ -270,7 +266,7 @@ def test_backend_chosen_once_per_call(monkeypatch, rng):
     assert calls == ["cholqr2"]
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("cpp-cpu", marks=needs_cpp)])
+@pytest.mark.parametrize("backend", ["torch"])
 def test_chunk_errors_and_grad_mode_reach_the_caller(backend):
     """A callback's exception surfaces unchanged; the callbacks run under the caller's grad mode."""
     grad_modes = []
@@ -299,8 +295,8 @@ def test_chunk_errors_and_grad_mode_reach_the_caller(backend):
 def test_registered_in_backend_registry():
     assert "orthogonalize" in _backends.ops()
     rows = [r for r in _backends.report(("cpu",)) if r["op"] == "orthogonalize"]
-    assert {r["backend"] for r in rows if r["reason"] != "not implemented for this op"} >= {"cpp-cpu", "torch"}
-    assert set(orth_mod.ORTHOGONALIZE.impls) == {"cpp-cpu", "torch", "triton"}
+    assert {r["backend"] for r in rows} >= {"torch"}
+    assert set(orth_mod.ORTHOGONALIZE.impls) == {"torch", "triton"}
 
 
 @pytest.fixture

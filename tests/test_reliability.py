@@ -209,9 +209,8 @@ _THREADS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="cpp-cpu orthogonalize backend: concurrent MKL sgeqrf calls inside the "
-                                       "OpenMP region of csrc/orthogonalize/parallel_chunks.cpp never finish "
-                                       "with 2 threads (Householder, 64 x 192 blocks)")
+@pytest.mark.xfail(strict=True, reason="known defect: Householder QR through MKL's multithreaded LAPACK gives "
+                                       "bits that depend on the intra-op thread count (64 x 192 blocks)")
 def test_householder_bits_independent_of_thread_count():
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     try:

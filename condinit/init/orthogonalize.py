@@ -54,11 +54,9 @@ padded with copies of a real block), on the CPU in chunks of at least 2 blocks (
 gives the same per-block bits for every batch size >= 2), each chunk on one thread; see
 :func:`run_chunks`.
 
-Backends (the ``orthogonalize`` table of :mod:`condinit._backends`): ``cpp-cpu`` runs the chunks of
-a call in parallel, in one OpenMP region of the native extension
-(``csrc/orthogonalize/parallel_chunks.cpp``), each chunk single-threaded with the PyTorch math;
-``torch`` runs them one after the other on the calling thread with the caller's thread settings;
-``triton`` runs ``polar`` with the Triton GEMMs, one chunk after the other.
+Backends (the ``orthogonalize`` table of :mod:`condinit._backends`): ``torch`` runs the chunks one
+after the other on the calling thread with the caller's thread settings (no process setting is
+changed); ``triton`` runs ``polar`` with the Triton GEMMs, one chunk after the other.
 """
 from __future__ import annotations
 
@@ -68,7 +66,7 @@ from typing import Callable, Optional
 
 import torch
 
-from condinit import _backends, _ext
+from condinit import _backends
 from condinit._validate import check_choice, check_int, check_no_internal_overlap, check_tensor, overlaps
 
 __all__ = ["orthogonalize", "METHODS", "ORTHOGONALIZE", "resolve_method", "chunk_blocks",
@@ -457,12 +455,10 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     there are at most that long, split at ``breaks``, and padded to 2 blocks only (not at all for
     Householder and SVD, which LAPACK runs matrix by matrix).
 
-    CPU parallelism (``cpp-cpu``): the chunks are shared among the threads of one OpenMP parallel
-    region (``torch.get_num_threads()`` of them), each chunk single-threaded, because every ATen and
-    MKL call inside a parallel region is. The GEMMs here are small (``m = 64``): one OpenMP region
-    per GEMM costs a barrier per call, and on a loaded machine a barrier waits for a descheduled
-    thread (measured on 2 shared cores: 2 intra-op threads 4-20x slower than 1); independent chunks
-    per thread need no barrier at all. No thread setting of the process changes.
+    CPU parallelism: the chunks run one after the other with the caller's intra-op threads; no
+    thread or precision setting of the process changes. (Running whole chunks single-threaded in
+    one OpenMP region was faster on small shared machines, but MKL LAPACK calls inside such a
+    region deadlocked once torch.set_num_threads had turned MKL's dynamic threading off.)
     """
     device = torch.device(device)
     name = ORTHOGONALIZE.choose(device, backend, method=method)
@@ -475,19 +471,6 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
 
 # What each backend runs (one table: the choice and `condinit info` read it).
 ORTHOGONALIZE = _backends.Op("orthogonalize")
-
-
-@ORTHOGONALIZE.register("cpp-cpu", devices=("cpu",), native_fn="run_chunks_in_parallel_region")
-def _orthogonalize_cpp_cpu(job: _Job) -> None:
-    runner = _ext.load().run_chunks_in_parallel_region
-    buffers = {}   # worker -> its chunk buffers, allocated when it takes its first chunk
-
-    def chunk(worker: int, index: int) -> None:
-        if worker not in buffers:
-            buffers[worker] = job.buffers()
-        job.run(index, buffers[worker], _torch_chunk)
-
-    runner(len(job.chunks), chunk)
 
 
 @ORTHOGONALIZE.register("torch", devices=(_backends.ANY_DEVICE,))
