@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-import condinit
 from condinit.models import (AttentionSpec, Projection, UncoveredAttentionError, UncoveredAttentionWarning,
                              UnsupportedAttention, apply, discover, fused_layout, register_adapter,
                              unregister_adapter)

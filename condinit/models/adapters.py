@@ -55,10 +55,10 @@ Persimmon (``query_key_value``, ``[H, 3, d]``), Falcon (``[H, 3, d]``, multi-que
 the new decoder architecture's ``[H_kv, H/H_kv + 2, d]`` groups), GPTBigCode (multi-query ``[Q; K;
 V]``, multi-head ``[H, 3d]``), Phi-3 (``qkv_proj``, ``[Q; K; V]`` with GQA), DeBERTa (``in_proj``
 ``[H, 3, d]`` with separate ``q_bias`` / ``v_bias``), CodeGen (``qkv_proj`` in 4 groups ordered
-Q, V, K), MiniMax lightning attention (``[H, 3d]``). Refused with a reason: multi-head latent
-attention (DeepSeek-V2/V3 and others: ``q_a_proj/q_b_proj``, ``kv_a_proj_with_mqa/kv_b_proj``),
-Reformer's shared ``query_key``, deformable attention (no query or key projections), GPTBigCode
-cross-attention. :func:`looks_like_attention` says which unrecognised modules
+Q, V, K). Refused with a reason: multi-head latent attention (DeepSeek-V2/V3 and others:
+``q_a_proj/q_b_proj``, ``kv_a_proj_with_mqa/kv_b_proj``), linear attention (MiniMax lightning
+attention, gated delta nets, retention: no softmax), Reformer's shared ``query_key``, deformable
+attention (no query or key projections), GPTBigCode cross-attention. :func:`looks_like_attention` says which unrecognised modules
 :func:`condinit.apply` must report instead of skipping them. See ``docs/design.md``, "Model layouts".
 """
 from __future__ import annotations
@@ -646,11 +646,6 @@ def _hf_codegen(m: nn.Module) -> AttentionSpec:
                          order="qvk", groups=m.mp_num)
 
 
-def _hf_minimax_lightning(m: nn.Module) -> AttentionSpec:
-    """MiniMax lightning (linear) attention ``qkv_proj``: ``reshape(..., H, 3 * d).split(d)``."""
-    return _fused_linear(m, "qkv_proj", "per_head", num_heads=m.num_attention_heads, head_dim=m.head_dim)
-
-
 _REGISTRY: dict[Union[type, str], AttentionAdapter] = {}
 
 
@@ -732,7 +727,7 @@ SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q
                   ("q_lin", "k_lin", "v_lin"), ("query_proj", "key_proj", "value_proj"), ("wq", "wk", "wv"),
                   ("Wq", "Wk", "Wv"), ("W_q", "W_k", "W_v"), ("to_q", "to_k", "to_v"),
                   ("linear_q", "linear_k", "linear_v"), ("q_linear", "k_linear", "v_linear"),
-                  ("project_q", "project_k", "project_v"),
+                  ("project_q", "project_k", "project_v"), ("q_head", "k_head", "v_head"),
                   ("projection_query", "projection_key", "projection_value"))
 # A query projection and a fused [K; V] projection.
 Q_KV_NAMES = (("q", "kv"), ("q_proj", "kv_proj"), ("to_q", "to_kv"), ("query", "key_value"))
@@ -749,6 +744,11 @@ _MLA_REASON = ("multi-head latent attention (q_a_proj/q_b_proj, kv_a_proj_with_m
                "factors to condition (register an adapter for the factors you choose)")
 
 _ATTENTION_NAME = re.compile(r"attention|attn", re.I)
+# attention without a softmax over scores: the method conditions softmax attention
+_LINEAR_ATTENTION_NAME = re.compile(r"Lightning(Attention|Attn)|DeltaNet|Delta(Rule)?(Attention|Attn)|"
+                                    r"Linear(Self)?(Attention|Attn)|Retention")
+_LINEAR_REASON = ("linear attention (no softmax over the scores: lightning attention, a gated delta rule, retention): "
+                  "the method conditions softmax attention, so this layer is left as the model made it")
 # "attention" in the sense of channel / spatial gating (squeeze-excite and its kin): no queries and keys
 _GATING_NAME = re.compile(r"(Channel|Spatial|Split|SelectiveKernel|Coord|Triplet|Gather|Efficient[Cc]hannel)"
                           r"(Attn|Attention)\w*$|Cbam|^Eca|^Ceca|SqueezeExcite")
@@ -874,6 +874,8 @@ def _structural(m: nn.Module) -> Optional[Described]:
     if "query_key" in linear and "value" in linear:
         raise UnsupportedAttention("shared query_key projection (Reformer LSH attention): Q and K are one matrix, "
                                    "so they cannot be two independent semi-orthogonal matrices")
+    if _LINEAR_ATTENTION_NAME.search(type(m).__name__) and _projection_roles(m):
+        raise UnsupportedAttention(_LINEAR_REASON)
     if "sampling_offsets" in linear and "attention_weights" in linear:
         raise UnsupportedAttention("deformable attention: it has no query or key projections (sampling offsets and "
                                    "attention weights are predicted from the query), so there is no W_Q, W_K to "
@@ -1143,8 +1145,7 @@ def _register_builtins():
                      ("phi3.modeling_phi3.Phi3Attention", _hf_phi3),
                      ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention", _hf_phi3),
                      ("deberta.modeling_deberta.DisentangledSelfAttention", _hf_deberta),
-                     ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen),
-                     ("minimax.modeling_minimax.MiniMaxLightningAttention", _hf_minimax_lightning)):
+                     ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen)):
         register_adapter(f"{tf}.{path}", fn, name=f"hf.{path.rsplit('.', 1)[1]}")
     register_adapter("timm.layers.attention.Attention", _timm_attention, name="timm.Attention")
 

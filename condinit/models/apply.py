@@ -155,7 +155,7 @@ def _check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _qualname(mod) -> str:
+def _class_name(mod) -> str:
     return type(mod).__name__
 
 
@@ -193,13 +193,13 @@ def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Opt
             stop = name
             claim(name)
             if selected:
-                uncovered.append((order, Uncovered(name, _qualname(mod), str(exc_info))))
+                uncovered.append((order, Uncovered(name, _class_name(mod), str(exc_info))))
             continue
         except ValueError as exc_info:
             if not selected:   # an excluded module: its inconsistency is not this call's business
                 stop = name
                 continue
-            raise ValueError(f"{name or '(root)'} ({_qualname(mod)}): {exc_info}") from None
+            raise ValueError(f"{name or '(root)'} ({_class_name(mod)}): {exc_info}") from None
         if hit is None:
             if looks_like_attention(mod):
                 pending.append((order, name, mod))
@@ -208,12 +208,12 @@ def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Opt
         claim(name)
         found.append(AttentionLayer(layer_offset + len(found), name, mod, hit.adapter, hit.spec, _is_cross(name, mod)))
         if hit.partial and selected:
-            uncovered.append((order, Uncovered(name, _qualname(mod), hit.partial)))
+            uncovered.append((order, Uncovered(name, _class_name(mod), hit.partial)))
     for order, name, mod in reversed(pending):   # innermost first: a wrapper of a listed module is not listed again
         if name in claimed or not _selected(name, inc, exc):
             continue
         claim(name)
-        uncovered.append((order, Uncovered(name, _qualname(mod), why_not_recognised(mod))))
+        uncovered.append((order, Uncovered(name, _class_name(mod), why_not_recognised(mod))))
     uncovered.sort(key=lambda ent: ent[0])
     return Discovery([l for l in found if _selected(l.name, inc, exc)], [u for _, u in uncovered])
 
