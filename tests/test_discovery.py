@@ -556,7 +556,15 @@ def test_user_interleaved_adapter_matches_the_forward_and_contiguous_does_not():
     finally:
         unregister_adapter(FusedAttention)
     assert rep[0].layout == "per_head"
-    _assert_conditioned(_per_head("qkv", 3)(m), "per_head adapter")
+    read = _per_head("qkv", 3)(m)
+    _assert_conditioned(read, "per_head adapter")
+    # head h of Q is block h of the "q" stream, wherever its rows are stored (layer 0)
+    from condinit.init import conditioned_blocks
+
+    for p in "qk":
+        expect = conditioned_blocks(rep.seed, p, range(3), (8, 24))
+        for h in range(3):
+            assert torch.equal(read[p][h].detach(), expect[h]), (p, h)
     # a contiguous description of the same weight takes head 0's key for "Q head 1" and head 2's
     # query and key for "V": writing through it would break every head
     wrong = AttentionSpec.from_fused(m.qkv.weight, num_heads=3)

@@ -256,10 +256,18 @@ class InitPlan:
                   row_lo: int = 0, col_lo: int = 0, gain: float = 1.0, owner: Optional[Hashable] = None) -> None:
         """Head ``h`` of a logical ``[heads * head_dim, in_features]`` matrix is block
         ``first_id + h`` of ``stream``; ``region`` aliases its rows ``row_lo:row_lo + region.shape[0]``
-        and columns ``col_lo:col_lo + region.shape[1]`` (the whole matrix by default)."""
+        and columns ``col_lo:col_lo + region.shape[1]`` (the whole matrix by default). A 3-D
+        ``region`` ``[k, head_dim, in_features]`` holds ``k`` whole heads from head ``row_lo //
+        head_dim`` on, in any strides (heads whose rows alternate with other projections' rows)."""
         if region.device.type == "meta":
             return
         d, n = head_dim, in_features
+        if region.dim() == 3:
+            h0, tall = row_lo // d, d > n
+            ids = torch.arange(first_id + h0, first_id + h0 + region.shape[0], dtype=torch.int64, device=region.device)
+            run = _Run(stream, ids, region.transpose(1, 2) if tall else region, tall, gain, None, owner)
+            self.groups.setdefault((region.device, (n, d) if tall else (d, n)), []).append(run)
+            return
         rows, cols = region.shape
         h0, h1 = row_lo // d, (row_lo + rows + d - 1) // d
         tall = d > n

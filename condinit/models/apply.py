@@ -453,6 +453,17 @@ def _local_regions(proj: Projection, name: str) -> list[_Region]:
     return out
 
 
+def _one_head_groups(proj: Projection, head_dim: int) -> Optional[torch.Tensor]:
+    """A ``[groups, head_dim, in]`` strided view of a plain (non-DTensor) projection whose groups
+    are one head each (GPT-NeoX's ``[H, 3, d]``), or None."""
+    if proj.groups == 1 or proj.group_rows != head_dim or is_dtensor(proj.weight):
+        return None
+    w = proj.weight.detach()
+    row, col = (w.stride(1), w.stride(0)) if proj.transposed else (w.stride(0), w.stride(1))
+    return w.as_strided((proj.groups, head_dim, proj.in_features), (proj.stride * row, row, col),
+                        w.storage_offset() + proj.start * row)
+
+
 def _local_biases(proj: Projection, name: str) -> list[torch.Tensor]:
     """The local part of each group of this projection's bias entries (empty: no bias, or none local)."""
     if proj.bias is None:
@@ -672,6 +683,10 @@ def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool
                 if measure_before else None
             rep.after[p] = None
         for p, proj, stream in (("q", s.q, sq), ("k", s.k, sk)):
+            heads = _one_head_groups(proj, s.head_dim)
+            if heads is not None:     # one view of every head: one run, batched like a contiguous weight
+                plan.add_heads(stream, l.index * LAYER_STRIDE, heads, s.head_dim, proj.in_features, owner=i)
+                continue
             for reg in _local_regions(proj, f"{l.name}.{p}"):
                 plan.add_heads(stream, l.index * LAYER_STRIDE, reg.view, s.head_dim, proj.in_features,
                                row_lo=reg.r_lo, col_lo=reg.c_lo, owner=i)
