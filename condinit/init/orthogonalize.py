@@ -330,7 +330,7 @@ def _polar_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor],
 
 def _torch_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Optional[torch.Tensor],
                  gemm: torch.dtype) -> torch.Tensor:
-    """One chunk, PyTorch math (the ``torch`` and ``cpp-cpu`` backends)."""
+    """One chunk, PyTorch math (the ``torch`` backend)."""
     if method == "householder":
         return _householder_(A, out)
     if method == "svd":
@@ -507,8 +507,8 @@ def orthogonalize(stack: torch.Tensor, method: str = "auto", *, out: Optional[to
         out: optional output of ``stack``'s shape and device (any floating dtype, any strides
             whose elements do not share memory); ``stack`` itself (in place) or memory disjoint
             from it; default a new tensor like ``stack``.
-        backend: force a backend of the ``"orthogonalize"`` op (``"cpp-cpu"``, ``"torch"``,
-            ``"triton"``); default automatic (:mod:`condinit._backends`).
+        backend: force a backend of the ``"orthogonalize"`` op (``"torch"``, ``"triton"``);
+            default automatic (:mod:`condinit._backends`).
         memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU).
 
     Returns ``out``.
