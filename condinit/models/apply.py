@@ -172,6 +172,24 @@ def _is_cross(name: str, mod: nn.Module) -> bool:
     return getattr(mod, "is_cross_attention", None) is True or bool(_CROSS_NAMES & set(name.split(".")))
 
 
+def _discover_for_writing(model: nn.Module, layer_offset: int, inc, exc, include, exclude,
+                          strict: bool) -> Discovery:
+    """:func:`_discover`, plus the checks every writer makes before its first write: some
+    attention found, nothing uncovered under ``strict``, floating-point projections."""
+    found = _discover(model, layer_offset, inc, exc)
+    if not found.layers:
+        raise _no_attention_error(model, include, exclude, found.uncovered)
+    if found.uncovered and strict:
+        raise UncoveredAttentionError(
+            f"strict: {len(found.uncovered)} attention-like module(s) of {type(model).__name__} cannot be "
+            f"conditioned, nothing was written: {_listing(found.uncovered)}. {_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
+    for l in found.layers:
+        for p, proj in l.spec.projections():
+            if not proj.weight.is_floating_point():
+                raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
+    return found
+
+
 def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Optional[list]) -> Discovery:
     found, uncovered, pending = [], [], []
     claimed: set = set()       # names of described or refused modules and all their ancestors
@@ -587,18 +605,8 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     progress = check_bool("progress", progress)
     strict = check_bool("strict", strict)
 
-    found = _discover(model, layer_offset, inc, exc)
+    found = _discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict)
     layers, uncovered = found.layers, found.uncovered
-    if not layers:
-        raise _no_attention_error(model, include, exclude, uncovered)
-    if uncovered and strict:
-        raise UncoveredAttentionError(f"strict: {len(uncovered)} attention-like module(s) of {type(model).__name__} "
-                                      f"cannot be conditioned, nothing was written: {_listing(uncovered)}. "
-                                      f"{_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
-    for l in layers:  # every check before the first write (or allocation)
-        for p, proj in l.spec.projections():
-            if not proj.weight.is_floating_point():
-                raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
     params = list(model.parameters())
     meta = has_meta(model)
     if meta:

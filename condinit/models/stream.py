@@ -72,8 +72,8 @@ from condinit.init.functional import V_MODES, run_plan
 from condinit.init.orthogonalize import METHODS
 
 from .adapters import describe
-from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionError, UncoveredAttentionWarning,
-                    _covered, _listing, _no_attention_error, _patterns, _plan, _WHAT_TO_DO, discover)
+from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionWarning, _covered,
+                    _discover_for_writing, _listing, _patterns, _plan)
 from .checkpoint import METADATA_KEY, _canonical_json, atomic_output, check_output_path, condinit_metadata
 
 __all__ = ["write_pretrained", "plan_shards", "parse_shard_size", "PretrainedWriteReport", "WEIGHTS_NAME",
@@ -537,18 +537,8 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
         model = model.to(dtype)
     model.eval()
 
-    found = discover(model, include=inc, exclude=exc)
+    found = _discover_for_writing(model, 0, inc, exc, include, exclude, strict)
     layers, uncovered = found.layers, found.uncovered
-    if not layers:
-        raise _no_attention_error(model, include, exclude, uncovered)
-    if uncovered and strict:
-        raise UncoveredAttentionError(f"strict: {len(uncovered)} attention-like module(s) of {type(model).__name__} "
-                                      f"cannot be conditioned, nothing was written: {_listing(uncovered)}. "
-                                      f"{_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
-    for l in layers:
-        for p, proj in l.spec.projections():
-            if not proj.weight.is_floating_point():
-                raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
     state = _saved_state(model)
     for k, t in state.items():
         if t.dtype not in _ST_DTYPES:

@@ -55,6 +55,19 @@ def _ungrouped(x: Tensor) -> Tensor:
     return x.reshape(*lead, b, hkv * g, n, d)
 
 
+def _grouped_inputs(q, k, v, tq, tk, tv, hkv: int, scale: float, acc_dtype):
+    """Primals and tangents in the accumulation dtype, grouped for GQA, with the scale folded into
+    Q and Q': q ``[B, Hkv, G, Nq, d]``, k/v ``[B, Hkv, 1, Nk, d]``, tangents with a leading ``P``
+    (None stays None)."""
+    qg = _grouped(q, hkv).to(acc_dtype) * scale
+    kg = k.to(acc_dtype).unsqueeze(2)
+    vg = v.to(acc_dtype).unsqueeze(2)
+    tqg = _grouped(tq, hkv).to(acc_dtype) * scale if tq is not None else None
+    tkg = tk.to(acc_dtype).unsqueeze(3) if tk is not None else None
+    tvg = tv.to(acc_dtype).unsqueeze(3) if tv is not None else None
+    return qg, kg, vg, tqg, tkg, tvg
+
+
 def _key_range(i0: int, i1: int, nq: int, nk: int, causal: bool) -> int:
     """Number of keys any query in [i0, i1) may attend (keys [0, end) are visited)."""
     if not causal:
@@ -106,12 +119,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
 
     # The scale is folded into Q and Q' (S = (s Q) K^T, S' = (s Q') K^T + (s Q) K'^T): no
     # elementwise pass over the score blocks for it.
-    qg = _grouped(q, Hkv).to(acc_dtype) * scale              # [B, Hkv, G, Nq, d]
-    kg = k.to(acc_dtype).unsqueeze(2)                        # [B, Hkv, 1, Nk, d]
-    vg = v.to(acc_dtype).unsqueeze(2)
-    tqg = _grouped(tq, Hkv).to(acc_dtype) * scale if tq is not None else None   # [P, B, Hkv, G, Nq, d]
-    tkg = tk.to(acc_dtype).unsqueeze(3) if tk is not None else None              # [P, B, Hkv, 1, Nk, d]
-    tvg = tv.to(acc_dtype).unsqueeze(3) if tv is not None else None
+    qg, kg, vg, tqg, tkg, tvg = _grouped_inputs(q, k, v, tq, tk, tv, Hkv, scale, acc_dtype)
     # With both Q' and K', S' = [s Q', s Q] [K, K']^T: one product with inner dim 2d.
     both = tqg is not None and tkg is not None
     if both:
@@ -272,12 +280,7 @@ def attention_jvp_bwd(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tens
     P = gtout.shape[0]
     acc_dtype = _acc_dtype(q.dtype)
     # Scale folded into Q and Q' as in the forward: S = (s Q) K^T, and dk = gS^T (s Q) etc.
-    qg = _grouped(q, Hkv).to(acc_dtype) * scale                              # [B, Hkv, G, Nq, d]
-    kg = k.to(acc_dtype).unsqueeze(2)                                        # [B, Hkv, 1, Nk, d]
-    vg = v.to(acc_dtype).unsqueeze(2)
-    tqg = _grouped(tq, Hkv).to(acc_dtype) * scale if tq is not None else None  # [P, B, Hkv, G, Nq, d]
-    tkg = tk.to(acc_dtype).unsqueeze(3) if tk is not None else None          # [P, B, Hkv, 1, Nk, d]
-    tvg = tv.to(acc_dtype).unsqueeze(3) if tv is not None else None
+    qg, kg, vg, tqg, tkg, tvg = _grouped_inputs(q, k, v, tq, tk, tv, Hkv, scale, acc_dtype)
     gog = _grouped(gout, Hkv).to(acc_dtype)
     gtog = _grouped(gtout, Hkv).to(acc_dtype)                                # [P, B, Hkv, G, Nq, d]
     og = _grouped(out, Hkv).to(acc_dtype)
