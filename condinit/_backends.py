@@ -14,7 +14,9 @@ torch      the PyTorch reference implementation                          any
 =========  ===========================================================  ==================
 
 A row states the devices, the limits on the call (``dtype``, ``head_dim``, ``method``, ...) and
-whether the implementation is deterministic. The public function of an op validates its
+whether the implementation is deterministic. A limit is the tuple of values the row accepts; a
+call gives one value per key, or a tuple of features it needs (``masks=("causal", "lens")``),
+every one of which must be in the row's tuple. The public function of an op validates its
 arguments, then calls :meth:`Op.choose` once: the first backend of the device's preference order
 that is available (built, importable), accepts the call and is deterministic. The chosen name is
 what the kernel call runs; there is no fallback at run time: an exception raised inside a kernel
@@ -70,9 +72,16 @@ class Impl:
         if ANY_DEVICE not in self.devices and device_type not in self.devices:
             return f"runs on {'/'.join(self.devices)} tensors only"
         for key, allowed in self.limits:
-            if key in call and call[key] not in allowed:
-                shown = tuple(str(a).replace("torch.", "") for a in allowed)
-                return f"{key} {str(call[key]).replace('torch.', '')} not in {shown}"
+            if key not in call:
+                continue
+            value = call[key]
+            shown = tuple(str(a).replace("torch.", "") for a in allowed)
+            if isinstance(value, tuple):   # a set of features the call needs: all must be allowed
+                missing = tuple(x for x in value if x not in allowed)
+                if missing:
+                    return f"{key} {', '.join(map(str, missing))} not in {shown}"
+            elif value not in allowed:
+                return f"{key} {str(value).replace('torch.', '')} not in {shown}"
         return None
 
     def describe(self) -> str:

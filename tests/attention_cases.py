@@ -179,3 +179,43 @@ def cases_per_backend(dtype=torch.float32, kernel_cases=CASES, triton_cases=TRIT
         cases = triton_cases if b == "triton" else list(kernel_cases) + list(extra_cases)
         params += [backend_param(b, c, id=f"{b}-{case_id(c)}") for c in cases if accepts(b, dtype, c[5])]
     return params
+
+
+# ------------------------------------------------------------------------------------------------
+# masks: the naive reference of the mask contract (causal, window, per-sequence lengths)
+# ------------------------------------------------------------------------------------------------
+
+def allowed_pairs(B, n_q, n_k, causal=False, window=None, q_lens=None, kv_lens=None, device="cpu"):
+    """[B, 1, Nq, Nk] bool: query ``i`` of batch ``b`` attends key ``j``. With ``Lq``, ``Lk`` the
+    lengths and ``off = Lk - Lq``: ``i < Lq``, ``j < Lk``, causal ``j <= i + off``, window
+    ``(left, right)`` ``i + off - left <= j <= i + off + right`` (-1: unbounded)."""
+    lq = torch.as_tensor(q_lens if q_lens is not None else [n_q] * B, device=device).view(B, 1, 1)
+    lk = torch.as_tensor(kv_lens if kv_lens is not None else [n_k] * B, device=device).view(B, 1, 1)
+    i = torch.arange(n_q, device=device)[None, :, None]
+    j = torch.arange(n_k, device=device)[None, None, :]
+    diag = i + (lk - lq)
+    ok = (i < lq) & (j < lk)
+    if causal:
+        ok &= j <= diag
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            ok &= j >= diag - left
+        if right >= 0:
+            ok &= j <= diag + right
+    return ok[:, None]
+
+
+def naive_masked(q, k, v, allowed, scale):
+    """softmax(scale q k^T, masked) v with an explicit [B, 1 or H, Nq, Nk] mask; a row with no
+    allowed key gives 0 (finite in every AD mode). Masked entries are replaced, not multiplied,
+    so NaN / Inf there never reach the result."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = scale * q @ kr.transpose(-1, -2)
+    seen = allowed.any(-1, keepdim=True)
+    s = torch.where(allowed, s, float("-inf"))
+    p = torch.softmax(torch.where(seen, s, 0.0), -1)
+    p = torch.where(allowed & seen, p, 0.0)
+    vr = torch.where(allowed.any(-2)[..., None], vr, 0.0)  # keys nobody attends: never read
+    return p @ vr

@@ -49,6 +49,10 @@ def add_arguments(p):
     p.add_argument("--method", choices=METHODS, default="auto", help="orthogonalization method (default auto)")
     p.add_argument("--v-mode", choices=("identity", "identity_per_head"), default="identity",
                    help="W_V: identity over the whole matrix (default) or per head")
+    p.add_argument("--qk-gain", type=float, default=1.0, metavar="G",
+                   help="every Q/K head block's singular values (default 1, the paper's method)")
+    p.add_argument("--v-gain", type=float, default=1.0, metavar="G",
+                   help="W_V = G times the rectangular identity (default 1, the paper's method)")
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically); a "
                    "directory (ending in / or existing) gets a from_pretrained-ready sharded checkpoint, streamed")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
@@ -92,7 +96,8 @@ def run(args) -> int:
     torch.manual_seed(args.seed % 2 ** 63)
     model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta")
     with _adapters_registered(adapters):
-        report = apply(model, seed=args.seed, method=args.method, v_mode=args.v_mode, device=args.device,
+        report = apply(model, seed=args.seed, method=args.method, v_mode=args.v_mode, qk_gain=args.qk_gain,
+                       v_gain=args.v_gain, device=args.device,
                        progress=not args.quiet and sys.stderr.isatty(), strict=args.strict)
         meta = condinit_metadata(model, report, family, extra={"preset": preset, "dtype": args.dtype})
     save_model_atomic(model, out, meta)
@@ -182,6 +187,9 @@ def _write_directory(args, preset, config, adapters) -> int:
 
     if args.device != "cpu":
         raise CLIError("--device: a directory --out is written from the CPU, one shard at a time")
+    if args.qk_gain != 1.0 or args.v_gain != 1.0:   # the streamed writer writes gain 1 only: refuse, never drop
+        raise CLIError("--qk-gain/--v-gain: a directory --out is written with the default gains only; "
+                       "write a single .safetensors file instead")
     try:
         shard = parse_shard_size(args.max_shard_size)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""The four attention initializations ``condinit demo`` compares.
+"""The attention initializations ``condinit demo`` compares: four methods and two ablations.
 
 Every model first gets the same *base* init (``base_init_``, timm / GPT-2 style): every weight
 matrix, embedding, position embedding and class token from a normal distribution with std 0.02
@@ -22,6 +22,14 @@ the attention projections differ.
     ``condinit.apply(model, seed=seed)``: per head Haar semi-orthogonal ``W_Q``, ``W_K``,
     rectangular-identity ``W_V``, zero Q/K/V biases; ``W_O`` keeps the base init.
 
+``conditioned-qk`` (ablation: Q/K conditioned, V default)
+    ``conditioned``, then ``W_V`` and its bias put back to the base init: the Q/K part of the
+    method alone.
+
+``conditioned-v0.1`` (ablation: conditioned, V = 0.1 I)
+    ``condinit.apply(model, seed=seed, v_gain=0.1)``: the method with ``W_V = 0.1 I``, so the
+    attention branch starts nearer the scale of the (std 0.02) residual stream.
+
 ``spectral`` (Saratchandran & Lucey, "Spectral conditioning of attention", NeurIPS 2025)
     A fixed correction ``lambda I`` added to each of ``W_Q``, ``W_K``, ``W_V``: the module computes
     with ``W + lambda I_{E x D}`` (``I_{E x D}``: rectangular identity of the projection's
@@ -41,9 +49,12 @@ from torch.nn.utils import parametrize
 
 from condinit._validate import SEED_MAX, check_choice, check_real, check_seed
 
-__all__ = ["INITS", "base_init_", "mimetic_init_", "spectral_condition_", "SpectralShift", "initialize_"]
+__all__ = ["INITS", "INIT_LABELS", "base_init_", "mimetic_init_", "spectral_condition_", "SpectralShift", "initialize_"]
 
-INITS = ("default", "mimetic", "conditioned", "spectral")
+INITS = ("default", "mimetic", "conditioned", "spectral", "conditioned-qk", "conditioned-v0.1")
+INIT_LABELS = {"default": "default (trunc. normal 0.02)", "mimetic": "mimetic", "conditioned": "conditioned",
+               "spectral": "spectral (W + 10 I)", "conditioned-qk": "Q/K conditioned, V default",
+               "conditioned-v0.1": "conditioned, V = 0.1 I"}
 BASE_STD = 0.02
 
 
@@ -147,9 +158,17 @@ def _initialize(model: nn.Module, init: str, *, seed: int) -> nn.Module:
         g = torch.Generator().manual_seed((seed + 7919) % SEED_MAX)
         for m in mhas:
             mimetic_init_(m, generator=g)
-    elif init == "conditioned":
+    elif init in ("conditioned", "conditioned-qk", "conditioned-v0.1"):
         import condinit
-        condinit.apply(model, seed=seed, report=False)
+        saved_v = [(m.in_proj_weight[2 * m.embed_dim:].clone(), m.in_proj_bias[2 * m.embed_dim:].clone()
+                    if m.in_proj_bias is not None else None) for m in mhas]
+        condinit.apply(model, seed=seed, v_gain=0.1 if init == "conditioned-v0.1" else 1.0, report=False)
+        if init == "conditioned-qk":
+            with torch.no_grad():
+                for m, (w_v, b_v) in zip(mhas, saved_v):
+                    m.in_proj_weight[2 * m.embed_dim:].copy_(w_v)
+                    if b_v is not None:
+                        m.in_proj_bias[2 * m.embed_dim:].copy_(b_v)
     elif init == "spectral":
         for m in mhas:
             spectral_condition_(m, lam=10.0)

@@ -7,14 +7,16 @@ address (``condinit.apply`` has a built-in adapter for it; its fused ``in_proj_w
 LayerNorm'd input ``X`` and the Jacobian probe in :mod:`condinit.demo.train` can capture it.
 
 * :class:`TinyViT`: 8x8 images cut into 2x2 patches (16 tokens) plus a class token.
-* :class:`TinyCausalLM`: token + learned position embeddings, causal mask, next-token logits.
+* :class:`TinyLM`: token + learned position embeddings, per-position logits; with ``causal=True``
+  (the default) a causal mask (next-token prediction), else bidirectional attention (masked-token
+  prediction, BERT-style).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["Block", "TinyViT", "TinyCausalLM", "attention_modules"]
+__all__ = ["Block", "TinyViT", "TinyLM", "TinyCausalLM", "attention_modules"]
 
 
 class Block(nn.Module):
@@ -67,15 +69,17 @@ class TinyViT(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
 
-class TinyCausalLM(nn.Module):
-    """A GPT-style decoder: token + learned position embeddings, causal blocks, untied LM head."""
+class TinyLM(nn.Module):
+    """Token + learned position embeddings, ``depth`` blocks, untied LM head: a GPT-style decoder
+    (``causal=True``) or a BERT-style encoder (``causal=False``)."""
 
     def __init__(self, *, vocab_size: int, max_len: int, dim: int = 64, depth: int = 2, num_heads: int = 2,
-                 mlp_ratio: int = 2):
+                 mlp_ratio: int = 2, causal: bool = True):
         super().__init__()
+        self.causal = causal
         self.tok_embed = nn.Embedding(vocab_size, dim)
         self.pos_embed = nn.Parameter(torch.zeros(1, max_len, dim))
-        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, causal=True) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, causal=causal) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size)
 
@@ -84,6 +88,9 @@ class TinyCausalLM(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.norm(x))
+
+
+TinyCausalLM = TinyLM
 
 
 def attention_modules(model: nn.Module) -> list[nn.MultiheadAttention]:

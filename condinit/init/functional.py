@@ -2,8 +2,10 @@
 "The method").
 
 ``W_Q`` and ``W_K``: every head's ``[head_dim, D]`` row block (``nn.Linear`` ``[out, in]`` layout)
-gets Haar-distributed orthonormal rows; ``W_V``: the rectangular identity; biases: zero. No gain:
-every singular value is exactly 1 (entries ~ 1/sqrt(D)).
+gets Haar-distributed orthonormal rows, times ``qk_gain``; ``W_V``: the rectangular identity, times
+``v_gain``; biases: zero. The default gains, 1, are the paper's method: every singular value is
+exactly 1 (entries ~ 1/sqrt(D)); with gains, every Q/K head block's singular values are all
+``qk_gain`` and V's are all ``v_gain``.
 
 Randomness is counter based (``docs/design.md``, "Random streams"): block ``g`` of stream ``s`` is
 the orthonormalized Gaussian block ``g`` of ``s`` and depends on nothing else. Head ``h`` of layer
@@ -92,12 +94,20 @@ def _check_backend(backend) -> Optional[str]:
     return check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
 
 
-def _check_gain(gain, dtype: torch.dtype) -> float:
+def _check_gain(gain, dtypes: Sequence[torch.dtype], name: str = "gain") -> float:
     """``gain > 0`` whose results stay finite: an entry of an orthonormal row is at most 1 in
     magnitude (``1 + 2**-23`` after fp32 rounding), the product is formed in fp32 and rounded into
-    ``dtype``, so ``gain`` is at most half the largest finite value of fp32 and of ``dtype``."""
-    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max) / 2
-    return check_real("gain", gain, min=0.0, min_open=True, max=limit)
+    each of ``dtypes`` (the destinations'), so ``gain`` is at most half the largest finite value of
+    fp32 and of every one of ``dtypes``."""
+    limit = min([torch.finfo(torch.float32).max] + [torch.finfo(d).max for d in dtypes]) / 2
+    return check_real(name, gain, min=0.0, min_open=True, max=limit)
+
+
+def check_gains(qk_gain, v_gain, qk_dtypes: Sequence[torch.dtype] = (),
+                v_dtypes: Sequence[torch.dtype] = ()) -> tuple[float, float]:
+    """``(qk_gain, v_gain)`` checked (:func:`_check_gain`) against the dtypes of the Q/K and V
+    weights they scale. Shared with ``condinit.apply``."""
+    return _check_gain(qk_gain, qk_dtypes, "qk_gain"), _check_gain(v_gain, v_dtypes, "v_gain")
 
 
 def _check_head_dim(head_dim, rows: int, name: str) -> int:
@@ -245,7 +255,7 @@ class InitPlan:
 
     def __init__(self):
         self.groups: dict[tuple, list[_Run]] = {}     # (device, wide block shape) -> runs
-        self.identities: list[tuple] = []             # (region, row_lo, col_lo, head_dim, owner)
+        self.identities: list[tuple] = []             # (region, row_lo, col_lo, head_dim, gain, owner)
         self.zeros: list[tuple] = []                  # (tensor, owner)
 
     @property
@@ -282,11 +292,11 @@ class InitPlan:
         self.groups.setdefault((region.device, wide), []).append(run)
 
     def add_identity(self, region: torch.Tensor, *, row_lo: int = 0, col_lo: int = 0,
-                     head_dim: Optional[int] = None, owner: Optional[Hashable] = None) -> None:
-        """``region`` aliases rows ``row_lo:`` and columns ``col_lo:`` of a rectangular identity
-        (per head of ``head_dim`` rows when given; see :func:`rect_identity_`)."""
+                     head_dim: Optional[int] = None, gain: float = 1.0, owner: Optional[Hashable] = None) -> None:
+        """``region`` aliases rows ``row_lo:`` and columns ``col_lo:`` of ``gain`` times a
+        rectangular identity (per head of ``head_dim`` rows when given; see :func:`rect_identity_`)."""
         if region.device.type != "meta":
-            self.identities.append((region, row_lo, col_lo, head_dim, owner))
+            self.identities.append((region, row_lo, col_lo, head_dim, gain, owner))
 
     def add_zero(self, tensor: torch.Tensor, *, owner: Optional[Hashable] = None) -> None:
         if tensor.device.type != "meta":
@@ -329,9 +339,9 @@ def run_plan(plan: InitPlan, seed: int, method: str, *, memory_budget: Optional[
         total = sum(r.ids.numel() for r in runs)
         for r in runs:
             credit(r.owner, dt * r.ids.numel() / total)
-    for region, row_lo, col_lo, head_dim, owner in plan.identities:
+    for region, row_lo, col_lo, head_dim, gain, owner in plan.identities:
         t0 = time.perf_counter()
-        _rect_identity_region_(region, row_lo, col_lo, head_dim)
+        _rect_identity_region_(region, row_lo, col_lo, head_dim, gain)
         credit(owner, time.perf_counter() - t0)
     for tensor, owner in plan.zeros:
         t0 = time.perf_counter()
@@ -418,15 +428,16 @@ def _write_window(r: _Run, a: int, b: int, src: torch.Tensor) -> None:
 
 
 def _rect_identity_region_(region: torch.Tensor, row_lo: int = 0, col_lo: int = 0,
-                           head_dim: Optional[int] = None) -> None:
-    """Write rows ``row_lo:`` and columns ``col_lo:`` of the rectangular identity into ``region``:
-    ``W[r, c] = 1`` where ``c == r`` (``c == r % head_dim`` with ``head_dim``), else 0."""
+                           head_dim: Optional[int] = None, gain: float = 1.0) -> None:
+    """Write rows ``row_lo:`` and columns ``col_lo:`` of ``gain`` times the rectangular identity
+    into ``region``: ``W[r, c] = gain`` (rounded once into ``region``'s dtype) where ``c == r``
+    (``c == r % head_dim`` with ``head_dim``), else 0."""
     region.zero_()
     rows, cols = region.shape
     r = torch.arange(row_lo, row_lo + rows, device=region.device)
     c = r if head_dim is None else r % head_dim
     keep = (c >= col_lo) & (c < col_lo + cols)
-    region[(r - row_lo)[keep], (c - col_lo)[keep]] = 1
+    region[(r - row_lo)[keep], (c - col_lo)[keep]] = gain
 
 
 def _block_ids(block_ids, device) -> torch.Tensor:
@@ -520,7 +531,7 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
     _check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
     hd = _check_head_dim(head_dim, rows, "weight")
-    gain = _check_gain(gain, weight.dtype)
+    gain = _check_gain(gain, [weight.dtype])
     check_choice("method", method, METHODS)
     stream = _check_stream(stream, "semi_orthogonal")
     _check_destinations([("weight", weight)])
@@ -539,18 +550,22 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
 
 
 @torch.no_grad()
-def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_head: bool = False) -> torch.Tensor:
-    """Fill ``weight`` ``[rows, cols]`` in place with the rectangular identity.
+def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_head: bool = False,
+                   gain: float = 1.0) -> torch.Tensor:
+    """Fill ``weight`` ``[rows, cols]`` in place with ``gain`` times the rectangular identity.
 
     Default: ones on the main diagonal of the whole matrix (``W[i, i] = 1``; head ``h`` of a V
     projection passes coordinates ``h*head_dim ...`` through). ``per_head=True`` (needs
     ``head_dim``): every head's ``[head_dim, cols]`` block is ``I`` (the paper's literal reading:
-    every head sees the same first ``head_dim`` coordinates). Returns ``weight``.
+    every head sees the same first ``head_dim`` coordinates). ``gain``: the diagonal's value
+    (rounded once into ``weight``'s dtype), ``0 < gain <=`` half the largest finite value of fp32
+    and of ``weight``'s dtype. Returns ``weight``.
 
     Examples:
         >>> w = torch.empty(128, 256)
         >>> rect_identity_(w)                                  # torch.eye(128, 256)
         >>> rect_identity_(w, head_dim=32, per_head=True)      # torch.eye(32, 256).repeat(4, 1)
+        >>> rect_identity_(w, gain=0.1)                        # 0.1 * torch.eye(128, 256)
     """
     _check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
@@ -558,26 +573,29 @@ def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_
     if per_head and head_dim is None:
         raise ValueError("per_head=True needs head_dim")
     hd = _check_head_dim(head_dim, rows, "weight")
+    gain = _check_gain(gain, [weight.dtype])
     _check_destinations([("weight", weight)])
     if weight.device.type == "meta":
         return weight
     mat = _as_matrix(weight)
     target = mat if mat is not None else torch.empty((rows, cols), dtype=weight.dtype, device=weight.device)
-    _rect_identity_region_(target, head_dim=hd if per_head else None)
+    _rect_identity_region_(target, head_dim=hd if per_head else None, gain=gain)
     if mat is None:
         weight.copy_(target.view(weight.shape))
     return weight
 
 
-def _plan_layers(plan: InitPlan, checked, layer_indices, num_heads: int, num_kv_heads: int, v_mode: str) -> None:
+def _plan_layers(plan: InitPlan, checked, layer_indices, num_heads: int, num_kv_heads: int, v_mode: str,
+                 qk_gain: float, v_gain: float) -> None:
     """Add checked layers ``(q, k, v, biases)`` (layer ``layer_indices[i]``) to ``plan``."""
     sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
     for L, (q, k, v, biases) in zip(layer_indices, checked):
         for w, heads, stream in ((q, num_heads, sq), (k, num_kv_heads, sk)):
             if w is not None:
-                plan.add_heads(stream, L * LAYER_STRIDE, w, w.shape[0] // heads, w.shape[1])
+                plan.add_heads(stream, L * LAYER_STRIDE, w, w.shape[0] // heads, w.shape[1], gain=qk_gain)
         if v is not None:
-            plan.add_identity(v, head_dim=v.shape[0] // num_kv_heads if v_mode == "identity_per_head" else None)
+            plan.add_identity(v, head_dim=v.shape[0] // num_kv_heads if v_mode == "identity_per_head" else None,
+                              gain=v_gain)
         for b in biases:
             if b is not None:
                 plan.add_zero(b)
@@ -588,8 +606,8 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
                              num_kv_heads: Optional[int] = None, seed: Optional[int] = None,
                              generator: Optional[torch.Generator] = None,
                              layer_indices: Optional[Sequence[int]] = None, v_mode: str = "identity",
-                             method: str = "auto", memory_budget: Optional[int] = None,
-                             backend: Optional[str] = None) -> None:
+                             qk_gain: float = 1.0, v_gain: float = 1.0, method: str = "auto",
+                             memory_budget: Optional[int] = None, backend: Optional[str] = None) -> None:
     """Conditioned initialization of many attention layers in one batched pass.
 
     ``layers``: one entry per layer, a dict with keys ``q, k, v`` (and optional ``q_bias, k_bias,
@@ -605,6 +623,12 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
     ``v_mode="identity"``: whole matrix, the default; ``"identity_per_head"``: each head's block).
     Biases are zeroed. ``layer_indices`` must be distinct; no two destinations may share memory.
 
+    Gains (``docs/design.md``, "The method"): every Q and K head block is ``qk_gain`` times a
+    semi-orthogonal block (all its singular values ``qk_gain``), V is ``v_gain`` times the
+    rectangular identity. Default 1 for both: the paper's method, every singular value 1. Each is a
+    finite real ``> 0`` (at most half the largest finite value of fp32 and of the weights' dtypes);
+    the random blocks do not depend on the gains.
+
     ``memory_budget``: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU;
     two or three such buffers are used). ``method``/``backend``: of :func:`orthogonalize`.
 
@@ -614,6 +638,8 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
         >>> conditioned_init_layers_(layers, num_heads=8, num_kv_heads=2, seed=0)
         >>> conditioned_init_layers_(layers[2:], num_heads=8, num_kv_heads=2, seed=0,
         ...                          layer_indices=[2, 3])        # the same bits for layers 2 and 3
+        >>> conditioned_init_layers_(layers, num_heads=8, num_kv_heads=2, seed=0,
+        ...                          v_gain=0.1, qk_gain=0.5)     # V = 0.1 I; Q/K singular values 0.5
     """
     if isinstance(layers, (dict, torch.Tensor)) or not hasattr(layers, "__len__"):
         raise TypeError(f"layers must be a sequence of dicts or tuples, got {type(layers).__name__}")
@@ -643,9 +669,12 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
         entry = _layer_entry(layer, i)
         checked.append(_check_layer(entry, names, num_heads, num_kv_heads, v_mode, f"layers[{i}]"))
         destinations += [(names[key], entry[key]) for key in _LAYER_KEYS]
+    qk_gain, v_gain = check_gains(qk_gain, v_gain,
+                                  [w.dtype for q, k, _, _ in checked for w in (q, k) if w is not None],
+                                  [v.dtype for _, _, v, _ in checked if v is not None])
     _check_destinations(destinations)
     plan = InitPlan()
-    _plan_layers(plan, checked, layer_indices, num_heads, num_kv_heads, v_mode)
+    _plan_layers(plan, checked, layer_indices, num_heads, num_kv_heads, v_mode, qk_gain, v_gain)
     run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)
 
 
@@ -655,10 +684,12 @@ def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: 
                       q_bias: Optional[torch.Tensor] = None, k_bias: Optional[torch.Tensor] = None,
                       v_bias: Optional[torch.Tensor] = None, seed: Optional[int] = None,
                       generator: Optional[torch.Generator] = None, layer_index: int = 0,
-                      v_mode: str = "identity", method: str = "auto",
-                      memory_budget: Optional[int] = None, backend: Optional[str] = None) -> None:
+                      v_mode: str = "identity", qk_gain: float = 1.0, v_gain: float = 1.0,
+                      method: str = "auto", memory_budget: Optional[int] = None,
+                      backend: Optional[str] = None) -> None:
     """Conditioned initialization of one attention layer (see :func:`conditioned_init_layers_`):
-    Q and K per-head Haar semi-orthogonal, V the rectangular identity, biases zero.
+    Q and K per-head Haar semi-orthogonal times ``qk_gain``, V the rectangular identity times
+    ``v_gain``, biases zero. Both gains default to 1 (the paper's method).
 
     ``layer_index`` selects the layer's random blocks, so calling this for every layer with the same
     ``seed`` equals one :func:`conditioned_init_layers_` call over all of them. ``seed`` default
@@ -668,6 +699,8 @@ def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: 
         >>> q, k, v = torch.nn.Linear(512, 512), torch.nn.Linear(512, 128), torch.nn.Linear(512, 128)
         >>> conditioned_init_(q.weight, k.weight, v.weight, num_heads=8, num_kv_heads=2,
         ...                   q_bias=q.bias, k_bias=k.bias, v_bias=v.bias, seed=0, layer_index=3)
+        >>> conditioned_init_(q.weight, k.weight, v.weight, num_heads=8, num_kv_heads=2, seed=0,
+        ...                   v_gain=0.1)                    # V = 0.1 I, Q/K as above
     """
     num_heads, num_kv_heads = _check_heads(num_heads, num_kv_heads)
     check_choice("v_mode", v_mode, V_MODES)
@@ -679,7 +712,9 @@ def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: 
     tensors = {"q": q_weight, "k": k_weight, "v": v_weight, "q_bias": q_bias, "k_bias": k_bias, "v_bias": v_bias}
     names = {key: f"{key}_weight" if key in "qkv" else key for key in _LAYER_KEYS}
     checked = _check_layer(tensors, names, num_heads, num_kv_heads, v_mode, "conditioned_init_")
+    qk_gain, v_gain = check_gains(qk_gain, v_gain, [w.dtype for w in checked[:2] if w is not None],
+                                  [checked[2].dtype] if checked[2] is not None else [])
     _check_destinations([(names[key], tensors[key]) for key in _LAYER_KEYS])
     plan = InitPlan()
-    _plan_layers(plan, [checked], [layer_index], num_heads, num_kv_heads, v_mode)
+    _plan_layers(plan, [checked], [layer_index], num_heads, num_kv_heads, v_mode, qk_gain, v_gain)
     run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)

@@ -6,7 +6,8 @@ Algorithm 1 (``docs/design.md``, "The method"): per head, ``W_Q`` and ``W_K`` ge
 Haar-random semi-orthogonal ``[head_dim, in]`` row blocks (orthonormal rows, every singular value
 1), ``W_V`` the rectangular identity over the whole ``[H_kv * head_dim, in]`` matrix
 (``v_mode="identity"``; or ``I_{d x in}`` in every head block with ``"identity_per_head"``), Q/K/V
-biases zero. Every other parameter is left bitwise alone.
+biases zero. ``qk_gain`` / ``v_gain`` (default 1, the paper's method) scale Q/K and V. Every other
+parameter is left bitwise alone.
 
 **Layer index.** Attention modules are numbered in the order ``model.named_modules()`` yields them
 (a module inside a matched attention module is not visited again), plus ``layer_offset``. The index
@@ -54,7 +55,7 @@ from torch import nn
 
 from condinit._validate import check_bool, check_choice, check_int
 from condinit.init.functional import (K_STREAM, LAYER_STRIDE, MAX_LAYER_INDEX, Q_STREAM, V_MODES, InitPlan,
-                                      check_seed_source, draw_seed, rect_identity_, run_plan)
+                                      check_gains, check_seed_source, draw_seed, rect_identity_, run_plan)
 from condinit.init.orthogonalize import METHODS
 from condinit.init.philox import stream_id
 from condinit.init.spectrum import spectrum
@@ -330,7 +331,8 @@ class ApplyReport:
     (:class:`Uncovered`).
 
     ``print(report)`` (or ``report.print()``) shows a table per layer and projection, then the
-    uncovered modules; ``report.to_dict()`` is JSON-friendly.
+    uncovered modules; ``report.to_dict()`` is JSON-friendly. ``qk_gain`` / ``v_gain``: the gains
+    the weights were written with (1: the paper's method).
     ``time_s`` per layer is the wall time of the batched launches that produced its blocks,
     apportioned by block count, plus its V and bias writes. ``launches``: the number of chunks
     generated and orthogonalized. ``init_time_s`` is the time spent materializing a meta model (its
@@ -347,6 +349,8 @@ class ApplyReport:
     init_time_s: float = 0.0
     total_time_s: float = 0.0
     uncovered: list = field(default_factory=list)
+    qk_gain: float = 1.0
+    v_gain: float = 1.0
 
     def __len__(self):
         return len(self.layers)
@@ -358,7 +362,8 @@ class ApplyReport:
         return self.layers[i]
 
     def to_dict(self) -> dict:
-        return {"seed": self.seed, "method": self.method, "v_mode": self.v_mode, "launches": self.launches,
+        return {"seed": self.seed, "method": self.method, "v_mode": self.v_mode, "qk_gain": self.qk_gain,
+                "v_gain": self.v_gain, "launches": self.launches,
                 "materialized": self.materialized, "sharded": self.sharded, "init_time_s": self.init_time_s,
                 "total_time_s": self.total_time_s, "layers": [l.to_dict() for l in self.layers],
                 "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason} for u in self.uncovered]}
@@ -368,7 +373,8 @@ class ApplyReport:
         from rich.table import Table
 
         t = Table(title=f"condinit.apply: {len(self.layers)} attention layers, seed {self.seed}, method "
-                        f"{self.method}, V {self.v_mode}, {self.launches} launches, {self.total_time_s:.3f} s"
+                        f"{self.method}, V {self.v_mode}, gains Q/K {self.qk_gain:g} V {self.v_gain:g}, "
+                        f"{self.launches} launches, {self.total_time_s:.3f} s"
                         + (" (materialized from meta)" if self.materialized else "")
                         + (" (local shards)" if self.sharded else ""))
         for col in ("layer", "name", "adapter", "heads", "layout", "proj", "shape", "before σmax/σmin/κ",
@@ -525,7 +531,8 @@ def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
 # the public entry point
 
 def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-          method: str = "auto", v_mode: str = "identity", include: Union[str, Sequence[str], None] = None,
+          method: str = "auto", v_mode: str = "identity", qk_gain: float = 1.0, v_gain: float = 1.0,
+          include: Union[str, Sequence[str], None] = None,
           exclude: Union[str, Sequence[str], None] = None, report: bool = True, layer_offset: int = 0,
           device=None, memory_budget: Optional[int] = None, init_fn: Optional[Callable[[nn.Module], None]] = None,
           check_init: bool = True, progress: bool = False, strict: bool = False) -> ApplyReport:
@@ -556,6 +563,11 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
             :func:`condinit.init.orthogonalize`).
         v_mode: ``"identity"`` (rectangular identity over the whole V matrix) or
             ``"identity_per_head"`` (``I_{d x in}`` in every head's rows).
+        qk_gain: every Q and K head block is ``qk_gain`` times a semi-orthogonal block (all its
+            singular values ``qk_gain``). Default 1, the paper's method.
+        v_gain: ``W_V`` is ``v_gain`` times the rectangular identity. Default 1, the paper's method.
+            Both gains: finite reals ``> 0`` (at most half the largest finite value of fp32 and of
+            the projections' dtype), recorded in the report; the random blocks do not depend on them.
         include, exclude: ``fnmatch`` patterns on module names selecting layers (after numbering),
             and which uncovered modules are reported.
         report: measure singular values of every Q/K/V head block before (when the weights hold
@@ -586,6 +598,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         >>> print(report)                                   # per layer and projection: sigma, kappa
         >>> condinit.apply(model, seed=0, include="model.layers.0.*")   # the same bits for layer 0
         >>> condinit.apply(vlm, seed=0, strict=True)        # refuses if any attention is left out
+        >>> condinit.apply(model, seed=0, v_gain=0.1)       # W_V = 0.1 I; Q/K as without it
         >>> with torch.device("meta"):
         ...     big = transformers.AutoModelForCausalLM.from_config(config)
         >>> condinit.apply(big, seed=0, device="cuda")       # materialized, then conditioned
@@ -607,6 +620,9 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
 
     found = _discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict)
     layers, uncovered = found.layers, found.uncovered
+    # checked against the projections' dtypes (known on meta models too), before anything is written
+    qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],
+                                  [l.spec.v.weight.dtype for l in layers])
     params = list(model.parameters())
     meta = has_meta(model)
     if meta:
@@ -636,7 +652,8 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
 
     sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
-        plan, reports = _plan(layers, v_mode, measure_before=report and not meta and not sharded)
+        plan, reports = _plan(layers, v_mode, measure_before=report and not meta and not sharded,
+                              qk_gain=qk_gain, v_gain=v_gain)
         after: dict = {}   # (layer position, stream) -> [(first block id, Spectrum)]
 
         def observe(run, first, stop, blocks):
@@ -665,19 +682,21 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
             reports[i].after[projection[stream]] = BlockStats.from_heads(smax, smin, cond)
         v_stats: dict = {}
         for rep, l in zip(reports, layers):
-            key = (l.spec.num_kv_heads, l.spec.head_dim, l.spec.v.in_features)
+            key = (l.spec.num_kv_heads, l.spec.head_dim, l.spec.v.in_features, l.spec.v.weight.dtype)
             if key not in v_stats:
-                v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key))
+                v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key, v_gain))
             rep.after["v"] = v_stats[key]
     return ApplyReport(reports, seed, method, v_mode, launches, meta, sharded, init_time,
-                       time.perf_counter() - t_start, list(uncovered))
+                       time.perf_counter() - t_start, list(uncovered), qk_gain, v_gain)
 
 
-def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool):
-    """The :class:`InitPlan` writing the local part of every layer's Q/K/V and biases (owner: the
-    layer's position in ``layers``), and one :class:`LayerReport` per layer (``before`` measured
-    when asked). A projection in several groups (interleaved layouts) is planned group by group,
-    each at its logical rows, so head ``h`` is block ``h`` whatever the storage order."""
+def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool, qk_gain: float = 1.0,
+          v_gain: float = 1.0):
+    """The :class:`InitPlan` writing the local part of every layer's Q/K/V (Q/K times ``qk_gain``,
+    V ``v_gain`` times the identity) and biases (owner: the layer's position in ``layers``), and
+    one :class:`LayerReport` per layer (``before`` measured when asked). A projection in several
+    groups (interleaved layouts) is planned group by group, each at its logical rows, so head ``h``
+    is block ``h`` whatever the storage order."""
     plan, reports = InitPlan(), []
     sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
     for i, l in enumerate(layers):
@@ -693,21 +712,25 @@ def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool
         for p, proj, stream in (("q", s.q, sq), ("k", s.k, sk)):
             heads = _one_head_groups(proj, s.head_dim)
             if heads is not None:     # one view of every head: one run, batched like a contiguous weight
-                plan.add_heads(stream, l.index * LAYER_STRIDE, heads, s.head_dim, proj.in_features, owner=i)
+                plan.add_heads(stream, l.index * LAYER_STRIDE, heads, s.head_dim, proj.in_features,
+                               gain=qk_gain, owner=i)
                 continue
             for reg in _local_regions(proj, f"{l.name}.{p}"):
                 plan.add_heads(stream, l.index * LAYER_STRIDE, reg.view, s.head_dim, proj.in_features,
-                               row_lo=reg.r_lo, col_lo=reg.c_lo, owner=i)
+                               row_lo=reg.r_lo, col_lo=reg.c_lo, gain=qk_gain, owner=i)
         for reg in _local_regions(s.v, f"{l.name}.v"):
             plan.add_identity(reg.view, row_lo=reg.r_lo, col_lo=reg.c_lo,
-                              head_dim=s.head_dim if v_mode == "identity_per_head" else None, owner=i)
+                              head_dim=s.head_dim if v_mode == "identity_per_head" else None, gain=v_gain, owner=i)
         for p, proj in s.projections():
             for bias in _local_biases(proj, f"{l.name}.{p} bias"):
                 plan.add_zero(bias, owner=i)
     return plan, reports
 
 
-def _identity_blocks(v_mode: str, num_kv_heads: int, d: int, n: int) -> torch.Tensor:
-    """The V that :func:`apply` writes, as ``[num_kv_heads, d, n]`` head blocks (for the report)."""
-    w = rect_identity_(torch.empty(num_kv_heads * d, n), head_dim=d, per_head=v_mode == "identity_per_head")
+def _identity_blocks(v_mode: str, num_kv_heads: int, d: int, n: int, dtype: torch.dtype,
+                     gain: float) -> torch.Tensor:
+    """The V that :func:`apply` writes, as ``[num_kv_heads, d, n]`` head blocks of ``dtype`` (for
+    the report: ``gain`` rounded as the weight stores it)."""
+    w = rect_identity_(torch.empty(num_kv_heads * d, n, dtype=dtype), head_dim=d,
+                       per_head=v_mode == "identity_per_head", gain=gain)
     return w.view(num_kv_heads, d, n)

@@ -26,7 +26,7 @@ ValueError naming the file and what is wrong, never a traceback.
 The ``condinit`` metadata entry (a JSON string in the safetensors header) written by ``condinit init``::
 
     {"format": 1, "family": "llama", "seed": 0, "method": "auto", "v_mode": "identity",
-     "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
+     "qk_gain": 1.0, "v_gain": 1.0, "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
      "layers": [{"index": 0, "name": "model.layers.0.self_attn", "num_heads": 32, "num_kv_heads": 8,
                  "head_dim": 64, "layout": "separate", "q": {"tensor": "model.layers.0.self_attn.q_proj.weight",
                  "start": 0, "stop": 2048, "transposed": false}, "k": {...}, "v": {...}}, ...],
@@ -383,7 +383,8 @@ def condinit_metadata(model: nn.Module, report, family: str, extra: Optional[dic
         layers.append(ent)
     first = layers[0] if layers else {}
     meta = {"format": METADATA_FORMAT, "family": family, "seed": report.seed, "method": report.method,
-            "v_mode": report.v_mode, "num_heads": first.get("num_heads"), "num_kv_heads": first.get("num_kv_heads"),
+            "v_mode": report.v_mode, "qk_gain": report.qk_gain, "v_gain": report.v_gain,
+            "num_heads": first.get("num_heads"), "num_kv_heads": first.get("num_kv_heads"),
             "head_dim": first.get("head_dim"), "layers": layers,
             "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason}
                           for u in getattr(report, "uncovered", ())]}
@@ -568,6 +569,10 @@ def _check_metadata(meta, where: str) -> dict:
             fail(key, "a string", meta[key])
     if meta.get("seed") is not None and not (_is_int(meta["seed"]) and meta["seed"] >= 0):
         fail("seed", "an integer >= 0", meta["seed"])
+    for key in ("qk_gain", "v_gain"):   # absent in files written before the gains existed: 1, the paper's
+        g = meta.get(key)
+        if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g < float("inf")):
+            fail(key, "a finite number > 0", g)
     for key in _LAYER_INTS:
         if meta.get(key) is not None and not (_is_int(meta[key]) and meta[key] >= 1):
             fail(key, "an integer >= 1 or null", meta[key])

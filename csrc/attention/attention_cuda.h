@@ -1,13 +1,23 @@
 // Launchers of the CUDA attention kernels (attention_kernels.cu). Light header: raw pointers only, no
-// torch, so the .cu compiles without ATen. attention_cuda.cpp checks the tensors and calls these.
+// torch, so the .cu compiles without ATen (and as host C++ in the emulator, csrc/attention/emu).
+// attention_cuda.cpp checks the tensors and calls these.
 //
 // Layouts (all contiguous, element offsets in int64): q, out [B, H, Nq, d]; k, v [B, Hkv, Nk, d];
-// tq, tout [P, B, H, Nq, d]; tk, tv [P, B, Hkv, Nk, d]; lse, Dvec [B, H, Nq] float32.
-// Every tensor pointer must be 16-byte aligned. d must satisfy head_dim_supported().
+// tq, tout [P, B, H, Nq, d]; tk, tv [P, B, Hkv, Nk, d]; lse, Dvec [B, H, Nq] float32; q_lens, kv_lens
+// int32 [B] in device memory, or null. Any head dim 1..256 (padded to a multiple of 16 inside the
+// kernels). Tensor pointers must be 16-byte aligned when d * sizeof(element) is a multiple of 16
+// (the kernels then read 16-byte vectors; otherwise element by element).
+//
+// Masks (docs/design.md, "Attention"): for batch b, Lq = q_lens[b] (else Nq), Lk = kv_lens[b] (else
+// Nk), off = Lk - Lq. Query row i is valid iff i < Lq; key j is allowed for it iff j < Lk and
+// (!causal || j <= i + off) and (window_left < 0 || j >= i + off - window_left) and
+// (window_right < 0 || j <= i + off + window_right). A row with no allowed key gets out 0, tangents
+// 0, lse -inf and contributes nothing to any gradient.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace condinit {
@@ -19,28 +29,42 @@ struct Shape {
   int64_t B, H, Hkv, Nq, Nk, d;
   bool causal;
   float scale;
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded
+  const int* q_lens = nullptr;                  // device int32 [B] or null
+  const int* kv_lens = nullptr;
 };
 
-// d in {16, 32, 64, 80, 96, 128, 256}.
+constexpr int64_t kMaxHeadDim = 256;
+
+// 1 <= d <= kMaxHeadDim.
 bool head_dim_supported(int64_t d);
 
-// out = softmax(s q k^T) v, lse = log rowsum exp(s q k^T) (fp32 math).
+// What a launcher runs for one kernel (kind: 0 fwd, 1 jvp, 2 bwd dq, 3 bwd dk/dv) at a per-block
+// shared-memory limit: warps per block (0: nothing fits), dynamic shared memory, the padded head
+// dim, output columns per block and the tile along the looped sequence. Exposed for the offline
+// resource checks (tests/test_gpu_resources.py) and the static model in BENCHMARKS.md.
+struct LaunchPlan {
+  int warps;
+  size_t smem_bytes;
+  int dpad, cols_per_block, loop_tile;
+};
+LaunchPlan launch_plan(int kind, DType dtype, int64_t d, size_t smem_limit);
+
+// out = softmax(s q k^T + mask) v, lse = log rowsum exp(s q k^T + mask) (fp32 math).
 cudaError_t fwd(DType dtype, const Shape& s, const void* q, const void* k, const void* v, void* out, float* lse,
                 cudaStream_t stream);
 
-// Floats of scratch the JVP needs for P probes (per-probe fp32 accumulators). No initialization needed.
-int64_t jvp_workspace_floats(const Shape& s, int64_t P);
-
-// Forward plus the tangents of P probes in one pass (the probes share the primal tiles).
+// Forward plus the tangents of P >= 1 probes. Each probe runs in its own blocks (its accumulators
+// stay in registers); the primal outputs come from the probe-0 blocks.
 cudaError_t jvp(DType dtype, const Shape& s, int64_t P, const void* q, const void* k, const void* v, const void* tq,
-                const void* tk, const void* tv, void* out, void* tout, float* lse, float* workspace,
-                cudaStream_t stream);
+                const void* tk, const void* tv, void* out, void* tout, float* lse, cudaStream_t stream);
 
-// Flash backward. Dvec = rowsum(dout o out) in fp32 (computed by the caller). dq_acc: fp32 [B, H, Nq, d],
-// zeroed by the caller; receives dq (already multiplied by the scale) through atomic adds.
-// dk, dv (input dtype) are fully written, summed over the query heads of each GQA group.
+// Flash backward, deterministic (no atomics): one kernel writes dq (one block per query tile,
+// looping over keys), another dk, dv (one block per key tile, looping over the queries of every
+// head of its GQA group). Dvec = rowsum(dout o out) in fp32 (computed by the caller). All outputs
+// (input dtype) are fully written.
 cudaError_t bwd(DType dtype, const Shape& s, const void* dout, const void* q, const void* k, const void* v,
-                const float* lse, const float* Dvec, float* dq_acc, void* dk, void* dv, cudaStream_t stream);
+                const float* lse, const float* Dvec, void* dq, void* dk, void* dv, cudaStream_t stream);
 
 }  // namespace attention_cuda
 }  // namespace condinit

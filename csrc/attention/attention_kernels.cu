@@ -1,29 +1,48 @@
 // CUDA kernels of the fused attention op (forward, multi-probe JVP, flash backward); the math is in
 // attention_cpu.cpp's header comment and docs/design.md, "Attention".
 //
-// Design (correctness first, then tensor cores):
-// * One CTA per (batch, head, tile of BM queries) for fwd/jvp, per (batch, kv head, tile of BN keys)
-//   for bwd. Each warp owns 16 rows of the tile (query rows in fwd/jvp, key rows in bwd) for every
-//   phase, so row-wise softmax work needs only __syncwarp; __syncthreads guards the shared K/V (fwd,
-//   jvp) or Q/dO (bwd) tiles, staged through shared memory with 16-byte loads, zero-filled past the end.
-// * Tile products are warp-level: fp16/bf16 use WMMA 16x16x16 fragments with fp32 accumulation
-//   (sm_80+); fp32 uses plain fp32 FMA loops (exact fp32, no TF32). Scores, probabilities and
-//   accumulators live in fp32 shared memory; only the operands of products are in the input dtype.
-// * The JVP keeps the primal accumulator O in shared memory and the per-probe accumulators
-//   (accT_p = P~ V'_p + (P~ o S'_p) V, r_p) in a global fp32 workspace that the CTA owns row-wise, so
-//   any number of probes shares one S / exp / m / l computation per tile.
-// * bwd: dK and dV accumulate in shared memory over all query tiles and all query heads of the
-//   GQA group; dQ contributions are added with fp32 atomics into dq_acc.
-// * Tile sizes are picked at launch from the largest that fits the device's shared memory.
+// Design (FlashAttention-2 style):
+// * A block is 1-4 warps; each warp owns 16 rows for the whole kernel (query rows in fwd / jvp / dq,
+//   key rows in dk/dv) and keeps its accumulators (O, the probe's O', dQ, dK, dV) and the row
+//   statistics of the online softmax (m, l, and the probe's r) in registers, as mma.sync C
+//   fragments. Scores never leave registers: the C fragment of S = Q K^T is, element for element,
+//   the A fragment of P V (FlashAttention-2's register reuse), so fp16/bf16 need no shared memory
+//   for P. Row reductions are two quad shuffles.
+// * The block's own tile (Q and the probe's tangent Q in fwd / jvp / dq, K and V in dk/dv) is loaded
+//   into shared memory once; the looped tiles (K, V and the tangents, or Q and dO) are streamed
+//   through shared memory. Rows outside the sequence lengths and the padded head-dim columns are
+//   zero-filled, so products over padding add exact zeros.
+// * fp16 / bf16: mma.sync.m16n8k16 with fp32 accumulation (sm_80+). fp32: the same fragments
+//   computed with fp32 FMAs from shared memory (exact fp32, no TF32); P goes through a per-warp
+//   shared scratch tile there.
+// * Head dim d (1..256) is padded to dpad, a multiple of 16; the output columns are split into
+//   chunks of kCols columns (a grid dimension), so accumulators have a fixed size in registers.
+// * Masks (attention_cuda.h): a block visits only the key (query) tiles that some row of it may
+//   attend; element masks are selects (never arithmetic), so masked entries holding NaN/Inf do not
+//   contribute to scores. A NaN in an allowed entry propagates through exp into the row's outputs.
+// * JVP: one block per (query tile, head, output chunk, probe): the probe's accumulators stay in
+//   registers; the primal (S, exp, m, l) is recomputed per probe and written by the probe-0 blocks.
+// * Backward: deterministic; dq in one kernel (blocks over query tiles, loop over key tiles), dk and
+//   dv in another (blocks over key tiles, loop over query tiles of every head of the GQA group).
 #include "attention_cuda.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+
+#ifdef CONDINIT_ATTN_EMU
+// The CPU emulator (csrc/attention/emu): mock mma.sync and launch.
+#include "mma.h"
+#define CONDINIT_DYNAMIC_SMEM(name) unsigned char* name = emu_dynamic_smem()
+#define CONDINIT_LAUNCH(kernel, grid, block, smem, stream, params) emu_launch(kernel, grid, block, smem, stream, params)
+#else
+#define CONDINIT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#define CONDINIT_LAUNCH(kernel, grid, block, smem, stream, params) kernel<<<grid, block, smem, stream>>>(params)
+#endif
 
 namespace condinit {
 namespace attention_cuda {
@@ -31,6 +50,8 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_huge_valf();
+constexpr int kCols = 128;     // output columns per block (accumulator width in registers)
+constexpr int kMaxWarps = 4;   // rows per block: 16 per warp
 
 // ------------------------------------------------------------------------------------------------
 // dtype helpers
@@ -54,521 +75,758 @@ struct Cvt<__nv_bfloat16> {
 };
 
 template <typename T>
-constexpr bool kUseWmma = !std::is_same<T, float>::value;
+constexpr bool kSimt = std::is_same<T, float>::value;  // fp32: FMA products, no tensor cores
 
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
+// x rounded to T and back (what a 16-bit product operand holds).
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return Cvt<T>::to_f(Cvt<T>::from_f(x));
 }
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
+
+template <typename T>
+__device__ __forceinline__ uint32_t bits16(T x) {
+  uint16_t u;
+  memcpy(&u, &x, 2);
+  return u;
+}
+// Two values packed as a 32-bit mma operand register: the lower index in the lower half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return bits16(Cvt<T>::from_f(lo)) | (bits16(Cvt<T>::from_f(hi)) << 16);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pair2(const T* lo, const T* hi) {
+  return bits16(*lo) | (bits16(*hi) << 16);
+}
+__device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// D = A B + D for one m16n8k16 tile, A row-major (4 registers), B column-major (2 registers), fp32
+// accumulators; register layouts as in the PTX ISA ("Matrix Fragments for mma.m16n8k16").
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(CONDINIT_ATTN_EMU)
+  emu_mma_m16n8k16(std::is_same<T, __half>::value, c, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();  // the launchers refuse 16-bit dtypes below sm_80
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------
-// Warp-level tile products. C is fp32 (shared or global memory, row-major, ldc); A and B are in T.
-// All leading dimensions are multiples of 8 elements (16 bytes) and every fragment pointer is
-// 32-byte aligned (tile offsets are multiples of 16 rows/columns), as WMMA requires.
-// Each function ends with __syncwarp() so that the lanes may read C elementwise afterwards.
+// Warp-level tile products. Fragment coordinates: lane = 4 g + t; C element e of n-tile nt is at
+// row g + 8 (e >> 1), column 8 nt + 2 t + (e & 1).
 
-// C[16 x n] = (accumulate ? C : 0) + A[16 x k] B^T, B stored [n x k] row-major.
-template <typename T>
-__device__ void warp_mm_nt(float* C, int ldc, const T* A, int lda, const T* B, int ldb, int n, int k,
-                           bool accumulate) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kUseWmma<T>) {
-    using namespace nvcuda;
-    for (int j = 0; j < n; j += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
-      if (accumulate) wmma::load_matrix_sync(c, C + j, ldc, wmma::mem_row_major);
-      else wmma::fill_fragment(c, 0.0f);
-      for (int kk = 0; kk < k; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;  // B^T: (kk, j) at B[j * ldb + kk]
-        wmma::load_matrix_sync(a, A + kk, lda);
-        wmma::load_matrix_sync(b, B + (int64_t)j * ldb + kk, ldb);
-        wmma::mma_sync(c, a, b, c);
+// C[16 x 8 NT] += A[16 x K] B^T: A [16 rows][K] and B [8 NT rows][K] row-major in shared memory
+// (leading dims lda, ldb), K a multiple of 16 (zero-padded).
+template <typename T, int NT>
+__device__ __forceinline__ void mma_abt(float (&c)[NT][4], const T* A, int lda, const T* B, int ldb, int K) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kSimt<T>) {
+    const float* a0 = A + g * lda;
+    const float* a1 = A + (g + 8) * lda;
+    for (int k = 0; k < K; ++k) {
+      const float x0 = a0[k], x1 = a1[k];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float y0 = B[(nt * 8 + 2 * t) * ldb + k], y1 = B[(nt * 8 + 2 * t + 1) * ldb + k];
+        c[nt][0] = fmaf(x0, y0, c[nt][0]);
+        c[nt][1] = fmaf(x0, y1, c[nt][1]);
+        c[nt][2] = fmaf(x1, y0, c[nt][2]);
+        c[nt][3] = fmaf(x1, y1, c[nt][3]);
       }
-      wmma::store_matrix_sync(C + j, c, ldc, wmma::mem_row_major);
     }
-    __syncwarp();
-    return;
+  } else {
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      const uint32_t a[4] = {ld32(A + g * lda + k0 + 2 * t), ld32(A + (g + 8) * lda + k0 + 2 * t),
+                             ld32(A + g * lda + k0 + 8 + 2 * t), ld32(A + (g + 8) * lda + k0 + 8 + 2 * t)};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const T* brow = B + (nt * 8 + g) * ldb + k0 + 2 * t;
+        const uint32_t b[2] = {ld32(brow), ld32(brow + 8)};
+        mma_16816<T>(c[nt], a, b);
+      }
+    }
   }
-#endif
-  const int lane = threadIdx.x & 31;
-  for (int idx = lane; idx < 16 * n; idx += 32) {
-    const int i = idx / n, j = idx - i * n;
-    float s = accumulate ? C[(int64_t)i * ldc + j] : 0.0f;
-    const T* a = A + (int64_t)i * lda;
-    const T* b = B + (int64_t)j * ldb;
-    for (int kk = 0; kk < k; ++kk) s = fmaf(Cvt<T>::to_f(a[kk]), Cvt<T>::to_f(b[kk]), s);
-    C[(int64_t)i * ldc + j] = s;
-  }
-  __syncwarp();
 }
 
-// C[16 x n] += A[16 x k] B, B stored [k x n] row-major.
-template <typename T>
-__device__ void warp_mm_nn(float* C, int ldc, const T* A, int lda, const T* B, int ldb, int n, int k) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kUseWmma<T>) {
-    using namespace nvcuda;
-    for (int j = 0; j < n; j += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
-      wmma::load_matrix_sync(c, C + j, ldc, wmma::mem_row_major);
-      for (int kk = 0; kk < k; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, A + kk, lda);
-        wmma::load_matrix_sync(b, B + (int64_t)kk * ldb + j, ldb);
-        wmma::mma_sync(c, a, b, c);
-      }
-      wmma::store_matrix_sync(C + j, c, ldc, wmma::mem_row_major);
+// C[16 x 8 NO] += P[16 x 8 KT] B: P in registers as C fragments (fp32), B [8 KT rows][>= 8 NO cols]
+// row-major in shared memory (ldb). Only n-tiles below n_active are computed (the rest is padding).
+// fp16/bf16: P is rounded to T (its C fragment pairs are the A fragment of m16n8k16). fp32: P goes
+// through the warp's scratch tile [16][8 KT + 4].
+template <typename T, int KT, int NO>
+__device__ __forceinline__ void mma_pb(float (&c)[NO][4], const float (&p)[KT][4], const T* B, int ldb, int n_active,
+                                       float* scratch) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if constexpr (kSimt<T>) {
+    constexpr int lds = 8 * KT + 4;
+#pragma unroll
+    for (int nt = 0; nt < KT; ++nt) {
+      scratch[g * lds + nt * 8 + 2 * t] = p[nt][0];
+      scratch[g * lds + nt * 8 + 2 * t + 1] = p[nt][1];
+      scratch[(g + 8) * lds + nt * 8 + 2 * t] = p[nt][2];
+      scratch[(g + 8) * lds + nt * 8 + 2 * t + 1] = p[nt][3];
     }
     __syncwarp();
-    return;
-  }
-#endif
-  const int lane = threadIdx.x & 31;
-  for (int idx = lane; idx < 16 * n; idx += 32) {
-    const int i = idx / n, j = idx - i * n;
-    float s = C[(int64_t)i * ldc + j];
-    const T* a = A + (int64_t)i * lda;
-    for (int kk = 0; kk < k; ++kk) s = fmaf(Cvt<T>::to_f(a[kk]), Cvt<T>::to_f(B[(int64_t)kk * ldb + j]), s);
-    C[(int64_t)i * ldc + j] = s;
-  }
-  __syncwarp();
-}
-
-// C[16 x n] = A^T B where A is stored [k x 16] (row-major, lda: A^T(i, kk) = A[kk * lda + i]) and
-// B [k x n] row-major.
-template <typename T>
-__device__ void warp_mm_tn(float* C, int ldc, const T* A, int lda, const T* B, int ldb, int n, int k) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kUseWmma<T>) {
-    using namespace nvcuda;
-    for (int j = 0; j < n; j += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
-      wmma::fill_fragment(c, 0.0f);
-      for (int kk = 0; kk < k; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;  // (i, kk) at A[kk * lda + i]
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, A + (int64_t)kk * lda, lda);
-        wmma::load_matrix_sync(b, B + (int64_t)kk * ldb + j, ldb);
-        wmma::mma_sync(c, a, b, c);
+    for (int kk = 0; kk < 8 * KT; ++kk) {
+      const float x0 = scratch[g * lds + kk], x1 = scratch[(g + 8) * lds + kk];
+      const float* brow = B + kk * ldb + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt) {
+        if (nt < n_active) {
+          const float y0 = brow[nt * 8], y1 = brow[nt * 8 + 1];
+          c[nt][0] = fmaf(x0, y0, c[nt][0]);
+          c[nt][1] = fmaf(x0, y1, c[nt][1]);
+          c[nt][2] = fmaf(x1, y0, c[nt][2]);
+          c[nt][3] = fmaf(x1, y1, c[nt][3]);
+        }
       }
-      wmma::store_matrix_sync(C + j, c, ldc, wmma::mem_row_major);
     }
-    __syncwarp();
-    return;
+    __syncwarp();  // every lane has read the scratch before it is rewritten
+  } else {
+    static_assert(KT % 2 == 0, "the key tile must be a multiple of 16");
+#pragma unroll
+    for (int ks = 0; ks < KT / 2; ++ks) {
+      const uint32_t a[4] = {pack2<T>(p[2 * ks][0], p[2 * ks][1]), pack2<T>(p[2 * ks][2], p[2 * ks][3]),
+                             pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
+                             pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+      const T* b0 = B + (16 * ks + 2 * t) * ldb + g;
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt) {
+        if (nt < n_active) {
+          const T* col = b0 + nt * 8;
+          const uint32_t b[2] = {pair2(col, col + ldb), pair2(col + 8 * ldb, col + 9 * ldb)};
+          mma_16816<T>(c[nt], a, b);
+        }
+      }
+    }
   }
-#endif
-  const int lane = threadIdx.x & 31;
-  for (int idx = lane; idx < 16 * n; idx += 32) {
-    const int i = idx / n, j = idx - i * n;
-    float s = 0.0f;
-    for (int kk = 0; kk < k; ++kk)
-      s = fmaf(Cvt<T>::to_f(A[(int64_t)kk * lda + i]), Cvt<T>::to_f(B[(int64_t)kk * ldb + j]), s);
-    C[(int64_t)i * ldc + j] = s;
-  }
-  __syncwarp();
 }
 
-// Copies rows [row0, row0 + R) of a [nrows, d] row-major matrix into dst[R][ld], zero rows past nrows
-// (so that products over padded rows/keys add exact zeros, never stale NaNs). 16-byte vectors: d * sizeof(T)
-// is a multiple of 32 and ld * sizeof(T) a multiple of 16.
+// dst[r][c] (r < R, c < width, leading dim ld) = src[(row0 + r) * d + c0 + c] where row0 + r < nrows
+// and c0 + c < d, else 0. All threads of the block take part.
 template <typename T>
-__device__ void load_tile(T* dst, int ld, const T* src, int64_t row0, int64_t nrows, int R, int d) {
+__device__ void load_tile(T* dst, int ld, const T* src, int d, int64_t row0, int64_t nrows, int R, int c0,
+                          int width) {
   constexpr int kVec = 16 / sizeof(T);
-  const int chunks = d / kVec;
-  for (int idx = threadIdx.x; idx < R * chunks; idx += blockDim.x) {
-    const int r = idx / chunks, c = (idx - r * chunks) * kVec;
-    int4 val = make_int4(0, 0, 0, 0);
-    if (row0 + r < nrows) val = *reinterpret_cast<const int4*>(src + (row0 + r) * d + c);
-    *reinterpret_cast<int4*>(dst + (int64_t)r * ld + c) = val;
+  if (d % kVec == 0 && c0 % kVec == 0) {  // width is a multiple of 16 elements
+    const int chunks = width / kVec;
+    for (int idx = threadIdx.x; idx < R * chunks; idx += blockDim.x) {
+      const int r = idx / chunks, c = (idx - r * chunks) * kVec;
+      int4 val = make_int4(0, 0, 0, 0);
+      if (row0 + r < nrows && c0 + c < d) val = *reinterpret_cast<const int4*>(src + (row0 + r) * d + c0 + c);
+      *reinterpret_cast<int4*>(dst + r * ld + c) = val;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < R * width; idx += blockDim.x) {
+      const int r = idx / width, c = idx - r * width;
+      T val = Cvt<T>::from_f(0.0f);
+      if (row0 + r < nrows && c0 + c < d) val = src[(row0 + r) * d + c0 + c];
+      dst[r * ld + c] = val;
+    }
   }
 }
 
 // ------------------------------------------------------------------------------------------------
-// Shared-memory layouts (computed identically on host and device).
+// Geometry and masks
 
-__host__ __device__ inline size_t align128(size_t x) { return (x + 127) & ~size_t(127); }
-
-struct FwdLayout {
-  int ldT, ldS, ldP, ldO;  // leading dims: T tiles [.., d], fp32 scores [.., BN], T scores, fp32 acc [.., d]
-  size_t q, k, v, tq, tk, tv, s, p, sp, w, o, m, l, a, total;
+struct Geometry {
+  int64_t B, H, Hkv, Nq, Nk;
+  int d, dpad, nchunks;
+  int64_t window_left, window_right;
+  bool causal;
+  float scale;
+  const int* q_lens;
+  const int* kv_lens;
 };
 
-__host__ __device__ inline FwdLayout fwd_layout(int BM, int BN, int d, int sz, bool jvp) {
-  FwdLayout L;
-  L.ldT = d + 16 / sz;
-  L.ldS = BN + 4;
-  L.ldP = BN + 16 / sz;
-  L.ldO = d + 4;
+struct Seq {
+  int64_t Lq, Lk, off;
+};
+
+__device__ __forceinline__ Seq seq_of(const Geometry& g, int64_t b) {
+  int64_t Lq = g.q_lens != nullptr ? g.q_lens[b] : g.Nq, Lk = g.kv_lens != nullptr ? g.kv_lens[b] : g.Nk;
+  Lq = Lq < 0 ? 0 : Lq > g.Nq ? g.Nq : Lq;
+  Lk = Lk < 0 ? 0 : Lk > g.Nk ? g.Nk : Lk;
+  return Seq{Lq, Lk, Lk - Lq};
+}
+
+__device__ __forceinline__ bool allowed(const Geometry& g, const Seq& s, int64_t i, int64_t j) {
+  const int64_t c = i + s.off;
+  return i < s.Lq && j < s.Lk && (!g.causal || j <= c) && (g.window_left < 0 || j >= c - g.window_left) &&
+         (g.window_right < 0 || j <= c + g.window_right);
+}
+
+// Keys [lo, hi) that some valid row of [i0, i1) may attend (lo >= hi: none).
+__device__ __forceinline__ void key_range(const Geometry& g, const Seq& s, int64_t i0, int64_t i1, int64_t& lo,
+                                          int64_t& hi) {
+  if (i1 > s.Lq) i1 = s.Lq;
+  lo = 0;
+  hi = i0 < i1 ? s.Lk : 0;
+  if (g.causal && hi > i1 - 1 + s.off + 1) hi = i1 + s.off;
+  if (g.window_right >= 0 && hi > i1 + s.off + g.window_right) hi = i1 + s.off + g.window_right;
+  if (g.window_left >= 0 && lo < i0 + s.off - g.window_left) lo = i0 + s.off - g.window_left;
+}
+
+// Valid query rows [lo, hi) that may attend some key of [j0, j1) (lo >= hi: none).
+__device__ __forceinline__ void query_range(const Geometry& g, const Seq& s, int64_t j0, int64_t j1, int64_t& lo,
+                                            int64_t& hi) {
+  if (j1 > s.Lk) j1 = s.Lk;
+  lo = 0;
+  hi = j0 < j1 ? s.Lq : 0;
+  if (g.causal && lo < j0 - s.off) lo = j0 - s.off;
+  if (g.window_right >= 0 && lo < j0 - s.off - g.window_right) lo = j0 - s.off - g.window_right;
+  if (g.window_left >= 0 && hi > j1 - 1 + g.window_left - s.off + 1) hi = j1 + g.window_left - s.off;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tiles and shared-memory layouts (identical on host and device).
+
+// Keys per streamed tile in fwd / jvp / dq, queries per streamed tile in dk/dv.
+template <typename T>
+constexpr int fwd_bn() { return kSimt<T> ? 32 : 64; }
+template <typename T>
+constexpr int jvp_bn() { return kSimt<T> ? 16 : 32; }
+template <typename T>
+constexpr int dq_bn() { return kSimt<T> ? 32 : 64; }
+constexpr int kDkdvBm = 32;
+
+__host__ __device__ inline int pad16(int64_t d) { return (int)((d + 15) / 16 * 16); }
+__host__ __device__ inline size_t align128(size_t x) { return (x + 127) & ~size_t(127); }
+__host__ __device__ inline int min_int(int a, int b) { return a < b ? a : b; }
+
+// A [rows][width] tile of `elem`-byte elements, rows padded by 16 bytes (conflict-free fragment loads).
+struct TileDim {
+  int ld;
+  size_t bytes;
+};
+__host__ __device__ inline TileDim tile_dim(int rows, int width, int elem) {
+  const int ld = width + 16 / elem;
+  return TileDim{ld, align128((size_t)rows * ld * elem)};
+}
+
+// Offsets (bytes) into dynamic shared memory.
+struct FwdLayout {
+  int ldq, ldk, ldv, lds;
+  size_t q, tq, k, tk, v, tv, scratch, total;
+};
+// kind 0 fwd, 1 jvp, 2 dq; rows = 16 * warps.
+__host__ __device__ inline FwdLayout fwd_layout(int kind, int elem, int dpad, int rows, int bn, bool simt) {
+  FwdLayout L{};
+  const int vcols = min_int(kCols, dpad);
+  const TileDim qd = tile_dim(rows, dpad, elem), kd = tile_dim(bn, dpad, elem),
+                vd = tile_dim(bn, kind == 2 ? dpad : vcols, elem);
+  L.ldq = qd.ld;
+  L.ldk = kd.ld;
+  L.ldv = vd.ld;
+  L.lds = 8 * (bn / 8) + 4;
   size_t off = 0;
-  const size_t tq_bytes = align128((size_t)BM * L.ldT * sz), tk_bytes = align128((size_t)BN * L.ldT * sz);
-  const size_t s_bytes = align128((size_t)BM * L.ldS * 4), p_bytes = align128((size_t)BM * L.ldP * sz);
-  L.q = off; off += tq_bytes;
-  L.k = off; off += tk_bytes;
-  L.v = off; off += tk_bytes;
-  L.tq = off; off += jvp ? tq_bytes : 0;
-  L.tk = off; off += jvp ? tk_bytes : 0;
-  L.tv = off; off += jvp ? tk_bytes : 0;
-  L.s = off; off += s_bytes;
-  L.p = off; off += p_bytes;
-  L.sp = off; off += jvp ? s_bytes : 0;
-  L.w = off; off += jvp ? p_bytes : 0;
-  L.o = off; off += align128((size_t)BM * L.ldO * 4);
-  L.m = off; off += align128((size_t)BM * 4);
-  L.l = off; off += align128((size_t)BM * 4);
-  L.a = off; off += align128((size_t)BM * 4);
+  L.q = off; off += qd.bytes;                        // Q (fwd, jvp, dq)
+  L.tq = off; off += kind != 0 ? qd.bytes : 0;       // tangent Q (jvp) or dO (dq)
+  L.k = off; off += kd.bytes;                        // K
+  L.tk = off; off += kind == 1 ? kd.bytes : 0;       // tangent K (jvp)
+  L.v = off; off += vd.bytes;                        // V (its output chunk; all of it in dq)
+  L.tv = off; off += kind == 1 ? vd.bytes : 0;       // tangent V (jvp)
+  L.scratch = off; off += simt ? align128((size_t)(rows / 16) * 16 * L.lds * 4) : 0;
   L.total = off;
   return L;
 }
 
-struct BwdLayout {
-  int ldT, ldS, ldP, ldO;  // T tiles [.., d], fp32 transposed scores [BN][BM], T scores, fp32 acc [.., d]
-  size_t k, v, q, dout, lse, D, st, pt, dpt, dst, dk, dv, dq, total;
+struct DkdvLayout {
+  int ldk, ldq, lds;
+  size_t k, v, q, dout, lse, D, scratch, total;
 };
-
-__host__ __device__ inline BwdLayout bwd_layout(int BM, int BN, int d, int sz) {
-  BwdLayout L;
-  L.ldT = d + 16 / sz;
-  L.ldS = BM + 4;
-  L.ldP = BM + 16 / sz;
-  L.ldO = d + 4;
+__host__ __device__ inline DkdvLayout dkdv_layout(int elem, int dpad, int rows, bool simt) {
+  DkdvLayout L{};
+  const TileDim kd = tile_dim(rows, dpad, elem), qd = tile_dim(kDkdvBm, dpad, elem);
+  L.ldk = kd.ld;
+  L.ldq = qd.ld;
+  L.lds = kDkdvBm + 4;
   size_t off = 0;
-  const size_t kb = align128((size_t)BN * L.ldT * sz), qb = align128((size_t)BM * L.ldT * sz);
-  const size_t sb = align128((size_t)BN * L.ldS * 4), pb = align128((size_t)BN * L.ldP * sz);
-  const size_t accb = align128((size_t)BN * L.ldO * 4);
-  L.k = off; off += kb;
-  L.v = off; off += kb;
-  L.q = off; off += qb;
-  L.dout = off; off += qb;
-  L.lse = off; off += align128((size_t)BM * 4);
-  L.D = off; off += align128((size_t)BM * 4);
-  L.st = off; off += sb;
-  L.pt = off; off += pb;
-  L.dpt = off; off += sb;
-  L.dst = off; off += pb;
-  L.dk = off; off += accb;
-  L.dv = off; off += accb;
-  L.dq = off; off += align128((size_t)BM * L.ldO * 4);
+  L.k = off; off += kd.bytes;
+  L.v = off; off += kd.bytes;
+  L.q = off; off += qd.bytes;
+  L.dout = off; off += qd.bytes;
+  L.lse = off; off += align128(kDkdvBm * 4);
+  L.D = off; off += align128(kDkdvBm * 4);
+  L.scratch = off; off += simt ? align128((size_t)(rows / 16) * 16 * L.lds * 4) : 0;
   L.total = off;
   return L;
 }
 
 // ------------------------------------------------------------------------------------------------
-// Forward (P == 0) and forward + JVP (P >= 1).
+// Forward (JVP = false) and forward + one probe's tangent (JVP = true).
+// Grid: x = query tiles, y = B * H, z = nchunks * probes (z = probe * nchunks + chunk).
 
 template <typename T>
 struct FwdParams {
+  Geometry g;
   const T *q, *k, *v, *tq, *tk, *tv;
   T *out, *tout;
   float* lse;
-  float* ws_acc;  // [P, B*H, Nq_pad, d]: accT_p
-  float* ws_r;    // [P, B*H, Nq_pad]: r_p
-  int64_t B, H, Hkv, Nq, Nk, P, Nq_pad;
-  int d, BM, BN;
-  bool causal;
-  float scale;
 };
 
-template <typename T>
-__global__ void __launch_bounds__(128) attention_fwd_jvp_kernel(const FwdParams<T> p) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int d = p.d, BM = p.BM, BN = p.BN;
-  const bool jvp = p.P > 0;
-  const FwdLayout L = fwd_layout(BM, BN, d, (int)sizeof(T), jvp);
+template <typename T, bool JVP>
+__global__ void __launch_bounds__(128) attention_fwd_kernel(const FwdParams<T> p) {
+  CONDINIT_DYNAMIC_SMEM(smem);
+  constexpr int BN = JVP ? jvp_bn<T>() : fwd_bn<T>(), KT = BN / 8, NO = kCols / 8;
+  const Geometry& g = p.g;
+  const int nwarps = blockDim.x >> 5, rows = 16 * nwarps;
+  const FwdLayout L = fwd_layout(JVP ? 1 : 0, (int)sizeof(T), g.dpad, rows, BN, kSimt<T>);
   T* Qs = reinterpret_cast<T*>(smem + L.q);
-  T* Ks = reinterpret_cast<T*>(smem + L.k);
-  T* Vs = reinterpret_cast<T*>(smem + L.v);
   T* TQs = reinterpret_cast<T*>(smem + L.tq);
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
   T* TKs = reinterpret_cast<T*>(smem + L.tk);
+  T* Vs = reinterpret_cast<T*>(smem + L.v);
   T* TVs = reinterpret_cast<T*>(smem + L.tv);
-  float* Ss = reinterpret_cast<float*>(smem + L.s);   // scores, then P~ (fp32)
-  T* Ps = reinterpret_cast<T*>(smem + L.p);           // P~ as a product operand
-  float* SPs = reinterpret_cast<float*>(smem + L.sp); // q' k^T + q k'^T (unscaled)
-  T* Ws = reinterpret_cast<T*>(smem + L.w);           // P~ o S'_p as a product operand
-  float* Os = reinterpret_cast<float*>(smem + L.o);
-  float* m_s = reinterpret_cast<float*>(smem + L.m);
-  float* l_s = reinterpret_cast<float*>(smem + L.l);
-  float* a_s = reinterpret_cast<float*>(smem + L.a);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq4 = lane & 3;
+  float* scratch = reinterpret_cast<float*>(smem + L.scratch) + warp * 16 * L.lds;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r0 = warp * 16;  // this warp's rows in the tile
-  const int64_t nqt = (p.Nq + BM - 1) / BM;
-  const int64_t qt = nqt - 1 - (int64_t)blockIdx.x % nqt;  // the longest causal rows start first
-  const int64_t bh = (int64_t)blockIdx.x / nqt;
-  const int64_t b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  const int64_t BH = p.B * p.H;
-  const int64_t i0 = qt * BM;
-  const int64_t off = p.Nk - p.Nq;
-  const T* Kg = p.k + (b * p.Hkv + hk) * p.Nk * d;
-  const T* Vg = p.v + (b * p.Hkv + hk) * p.Nk * d;
-  const int64_t i_last = (i0 + BM < p.Nq ? i0 + BM : p.Nq) - 1;
-  int64_t jend = p.causal ? i_last + off + 1 : p.Nk;  // keys >= jend are hidden from every row of the tile
-  if (jend > p.Nk) jend = p.Nk;
+  const int64_t bh = blockIdx.y, b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv);
+  const int chunk = (int)(blockIdx.z % g.nchunks);
+  const int64_t probe = blockIdx.z / g.nchunks;
+  const int c0 = chunk * kCols, ncols = min_int(kCols, g.dpad - c0), n_active = ncols / 8;
+  const int64_t nqt = (g.Nq + rows - 1) / rows;
+  const int64_t i0 = (nqt - 1 - (int64_t)blockIdx.x) * rows;  // the longest causal rows start first
+  const Seq s = seq_of(g, b);
+  const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;  // this lane's two rows
 
-  load_tile(Qs, L.ldT, p.q + bh * p.Nq * d, i0, p.Nq, BM, d);
-  for (int idx = lane; idx < 16 * d; idx += 32) Os[(r0 + idx / d) * L.ldO + idx % d] = 0.0f;
-  if (lane < 16) {
-    m_s[r0 + lane] = kNegInf;
-    l_s[r0 + lane] = 0.0f;
-    a_s[r0 + lane] = 1.0f;
+  const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
+  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  if constexpr (JVP) {
+    const int64_t BH = g.B * g.H, BHk = g.B * g.Hkv;
+    load_tile(TQs, L.ldq, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+    (void)BHk;
   }
-  for (int64_t pr = 0; pr < p.P; ++pr) {
-    float* A2 = p.ws_acc + ((pr * BH + bh) * p.Nq_pad + i0 + r0) * d;
-    for (int idx = lane; idx < 16 * d; idx += 32) A2[idx] = 0.0f;
-    if (lane < 16) p.ws_r[(pr * BH + bh) * p.Nq_pad + i0 + r0 + lane] = 0.0f;
-  }
-  __syncwarp();
+  const T* Kg = p.k + kv_off;
+  const T* Vg = p.v + kv_off;
+  const T* TKg = JVP ? p.tk + probe * g.B * g.Hkv * g.Nk * g.d + kv_off : nullptr;
+  const T* TVg = JVP ? p.tv + probe * g.B * g.Hkv * g.Nk * g.d + kv_off : nullptr;
 
-  for (int64_t j0 = 0; j0 < jend; j0 += BN) {
-    __syncthreads();  // every warp is done with the previous K/V tiles (and Q, first time)
-    load_tile(Ks, L.ldT, Kg, j0, p.Nk, BN, d);
-    load_tile(Vs, L.ldT, Vg, j0, p.Nk, BN, d);
+  float o[NO][4], ot[JVP ? NO : 1][4];
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f}, r[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      o[nt][e] = 0.0f;
+      if constexpr (JVP) ot[nt][e] = 0.0f;
+    }
+
+  int64_t lo, hi;
+  key_range(g, s, i0, i0 + rows, lo, hi);
+  for (int64_t j0 = lo; j0 < hi; j0 += BN) {
+    __syncthreads();  // every warp is done with the previous tiles
+    load_tile(Ks, L.ldk, Kg, g.d, j0, hi, BN, 0, g.dpad);
+    load_tile(Vs, L.ldv, Vg, g.d, j0, hi, BN, c0, ncols);
+    if constexpr (JVP) {
+      load_tile(TKs, L.ldk, TKg, g.d, j0, hi, BN, 0, g.dpad);
+      load_tile(TVs, L.ldv, TVg, g.d, j0, hi, BN, c0, ncols);
+    }
     __syncthreads();
 
-    // S = Q K^T for this warp's 16 rows, then the online-softmax update, row by row.
-    warp_mm_nt(Ss + r0 * L.ldS, L.ldS, Qs + r0 * L.ldT, L.ldT, Ks, L.ldT, BN, d, false);
-    for (int r = 0; r < 16; ++r) {
-      const int64_t i = i0 + r0 + r;
-      float* srow = Ss + (r0 + r) * L.ldS;
-      float mx = kNegInf;
-      for (int c = lane; c < BN; c += 32) {
-        const int64_t j = j0 + c;
-        const bool visible = i < p.Nq && j < p.Nk && (!p.causal || j <= i + off);
-        const float x = visible ? srow[c] * p.scale : kNegInf;
-        srow[c] = x;
-        mx = fmaxf(mx, x);
+    float sc[KT][4], sp[JVP ? KT : 1][4];
+#pragma unroll
+    for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[nt][e] = 0.0f;
+        if constexpr (JVP) sp[nt][e] = 0.0f;
       }
-      mx = warp_max(mx);
-      const float m_old = m_s[r0 + r];
-      const float m_new = fmaxf(m_old, mx);
-      const float mu = m_new == kNegInf ? 0.0f : m_new;  // nothing visible yet: P~ = exp(-inf) = 0
-      const float alpha = m_new == kNegInf ? 1.0f : exp2f((m_old - m_new) * kLog2e);
-      float sum = 0.0f;
-      for (int c = lane; c < BN; c += 32) {
-        const float e = exp2f((srow[c] - mu) * kLog2e);
-        srow[c] = e;
-        Ps[(r0 + r) * L.ldP + c] = Cvt<T>::from_f(e);
-        sum += e;
-      }
-      sum = warp_sum(sum);
-      __syncwarp();  // every lane has read m_s / a_s of this row before lane 0 updates them
-      if (lane == 0) {
-        l_s[r0 + r] = alpha * l_s[r0 + r] + sum;
-        m_s[r0 + r] = m_new;
-        a_s[r0 + r] = alpha;
-      }
+    mma_abt<T, KT>(sc, Qs + warp * 16 * L.ldq, L.ldq, Ks, L.ldk, g.dpad);
+    if constexpr (JVP) {  // S' = Q' K^T + Q K'^T
+      mma_abt<T, KT>(sp, TQs + warp * 16 * L.ldq, L.ldq, Ks, L.ldk, g.dpad);
+      mma_abt<T, KT>(sp, Qs + warp * 16 * L.ldq, L.ldq, TKs, L.ldk, g.dpad);
     }
-    __syncwarp();
-    for (int idx = lane; idx < 16 * d; idx += 32) Os[(r0 + idx / d) * L.ldO + idx % d] *= a_s[r0 + idx / d];
-    __syncwarp();
-    warp_mm_nn(Os + r0 * L.ldO, L.ldO, Ps + r0 * L.ldP, L.ldP, Vs, L.ldT, d, BN);
 
-    // Tangents: S'_p = s (Q'_p K^T + Q K'_p^T), W = P~ o S'_p, r_p = a r_p + rowsum W,
-    // accT_p = a accT_p + P~ V'_p + W V.
-    for (int64_t pr = 0; pr < p.P; ++pr) {
-      __syncthreads();  // every warp is done with the previous tangent tiles
-      load_tile(TQs, L.ldT, p.tq + (pr * BH + bh) * p.Nq * d, i0, p.Nq, BM, d);
-      load_tile(TKs, L.ldT, p.tk + ((pr * p.B + b) * p.Hkv + hk) * p.Nk * d, j0, p.Nk, BN, d);
-      load_tile(TVs, L.ldT, p.tv + ((pr * p.B + b) * p.Hkv + hk) * p.Nk * d, j0, p.Nk, BN, d);
-      __syncthreads();
-      warp_mm_nt(SPs + r0 * L.ldS, L.ldS, TQs + r0 * L.ldT, L.ldT, Ks, L.ldT, BN, d, false);
-      warp_mm_nt(SPs + r0 * L.ldS, L.ldS, Qs + r0 * L.ldT, L.ldT, TKs, L.ldT, BN, d, true);
-      float* rvec = p.ws_r + (pr * BH + bh) * p.Nq_pad + i0 + r0;
-      for (int r = 0; r < 16; ++r) {
-        float sum = 0.0f;
-        for (int c = lane; c < BN; c += 32) {
-          // Hidden entries have P~ = 0 and a finite S' (zero-filled padding), so W = 0 there.
-          // r_p sums the same rounded W that multiplies V, so accB_p - r_p O stays centered.
-          const T w = Cvt<T>::from_f(Ss[(r0 + r) * L.ldS + c] * (p.scale * SPs[(r0 + r) * L.ldS + c]));
-          Ws[(r0 + r) * L.ldP + c] = w;
-          sum += Cvt<T>::to_f(w);
-        }
-        sum = warp_sum(sum);
-        if (lane == 0) rvec[r] = a_s[r0 + r] * rvec[r] + sum;
+    // Mask and scale (selects: a masked NaN never enters), then the online-softmax update.
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = j0 + nt * 8 + 2 * tq4 + (e & 1);
+        const bool ok = allowed(g, s, e < 2 ? ra : rb, j);
+        sc[nt][e] = ok ? sc[nt][e] * g.scale : kNegInf;
+        if constexpr (JVP) sp[nt][e] = ok ? sp[nt][e] * g.scale : 0.0f;
+        mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
       }
-      float* A2 = p.ws_acc + ((pr * BH + bh) * p.Nq_pad + i0 + r0) * d;
-      for (int idx = lane; idx < 16 * d; idx += 32) A2[idx] *= a_s[r0 + idx / d];
-      __syncwarp();
-      warp_mm_nn(A2, d, Ps + r0 * L.ldP, L.ldP, TVs, L.ldT, d, BN);
-      warp_mm_nn(A2, d, Ws + r0 * L.ldP, L.ldP, Vs, L.ldT, d, BN);
+    float alpha[2], mu[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const float m_new = fmaxf(m[x], quad_max(mx[x]));
+      alpha[x] = m_new == kNegInf ? 1.0f : exp2f((m[x] - m_new) * kLog2e);
+      mu[x] = m_new == kNegInf ? 0.0f : m_new;  // nothing allowed yet: P~ = exp(-inf) = 0
+      m[x] = m_new;
+    }
+#pragma unroll
+    for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[nt][e] = exp2f((sc[nt][e] - mu[e >> 1]) * kLog2e);  // P~, in place
+        sum[e >> 1] += sc[nt][e];
+      }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) l[x] = alpha[x] * l[x] + quad_sum(sum[x]);
+#pragma unroll
+    for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+    mma_pb<T, KT, NO>(o, sc, Vs, L.ldv, n_active, scratch);
+
+    if constexpr (JVP) {
+      // W = P~ o S' (rounded as the product operand, so that r sums what multiplies V),
+      // r = alpha r + rowsum W, O' acc = alpha O' acc + P~ V' + W V.
+      float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float w = kSimt<T> ? sc[nt][e] * sp[nt][e] : round_to<T>(sc[nt][e] * sp[nt][e]);
+          sp[nt][e] = w;
+          rs[e >> 1] += w;
+        }
+#pragma unroll
+      for (int x = 0; x < 2; ++x) r[x] = alpha[x] * r[x] + quad_sum(rs[x]);
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ot[nt][e] *= alpha[e >> 1];
+      mma_pb<T, KT, NO>(ot, sc, TVs, L.ldv, n_active, scratch);
+      mma_pb<T, KT, NO>(ot, sp, Vs, L.ldv, n_active, scratch);
     }
   }
 
-  // O = acc / l, lse = m + log l; O'_p = accT_p / l - (r_p / l) O. Rows that saw nothing: 0, -inf, 0.
-  __syncwarp();
-  for (int r = 0; r < 16; ++r) {
-    const int64_t i = i0 + r0 + r;
-    if (i >= p.Nq) break;
-    const float l = l_s[r0 + r];
-    const bool any = l > 0.0f;
-    const float inv = any ? 1.0f / l : 0.0f;
-    T* orow = p.out + (bh * p.Nq + i) * d;
-    for (int c = lane; c < d; c += 32) orow[c] = Cvt<T>::from_f(Os[(r0 + r) * L.ldO + c] * inv);
-    if (lane == 0) p.lse[bh * p.Nq + i] = any ? m_s[r0 + r] + logf(l) : kNegInf;
-    for (int64_t pr = 0; pr < p.P; ++pr) {
-      const float* A2 = p.ws_acc + ((pr * BH + bh) * p.Nq_pad + i) * d;
-      const float rl = p.ws_r[(pr * BH + bh) * p.Nq_pad + i] * inv;
-      T* trow = p.tout + ((pr * BH + bh) * p.Nq + i) * d;
-      for (int c = lane; c < d; c += 32) {
-        const float o = Os[(r0 + r) * L.ldO + c] * inv;
-        trow[c] = Cvt<T>::from_f(A2[c] * inv - rl * o);
-      }
+  // O = acc / l, lse = m + log l, O' = acc' / l - (r / l) O. l == 0 only when no key is allowed
+  // (the row maximum contributes exp(0) = 1): out 0, lse -inf, O' 0. A NaN l gives NaN outputs.
+  float inv[2], rl[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    inv[x] = l[x] == 0.0f ? 0.0f : 1.0f / l[x];
+    rl[x] = r[x] * inv[x];
+  }
+  const int64_t BH = g.B * g.H;
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int64_t i = x == 0 ? ra : rb;
+    if (i >= g.Nq) continue;
+    if (probe == 0) {
+      T* orow = p.out + (bh * g.Nq + i) * g.d + c0;
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + 2 * tq4 + e;
+          if (nt < n_active && c0 + c < g.d) orow[c] = Cvt<T>::from_f(o[nt][2 * x + e] * inv[x]);
+        }
+      if (chunk == 0 && tq4 == 0) p.lse[bh * g.Nq + i] = l[x] == 0.0f ? kNegInf : m[x] + logf(l[x]);
+    }
+    if constexpr (JVP) {
+      T* trow = p.tout + ((probe * BH + bh) * g.Nq + i) * g.d + c0;
+#pragma unroll
+      for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + 2 * tq4 + e;
+          if (nt < n_active && c0 + c < g.d)
+            trow[c] = Cvt<T>::from_f(ot[nt][2 * x + e] * inv[x] - rl[x] * (o[nt][2 * x + e] * inv[x]));
+        }
     }
   }
 }
 
 // ------------------------------------------------------------------------------------------------
-// Backward: one CTA per (batch, kv head, tile of BN keys); warps own 16 key rows each.
+// Backward. dS = P o (dP - D), P = exp(s q k^T - lse), dP = dO V^T; dq = s dS K, dk = s dS^T Q,
+// dv = P^T dO.
 
 template <typename T>
 struct BwdParams {
+  Geometry g;
   const T *dout, *q, *k, *v;
   const float *lse, *Dvec;
-  float* dq_acc;
-  T *dk, *dv;
-  int64_t B, H, Hkv, Nq, Nk;
-  int d, BM, BN;
-  bool causal;
-  float scale;
+  T *dq, *dk, *dv;
 };
 
+// dq: grid x = query tiles, y = B * H, z = nchunks.
 template <typename T>
-__global__ void __launch_bounds__(128) attention_bwd_kernel(const BwdParams<T> p) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int d = p.d, BM = p.BM, BN = p.BN;
-  const BwdLayout L = bwd_layout(BM, BN, d, (int)sizeof(T));
+__global__ void __launch_bounds__(128) attention_dq_kernel(const BwdParams<T> p) {
+  CONDINIT_DYNAMIC_SMEM(smem);
+  constexpr int BN = dq_bn<T>(), KT = BN / 8, NO = kCols / 8;
+  const Geometry& g = p.g;
+  const int nwarps = blockDim.x >> 5, rows = 16 * nwarps;
+  const FwdLayout L = fwd_layout(2, (int)sizeof(T), g.dpad, rows, BN, kSimt<T>);
+  T* Qs = reinterpret_cast<T*>(smem + L.q);
+  T* dOs = reinterpret_cast<T*>(smem + L.tq);
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
+  T* Vs = reinterpret_cast<T*>(smem + L.v);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq4 = lane & 3;
+  float* scratch = reinterpret_cast<float*>(smem + L.scratch) + warp * 16 * L.lds;
+
+  const int64_t bh = blockIdx.y, b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv);
+  const int chunk = (int)blockIdx.z;
+  const int c0 = chunk * kCols, ncols = min_int(kCols, g.dpad - c0), n_active = ncols / 8;
+  const int64_t nqt = (g.Nq + rows - 1) / rows;
+  const int64_t i0 = (nqt - 1 - (int64_t)blockIdx.x) * rows;
+  const Seq s = seq_of(g, b);
+  const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;
+
+  const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
+  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  float lse[2], D[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int64_t i = x == 0 ? ra : rb;
+    lse[x] = i < s.Lq ? p.lse[bh * g.Nq + i] : kNegInf;
+    D[x] = i < s.Lq ? p.Dvec[bh * g.Nq + i] : 0.0f;
+  }
+  float acc[NO][4];
+#pragma unroll
+  for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+
+  int64_t lo, hi;
+  key_range(g, s, i0, i0 + rows, lo, hi);
+  for (int64_t j0 = lo; j0 < hi; j0 += BN) {
+    __syncthreads();
+    load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, hi, BN, 0, g.dpad);
+    load_tile(Vs, L.ldv, p.v + kv_off, g.d, j0, hi, BN, 0, g.dpad);
+    __syncthreads();
+    float sc[KT][4], dp[KT][4];
+#pragma unroll
+    for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
+    mma_abt<T, KT>(sc, Qs + warp * 16 * L.ldq, L.ldq, Ks, L.ldk, g.dpad);
+    mma_abt<T, KT>(dp, dOs + warp * 16 * L.ldq, L.ldq, Vs, L.ldv, g.dpad);
+#pragma unroll
+    for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int x = e >> 1;
+        const int64_t j = j0 + nt * 8 + 2 * tq4 + (e & 1);
+        const bool ok = allowed(g, s, x == 0 ? ra : rb, j) && lse[x] != kNegInf;
+        const float pr = exp2f((sc[nt][e] * g.scale - lse[x]) * kLog2e);
+        sc[nt][e] = ok ? pr * (dp[nt][e] - D[x]) : 0.0f;  // dS
+      }
+    mma_pb<T, KT, NO>(acc, sc, Ks + c0, L.ldk, n_active, scratch);
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int64_t i = x == 0 ? ra : rb;
+    if (i >= g.Nq) continue;
+    T* row = p.dq + (bh * g.Nq + i) * g.d + c0;
+#pragma unroll
+    for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = nt * 8 + 2 * tq4 + e;
+        if (nt < n_active && c0 + c < g.d) row[c] = Cvt<T>::from_f(g.scale * acc[nt][2 * x + e]);
+      }
+  }
+}
+
+// dk, dv: grid x = key tiles, y = B * Hkv, z = nchunks. Each warp owns 16 keys; the block loops over
+// the query tiles of every query head of its GQA group (dk, dv summed over the group in registers).
+template <typename T>
+__global__ void __launch_bounds__(128) attention_dkdv_kernel(const BwdParams<T> p) {
+  CONDINIT_DYNAMIC_SMEM(smem);
+  constexpr int BM = kDkdvBm, KT = BM / 8, NO = kCols / 8;
+  const Geometry& g = p.g;
+  const int nwarps = blockDim.x >> 5, rows = 16 * nwarps;
+  const DkdvLayout L = dkdv_layout((int)sizeof(T), g.dpad, rows, kSimt<T>);
   T* Ks = reinterpret_cast<T*>(smem + L.k);
   T* Vs = reinterpret_cast<T*>(smem + L.v);
   T* Qs = reinterpret_cast<T*>(smem + L.q);
   T* dOs = reinterpret_cast<T*>(smem + L.dout);
   float* lse_s = reinterpret_cast<float*>(smem + L.lse);
   float* D_s = reinterpret_cast<float*>(smem + L.D);
-  float* St = reinterpret_cast<float*>(smem + L.st);    // [BN][BM] P^T (fp32)
-  T* Pt = reinterpret_cast<T*>(smem + L.pt);            // P^T as a product operand
-  float* dPt = reinterpret_cast<float*>(smem + L.dpt);  // [BN][BM] dP^T
-  T* dSt = reinterpret_cast<T*>(smem + L.dst);          // dS^T as a product operand
-  float* dKs = reinterpret_cast<float*>(smem + L.dk);
-  float* dVs = reinterpret_cast<float*>(smem + L.dv);
-  float* dQs = reinterpret_cast<float*>(smem + L.dq);   // [BM][d] this tile's dS K
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq4 = lane & 3;
+  float* scratch = reinterpret_cast<float*>(smem + L.scratch) + warp * 16 * L.lds;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  const int kr0 = warp * 16;  // this warp's key rows in the tile
-  const int64_t nkt = (p.Nk + BN - 1) / BN;
-  const int64_t kt = (int64_t)blockIdx.x % nkt;  // low key tiles (most work under causal) first
-  const int64_t bhk = (int64_t)blockIdx.x / nkt;
-  const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv, G = p.H / p.Hkv;
-  const int64_t j0 = kt * BN;
-  const int64_t off = p.Nk - p.Nq;
+  const int64_t bhk = blockIdx.y, b = bhk / g.Hkv, hk = bhk % g.Hkv, G = g.H / g.Hkv;
+  const int chunk = (int)blockIdx.z;
+  const int c0 = chunk * kCols, ncols = min_int(kCols, g.dpad - c0), n_active = ncols / 8;
+  const int64_t j0 = (int64_t)blockIdx.x * rows;
+  const Seq s = seq_of(g, b);
+  const int64_t ka = j0 + warp * 16 + gq, kb = ka + 8;  // this lane's two keys
 
-  load_tile(Ks, L.ldT, p.k + bhk * p.Nk * d, j0, p.Nk, BN, d);
-  load_tile(Vs, L.ldT, p.v + bhk * p.Nk * d, j0, p.Nk, BN, d);
-  for (int idx = lane; idx < 16 * d; idx += 32) {
-    dKs[(kr0 + idx / d) * L.ldO + idx % d] = 0.0f;
-    dVs[(kr0 + idx / d) * L.ldO + idx % d] = 0.0f;
-  }
-  int64_t qstart = p.causal ? j0 - off : 0;  // first query that sees key j0
-  if (qstart < 0) qstart = 0;
+  const int64_t kv_off = bhk * g.Nk * g.d;
+  load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
+  load_tile(Vs, L.ldk, p.v + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
+  float dk[NO][4], dv[NO][4];
+#pragma unroll
+  for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[nt][e] = dv[nt][e] = 0.0f;
 
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t bh = b * p.H + hk * G + g;
-    for (int64_t i0 = (qstart / BM) * BM; i0 < p.Nq; i0 += BM) {
-      __syncthreads();  // every warp is done with the previous Q / dO / dS^T tiles
-      load_tile(Qs, L.ldT, p.q + bh * p.Nq * d, i0, p.Nq, BM, d);
-      load_tile(dOs, L.ldT, p.dout + bh * p.Nq * d, i0, p.Nq, BM, d);
+  int64_t lo, hi;
+  query_range(g, s, j0, j0 + rows, lo, hi);
+  for (int64_t gh = 0; gh < G; ++gh) {
+    const int64_t bh = b * g.H + hk * G + gh, q_off = bh * g.Nq * g.d;
+    for (int64_t i0 = lo; i0 < hi; i0 += BM) {
+      __syncthreads();  // every warp is done with the previous Q / dO tiles (and K / V are loaded)
+      load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, hi, BM, 0, g.dpad);
+      load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, hi, BM, 0, g.dpad);
       for (int c = threadIdx.x; c < BM; c += blockDim.x) {
-        const bool in = i0 + c < p.Nq;
-        lse_s[c] = in ? p.lse[bh * p.Nq + i0 + c] : kNegInf;
-        D_s[c] = in ? p.Dvec[bh * p.Nq + i0 + c] : 0.0f;
+        const bool in = i0 + c < hi;
+        lse_s[c] = in ? p.lse[bh * g.Nq + i0 + c] : kNegInf;
+        D_s[c] = in ? p.Dvec[bh * g.Nq + i0 + c] : 0.0f;
       }
       __syncthreads();
-
-      // P^T = exp(s K Q^T - lse) on visible entries (0 elsewhere and on rows with lse = -inf).
-      warp_mm_nt(St + kr0 * L.ldS, L.ldS, Ks + kr0 * L.ldT, L.ldT, Qs, L.ldT, BM, d, false);
-      for (int r = 0; r < 16; ++r) {
-        const int64_t j = j0 + kr0 + r;
-        for (int c = lane; c < BM; c += 32) {
-          const int64_t i = i0 + c;
+      float st[KT][4], dpt[KT][4];
+#pragma unroll
+      for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
+      mma_abt<T, KT>(st, Ks + warp * 16 * L.ldk, L.ldk, Qs, L.ldq, g.dpad);    // S^T = K Q^T
+      mma_abt<T, KT>(dpt, Vs + warp * 16 * L.ldk, L.ldk, dOs, L.ldq, g.dpad);  // dP^T = V dO^T
+#pragma unroll
+      for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + 2 * tq4 + (e & 1);
           const float lse = lse_s[c];
-          const bool visible = j < p.Nk && i < p.Nq && (!p.causal || j <= i + off) && lse != kNegInf;
-          const float e = visible ? exp2f((St[(kr0 + r) * L.ldS + c] * p.scale - lse) * kLog2e) : 0.0f;
-          St[(kr0 + r) * L.ldS + c] = e;
-          Pt[(kr0 + r) * L.ldP + c] = Cvt<T>::from_f(e);
+          const bool ok = allowed(g, s, i0 + c, e < 2 ? ka : kb) && lse != kNegInf;
+          const float pr = ok ? exp2f((st[nt][e] * g.scale - lse) * kLog2e) : 0.0f;
+          dpt[nt][e] = ok ? pr * (dpt[nt][e] - D_s[c]) : 0.0f;  // dS^T
+          st[nt][e] = pr;                                        // P^T
         }
-      }
-      __syncwarp();
-      warp_mm_nn(dVs + kr0 * L.ldO, L.ldO, Pt + kr0 * L.ldP, L.ldP, dOs, L.ldT, d, BM);  // dV += P^T dO
-      warp_mm_nt(dPt + kr0 * L.ldS, L.ldS, Vs + kr0 * L.ldT, L.ldT, dOs, L.ldT, BM, d, false);  // dP^T = V dO^T
-      for (int r = 0; r < 16; ++r) {
-        for (int c = lane; c < BM; c += 32) {
-          const float ds = St[(kr0 + r) * L.ldS + c] * (dPt[(kr0 + r) * L.ldS + c] - D_s[c]);
-          dSt[(kr0 + r) * L.ldP + c] = Cvt<T>::from_f(ds);
-        }
-      }
-      __syncwarp();
-      warp_mm_nn(dKs + kr0 * L.ldO, L.ldO, dSt + kr0 * L.ldP, L.ldP, Qs, L.ldT, d, BM);  // dK += dS^T Q
-      __syncthreads();  // dS^T complete from every warp
-      // dQ[i0 + rb*16 .., :] += s dS K = s (dS^T)^T K, summed over this tile's BN keys.
-      for (int rb = warp; rb < BM / 16; rb += nwarps) {
-        warp_mm_tn(dQs + rb * 16 * L.ldO, L.ldO, dSt + rb * 16, L.ldP, Ks, L.ldT, d, BN);
-        for (int idx = lane; idx < 16 * d; idx += 32) {
-          const int r = idx / d, c = idx - r * d;
-          const int64_t i = i0 + rb * 16 + r;
-          if (i < p.Nq) atomicAdd(p.dq_acc + (bh * p.Nq + i) * d + c, p.scale * dQs[(rb * 16 + r) * L.ldO + c]);
-        }
-      }
+      mma_pb<T, KT, NO>(dv, st, dOs + c0, L.ldq, n_active, scratch);   // dV += P^T dO
+      mma_pb<T, KT, NO>(dk, dpt, Qs + c0, L.ldq, n_active, scratch);   // dK += dS^T Q
     }
   }
-
-  __syncwarp();
-  for (int r = 0; r < 16; ++r) {
-    const int64_t j = j0 + kr0 + r;
-    if (j >= p.Nk) break;
-    T* dkrow = p.dk + (bhk * p.Nk + j) * d;
-    T* dvrow = p.dv + (bhk * p.Nk + j) * d;
-    for (int c = lane; c < d; c += 32) {
-      dkrow[c] = Cvt<T>::from_f(p.scale * dKs[(kr0 + r) * L.ldO + c]);
-      dvrow[c] = Cvt<T>::from_f(dVs[(kr0 + r) * L.ldO + c]);
-    }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int64_t j = x == 0 ? ka : kb;
+    if (j >= g.Nk) continue;
+    T* dkrow = p.dk + (bhk * g.Nk + j) * g.d + c0;
+    T* dvrow = p.dv + (bhk * g.Nk + j) * g.d + c0;
+#pragma unroll
+    for (int nt = 0; nt < NO; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = nt * 8 + 2 * tq4 + e;
+        if (nt < n_active && c0 + c < g.d) {
+          dkrow[c] = Cvt<T>::from_f(g.scale * dk[nt][2 * x + e]);
+          dvrow[c] = Cvt<T>::from_f(dv[nt][2 * x + e]);
+        }
+      }
   }
 }
 
 // ------------------------------------------------------------------------------------------------
 // Launch helpers
 
-int max_smem_optin() {
-  int dev = 0, v = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 48 * 1024;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 48 * 1024;
-  return v;
+int elem_size(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+size_t plan_bytes(int kind, int elem, int dpad, int warps) {
+  const bool simt = elem == 4;
+  switch (kind) {
+    case 0: return fwd_layout(0, elem, dpad, 16 * warps, simt ? 32 : 64, simt).total;
+    case 1: return fwd_layout(1, elem, dpad, 16 * warps, simt ? 16 : 32, simt).total;
+    case 2: return fwd_layout(2, elem, dpad, 16 * warps, simt ? 32 : 64, simt).total;
+    default: return dkdv_layout(elem, dpad, 16 * warps, simt).total;
+  }
 }
 
-constexpr int kTiles[][2] = {{64, 64}, {64, 32}, {32, 32}, {16, 32}, {16, 16}};
+int loop_tile(int kind, int elem) {
+  const bool simt = elem == 4;
+  switch (kind) {
+    case 0: return simt ? 32 : 64;
+    case 1: return simt ? 16 : 32;
+    case 2: return simt ? 32 : 64;
+    default: return kDkdvBm;
+  }
+}
+
+struct DeviceInfo {
+  int smem_optin, major;
+};
+DeviceInfo device_info() {
+  int dev = 0, smem = 48 * 1024, major = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) smem = 48 * 1024;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) major = 0;
+  }
+  return DeviceInfo{smem, major};
+}
+
+Geometry geometry_of(const Shape& s) {
+  Geometry g;
+  g.B = s.B;
+  g.H = s.H;
+  g.Hkv = s.Hkv;
+  g.Nq = s.Nq;
+  g.Nk = s.Nk;
+  g.d = (int)s.d;
+  g.dpad = pad16(s.d);
+  g.nchunks = (g.dpad + kCols - 1) / kCols;
+  g.window_left = s.window_left;
+  g.window_right = s.window_right;
+  g.causal = s.causal;
+  g.scale = s.scale;
+  g.q_lens = s.q_lens;
+  g.kv_lens = s.kv_lens;
+  return g;
+}
+
+// The plan for one launch on the current device, or an error: unsupported head dim, a 16-bit dtype
+// below sm_80 (no bf16/fp16 mma.sync), nothing fits the shared memory, a grid too large.
+cudaError_t plan_launch(int kind, DType dt, const Shape& s, int64_t rows_total, int64_t zdim, LaunchPlan& plan,
+                        dim3& grid) {
+  if (!head_dim_supported(s.d)) return cudaErrorInvalidValue;
+  const DeviceInfo dev = device_info();
+  if (dt != DType::kFloat32 && dev.major < 8) return cudaErrorNotSupported;
+  plan = launch_plan(kind, dt, s.d, (size_t)dev.smem_optin);
+  if (plan.warps == 0) return cudaErrorInvalidConfiguration;
+  const int64_t tiles = (rows_total + 16 * plan.warps - 1) / (16 * plan.warps);
+  if (tiles > 0x7fffffff || zdim > 65535) return cudaErrorInvalidConfiguration;
+  grid = dim3((unsigned)tiles, 1, (unsigned)zdim);
+  return cudaSuccess;
+}
+
+template <typename K>
+cudaError_t set_smem(K kernel, size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
 
 template <typename T>
-cudaError_t launch_fwd_jvp(const Shape& s, int64_t P, const void* q, const void* k, const void* v, const void* tq,
-                           const void* tk, const void* tv, void* out, void* tout, float* lse, float* ws,
-                           cudaStream_t stream) {
-  const int d = (int)s.d, limit = max_smem_optin();
-  int BM = 0, BN = 0;
-  size_t smem = 0;
-  for (const auto& t : kTiles) {  // {BM, BN}
-    const size_t need = fwd_layout(t[0], t[1], d, (int)sizeof(T), P > 0).total;
-    if (need <= (size_t)limit) {
-      BM = t[0];
-      BN = t[1];
-      smem = need;
-      break;
-    }
-  }
-  if (BM == 0) return cudaErrorInvalidConfiguration;
+cudaError_t launch_fwd(DType dt, const Shape& s, int64_t P, const void* q, const void* k, const void* v,
+                       const void* tq, const void* tk, const void* tv, void* out, void* tout, float* lse,
+                       cudaStream_t stream) {
+  const Geometry g = geometry_of(s);
+  const bool jvp = P > 0;
+  LaunchPlan plan;
+  dim3 grid;
+  cudaError_t err = plan_launch(jvp ? 1 : 0, dt, s, s.Nq, (int64_t)g.nchunks * (jvp ? P : 1), plan, grid);
+  if (err != cudaSuccess) return err;
+  if (s.B * s.H > 65535) return cudaErrorInvalidConfiguration;
+  grid.y = (unsigned)(s.B * s.H);
   FwdParams<T> p;
+  p.g = g;
   p.q = static_cast<const T*>(q);
   p.k = static_cast<const T*>(k);
   p.v = static_cast<const T*>(v);
@@ -578,126 +836,106 @@ cudaError_t launch_fwd_jvp(const Shape& s, int64_t P, const void* q, const void*
   p.out = static_cast<T*>(out);
   p.tout = static_cast<T*>(tout);
   p.lse = lse;
-  const int64_t Nq_pad = (s.Nq + 63) / 64 * 64;  // BM divides 64: the workspace covers padded rows
-  p.ws_acc = ws;
-  p.ws_r = ws != nullptr ? ws + P * s.B * s.H * Nq_pad * s.d : nullptr;
-  p.B = s.B;
-  p.H = s.H;
-  p.Hkv = s.Hkv;
-  p.Nq = s.Nq;
-  p.Nk = s.Nk;
-  p.P = P;
-  p.Nq_pad = Nq_pad;
-  p.d = d;
-  p.BM = BM;
-  p.BN = BN;
-  p.causal = s.causal;
-  p.scale = s.scale;
-  const int64_t blocks = s.B * s.H * ((s.Nq + BM - 1) / BM);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  cudaError_t err = cudaFuncSetAttribute(attention_fwd_jvp_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)smem);
-  if (err != cudaSuccess) return err;
-  attention_fwd_jvp_kernel<T><<<(unsigned)blocks, 32 * (BM / 16), smem, stream>>>(p);
+  if (jvp) {
+    void (*kernel)(const FwdParams<T>) = attention_fwd_kernel<T, true>;
+    if ((err = set_smem(kernel, plan.smem_bytes)) != cudaSuccess) return err;
+    CONDINIT_LAUNCH(kernel, grid, 32 * plan.warps, plan.smem_bytes, stream, p);
+  } else {
+    void (*kernel)(const FwdParams<T>) = attention_fwd_kernel<T, false>;
+    if ((err = set_smem(kernel, plan.smem_bytes)) != cudaSuccess) return err;
+    CONDINIT_LAUNCH(kernel, grid, 32 * plan.warps, plan.smem_bytes, stream, p);
+  }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_bwd(const Shape& s, const void* dout, const void* q, const void* k, const void* v,
-                       const float* lse, const float* Dvec, float* dq_acc, void* dk, void* dv, cudaStream_t stream) {
-  const int d = (int)s.d, limit = max_smem_optin();
-  int BM = 0, BN = 0;
-  size_t smem = 0;
-  for (const auto& t : kTiles) {  // {BN, BM}: key rows per CTA first
-    const size_t need = bwd_layout(t[1], t[0], d, (int)sizeof(T)).total;
-    if (need <= (size_t)limit) {
-      BN = t[0];
-      BM = t[1];
-      smem = need;
-      break;
-    }
-  }
-  if (BN == 0) return cudaErrorInvalidConfiguration;
+cudaError_t launch_bwd(DType dt, const Shape& s, const void* dout, const void* q, const void* k, const void* v,
+                       const float* lse, const float* Dvec, void* dq, void* dk, void* dv, cudaStream_t stream) {
+  const Geometry g = geometry_of(s);
   BwdParams<T> p;
+  p.g = g;
   p.dout = static_cast<const T*>(dout);
   p.q = static_cast<const T*>(q);
   p.k = static_cast<const T*>(k);
   p.v = static_cast<const T*>(v);
   p.lse = lse;
   p.Dvec = Dvec;
-  p.dq_acc = dq_acc;
+  p.dq = static_cast<T*>(dq);
   p.dk = static_cast<T*>(dk);
   p.dv = static_cast<T*>(dv);
-  p.B = s.B;
-  p.H = s.H;
-  p.Hkv = s.Hkv;
-  p.Nq = s.Nq;
-  p.Nk = s.Nk;
-  p.d = d;
-  p.BM = BM;
-  p.BN = BN;
-  p.causal = s.causal;
-  p.scale = s.scale;
-  const int64_t blocks = s.B * s.Hkv * ((s.Nk + BN - 1) / BN);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  cudaError_t err =
-      cudaFuncSetAttribute(attention_bwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  LaunchPlan plan;
+  dim3 grid;
+  cudaError_t err = plan_launch(2, dt, s, s.Nq, g.nchunks, plan, grid);
   if (err != cudaSuccess) return err;
-  attention_bwd_kernel<T><<<(unsigned)blocks, 32 * (BN / 16), smem, stream>>>(p);
+  if (s.B * s.H > 65535) return cudaErrorInvalidConfiguration;
+  grid.y = (unsigned)(s.B * s.H);
+  void (*dq_kernel)(const BwdParams<T>) = attention_dq_kernel<T>;
+  if ((err = set_smem(dq_kernel, plan.smem_bytes)) != cudaSuccess) return err;
+  CONDINIT_LAUNCH(dq_kernel, grid, 32 * plan.warps, plan.smem_bytes, stream, p);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = plan_launch(3, dt, s, s.Nk, g.nchunks, plan, grid)) != cudaSuccess) return err;
+  if (s.B * s.Hkv > 65535) return cudaErrorInvalidConfiguration;
+  grid.y = (unsigned)(s.B * s.Hkv);
+  void (*dkdv_kernel)(const BwdParams<T>) = attention_dkdv_kernel<T>;
+  if ((err = set_smem(dkdv_kernel, plan.smem_bytes)) != cudaSuccess) return err;
+  CONDINIT_LAUNCH(dkdv_kernel, grid, 32 * plan.warps, plan.smem_bytes, stream, p);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-bool head_dim_supported(int64_t d) {
-  return d == 16 || d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
-}
+bool head_dim_supported(int64_t d) { return d >= 1 && d <= kMaxHeadDim; }
 
-int64_t jvp_workspace_floats(const Shape& s, int64_t P) {
-  const int64_t Nq_pad = (s.Nq + 63) / 64 * 64;
-  return P * s.B * s.H * Nq_pad * (s.d + 1);
+LaunchPlan launch_plan(int kind, DType dtype, int64_t d, size_t smem_limit) {
+  const int elem = elem_size(dtype), dpad = pad16(d);
+  LaunchPlan plan{0, 0, dpad, min_int(kCols, dpad), loop_tile(kind, elem)};
+  for (int warps = kMaxWarps; warps >= 1; warps /= 2) {
+    const size_t need = plan_bytes(kind, elem, dpad, warps);
+    if (need <= smem_limit) {
+      plan.warps = warps;
+      plan.smem_bytes = need;
+      break;
+    }
+  }
+  return plan;
 }
 
 cudaError_t fwd(DType dtype, const Shape& s, const void* q, const void* k, const void* v, void* out, float* lse,
                 cudaStream_t stream) {
-  if (!head_dim_supported(s.d)) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
-      return launch_fwd_jvp<float>(s, 0, q, k, v, nullptr, nullptr, nullptr, out, nullptr, lse, nullptr, stream);
+      return launch_fwd<float>(dtype, s, 0, q, k, v, nullptr, nullptr, nullptr, out, nullptr, lse, stream);
     case DType::kFloat16:
-      return launch_fwd_jvp<__half>(s, 0, q, k, v, nullptr, nullptr, nullptr, out, nullptr, lse, nullptr, stream);
+      return launch_fwd<__half>(dtype, s, 0, q, k, v, nullptr, nullptr, nullptr, out, nullptr, lse, stream);
     case DType::kBFloat16:
-      return launch_fwd_jvp<__nv_bfloat16>(s, 0, q, k, v, nullptr, nullptr, nullptr, out, nullptr, lse, nullptr,
-                                           stream);
+      return launch_fwd<__nv_bfloat16>(dtype, s, 0, q, k, v, nullptr, nullptr, nullptr, out, nullptr, lse, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t jvp(DType dtype, const Shape& s, int64_t P, const void* q, const void* k, const void* v, const void* tq,
-                const void* tk, const void* tv, void* out, void* tout, float* lse, float* workspace,
-                cudaStream_t stream) {
-  if (!head_dim_supported(s.d)) return cudaErrorInvalidValue;
+                const void* tk, const void* tv, void* out, void* tout, float* lse, cudaStream_t stream) {
+  if (P < 1) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
-      return launch_fwd_jvp<float>(s, P, q, k, v, tq, tk, tv, out, tout, lse, workspace, stream);
+      return launch_fwd<float>(dtype, s, P, q, k, v, tq, tk, tv, out, tout, lse, stream);
     case DType::kFloat16:
-      return launch_fwd_jvp<__half>(s, P, q, k, v, tq, tk, tv, out, tout, lse, workspace, stream);
+      return launch_fwd<__half>(dtype, s, P, q, k, v, tq, tk, tv, out, tout, lse, stream);
     case DType::kBFloat16:
-      return launch_fwd_jvp<__nv_bfloat16>(s, P, q, k, v, tq, tk, tv, out, tout, lse, workspace, stream);
+      return launch_fwd<__nv_bfloat16>(dtype, s, P, q, k, v, tq, tk, tv, out, tout, lse, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t bwd(DType dtype, const Shape& s, const void* dout, const void* q, const void* k, const void* v,
-                const float* lse, const float* Dvec, float* dq_acc, void* dk, void* dv, cudaStream_t stream) {
-  if (!head_dim_supported(s.d)) return cudaErrorInvalidValue;
+                const float* lse, const float* Dvec, void* dq, void* dk, void* dv, cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat32:
-      return launch_bwd<float>(s, dout, q, k, v, lse, Dvec, dq_acc, dk, dv, stream);
+      return launch_bwd<float>(dtype, s, dout, q, k, v, lse, Dvec, dq, dk, dv, stream);
     case DType::kFloat16:
-      return launch_bwd<__half>(s, dout, q, k, v, lse, Dvec, dq_acc, dk, dv, stream);
+      return launch_bwd<__half>(dtype, s, dout, q, k, v, lse, Dvec, dq, dk, dv, stream);
     case DType::kBFloat16:
-      return launch_bwd<__nv_bfloat16>(s, dout, q, k, v, lse, Dvec, dq_acc, dk, dv, stream);
+      return launch_bwd<__nv_bfloat16>(dtype, s, dout, q, k, v, lse, Dvec, dq, dk, dv, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -12,11 +12,14 @@ reference (:mod:`condinit.ops.attention.reference`), the Triton kernels
 Custom ops in the ``condinit`` namespace (``impl`` is the chosen backend's name, so a traced
 graph or a saved autograd context replays the same kernel):
 
-* ``condinit::attention_fwd(q, k, v, causal, scale, impl) -> (out, lse)``
-* ``condinit::attention_bwd(dout, q, k, v, out, lse, causal, scale, impl) -> (dq, dk, dv)``
-* ``condinit::attention_jvp(q, k, v, tq?, tk?, tv?, causal, scale, impl) -> (out, tout, lse)``
-* ``condinit::attention_jvp_bwd(gout, gtout, q, k, v, tq?, tk?, tv?, out, tout, lse, causal, scale,
+* ``condinit::attention_fwd(q, k, v, <mask>, impl) -> (out, lse)``
+* ``condinit::attention_bwd(dout, q, k, v, out, lse, <mask>, impl) -> (dq, dk, dv)``
+* ``condinit::attention_jvp(q, k, v, tq?, tk?, tv?, <mask>, impl) -> (out, tout, lse)``
+* ``condinit::attention_jvp_bwd(gout, gtout, q, k, v, tq?, tk?, tv?, out, tout, lse, <mask>,
   impl) -> (dq, dk, dv, dtq, dtk, dtv)`` (the backward through the tangent output)
+
+where ``<mask>`` is ``causal, scale, window_left, window_right, q_lens?, kv_lens?`` (the mask
+contract every backend implements: ``docs/design.md``, "Attention"; lens are int32 ``[B]``).
 
 Each has a fake (meta) kernel, so ``torch.compile`` traces them, and a vmap rule that folds the
 vmapped dimension into the batch dimension, so ``torch.vmap`` / ``jacfwd`` / ``jacrev`` work.
@@ -32,7 +35,7 @@ from torch import Tensor
 from typing import Optional
 
 from condinit import _backends
-from condinit._validate import check_bool, check_real, check_tensor
+from condinit._validate import check_bool, check_int, check_real, check_tensor
 from condinit.ops.attention import reference
 
 __all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "ATTENTION_FWD",
@@ -46,7 +49,11 @@ __all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "A
 # Head dims the Triton and CUDA kernels are compiled, tuned and tested for.
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": KERNEL_HEAD_DIMS}
+# Mask kinds a call can need (the "masks" limit of a row: the kinds it runs).
+MASK_KINDS = ("causal", "window", "lens")
+# The Triton and CUDA kernels run the causal mask only until their masked kernels land.
+_GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": KERNEL_HEAD_DIMS, "masks": ("causal",)}
+_ALL_MASKS = {"masks": MASK_KINDS}
 _ANY = (_backends.ANY_DEVICE,)
 
 ATTENTION_FWD = _backends.Op("attention_fwd")
@@ -71,44 +78,46 @@ def _triton():
 
 
 # torch: the tiled reference, any device, dtype and head dim
-ATTENTION_FWD.register("torch", devices=_ANY)(reference.attention_fwd)
-ATTENTION_BWD.register("torch", devices=_ANY)(reference.attention_bwd)
-ATTENTION_JVP.register("torch", devices=_ANY)(reference.attention_jvp)
-ATTENTION_JVP_BWD.register("torch", devices=_ANY)(reference.attention_jvp_bwd)
+# Every row below takes the mask arguments (causal, scale, window_left, window_right, q_lens,
+# kv_lens) after the tensors, in the order of the native schema.
+for _op, _fn in ((ATTENTION_FWD, reference.attention_fwd), (ATTENTION_BWD, reference.attention_bwd),
+                 (ATTENTION_JVP, reference.attention_jvp), (ATTENTION_JVP_BWD, reference.attention_jvp_bwd)):
+    _op.register("torch", devices=_ANY, limits=_ALL_MASKS)(_fn)
 
 
 @ATTENTION_FWD.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
-def _fwd_triton(q, k, v, causal, scale):
-    return _triton().attention_fwd(q, k, v, causal, scale)
+def _fwd_triton(q, k, v, *mask):
+    return _triton().attention_fwd(q, k, v, *mask)
 
 
 @ATTENTION_BWD.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
-def _bwd_triton(dout, q, k, v, out, lse, causal, scale):
-    return _triton().attention_bwd(dout, q, k, v, out, lse, causal, scale)
+def _bwd_triton(dout, q, k, v, out, lse, *mask):
+    return _triton().attention_bwd(dout, q, k, v, out, lse, *mask)
 
 
 @ATTENTION_JVP.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
-def _jvp_triton(q, k, v, tq, tk, tv, causal, scale):
-    return _triton().attention_jvp(q, k, v, *_zeros_tangents(q, k, v, tq, tk, tv), causal, scale)
+def _jvp_triton(q, k, v, tq, tk, tv, *mask):
+    return _triton().attention_jvp(q, k, v, *_zeros_tangents(q, k, v, tq, tk, tv), *mask)
 
 
 # native: one condinit_C schema with a CPU kernel (cpp-cpu, any head dim) and a CUDA kernel. The
 # kernels return a float32 lse; float64 inputs therefore run on the reference (float64 lse).
-def _fwd_native(q, k, v, causal, scale):
-    return tuple(torch.ops.condinit_C.attention_fwd(q, k, v, causal, scale))
+def _fwd_native(q, k, v, *mask):
+    return tuple(torch.ops.condinit_C.attention_fwd(q, k, v, *mask))
 
 
-def _bwd_native(dout, q, k, v, out, lse, causal, scale):
-    return tuple(torch.ops.condinit_C.attention_bwd(dout, q, k, v, out, lse, causal, scale))
+def _bwd_native(dout, q, k, v, out, lse, *mask):
+    return tuple(torch.ops.condinit_C.attention_bwd(dout, q, k, v, out, lse, *mask))
 
 
-def _jvp_native(q, k, v, tq, tk, tv, causal, scale):
+def _jvp_native(q, k, v, tq, tk, tv, *mask):
     tq, tk, tv = _zeros_tangents(q, k, v, tq, tk, tv)
-    return tuple(torch.ops.condinit_C.attention_jvp(q, k, v, tq, tk, tv, causal, scale))
+    return tuple(torch.ops.condinit_C.attention_jvp(q, k, v, tq, tk, tv, *mask))
 
 
 for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (ATTENTION_JVP, _jvp_native)):
-    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES}, native_op=_op.name)(_fn)
+    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES, **_ALL_MASKS},
+                 native_op=_op.name)(_fn)
     # The CUDA backward accumulates dQ with atomicAdd: its bits depend on the thread schedule,
     # so the automatic choice never takes it (Triton's backward is deterministic).
     _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name,
@@ -117,22 +126,31 @@ for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (AT
 
 # The tangent backward's C++ kernel takes float64 too: it computes in float64 and recomputes a
 # float32 lse in float64 (the forward on float64 runs on the reference, which saves a float64 lse).
-@ATTENTION_JVP_BWD.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES + (torch.float64,)},
+@ATTENTION_JVP_BWD.register("cpp-cpu", devices=("cpu",),
+                            limits={"dtype": KERNEL_DTYPES + (torch.float64,), **_ALL_MASKS},
                             native_op="attention_jvp_bwd")
-def _jvp_bwd_native(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale):
+def _jvp_bwd_native(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask):
     z = lambda x: x.new_zeros((gtout.shape[0],) + tuple(x.shape))  # noqa: E731  (None = zero tangent)
     tq, tk, tv = (t if t is not None else z(x) for t, x in ((tq, q), (tk, k), (tv, v)))
     return tuple(torch.ops.condinit_C.attention_jvp_bwd(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
-                                                        causal, scale))
+                                                        *mask))
 
 
-def _choose(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
-    return _choose_cached(op.name, q.device, backend, q.dtype, int(q.shape[-1]))
+def _mask_kinds(causal: bool, window_left: int, window_right: int, q_lens: Optional[Tensor],
+                kv_lens: Optional[Tensor]) -> tuple[str, ...]:
+    """The mask kinds a call needs (the "masks" limit of the backend tables)."""
+    return tuple(kind for kind, used in (("causal", causal),
+                                         ("window", window_left >= 0 or window_right >= 0),
+                                         ("lens", q_lens is not None or kv_lens is not None)) if used)
+
+
+def _choose(op: _backends.Op, q: Tensor, backend: Optional[str], masks: tuple[str, ...] = ()) -> str:
+    return _choose_cached(op.name, q.device, backend, q.dtype, int(q.shape[-1]), masks)
 
 
 def _choose_cached(op_name: str, device: torch.device, backend: Optional[str], dtype: torch.dtype,
-                   head_dim: int) -> str:
-    return _backends.get(op_name).choose(device, backend, dtype=dtype, head_dim=head_dim)
+                   head_dim: int, masks: tuple[str, ...]) -> str:
+    return _backends.get(op_name).choose(device, backend, dtype=dtype, head_dim=head_dim, masks=masks)
 
 
 # A pure function of its arguments and the (cached) build facts: torch.compile records the chosen
@@ -156,29 +174,34 @@ def _c(x: Optional[Tensor]) -> Optional[Tensor]:
 
 
 @torch.library.custom_op("condinit::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int,
+                      window_right: int, q_lens: Optional[Tensor], kv_lens: Optional[Tensor],
                       impl: str) -> tuple[Tensor, Tensor]:
     """Fused attention forward on backend ``impl``: ``(out, lse)``."""
-    out, lse = ATTENTION_FWD(impl, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    out, lse = ATTENTION_FWD(impl, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale,
+                             window_left, window_right, q_lens, kv_lens)
     return out, lse
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale, impl):
+def _(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, impl):
     B, H, Nq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Nq), dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("condinit::attention_bwd", mutates_args=())
 def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      causal: bool, scale: float, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+                      causal: bool, scale: float, window_left: int, window_right: int,
+                      q_lens: Optional[Tensor], kv_lens: Optional[Tensor], impl: str
+                      ) -> tuple[Tensor, Tensor, Tensor]:
     """Flash VJP from the saved ``lse`` on backend ``impl``: ``(dq, dk, dv)``."""
-    dq, dk, dv = ATTENTION_BWD(impl, *(x.contiguous() for x in (dout, q, k, v, out, lse)), causal, scale)
+    dq, dk, dv = ATTENTION_BWD(impl, *(x.contiguous() for x in (dout, q, k, v, out, lse)), causal, scale,
+                               window_left, window_right, q_lens, kv_lens)
     return dq, dk, dv
 
 
 @_attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, impl):
+def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, q_lens, kv_lens, impl):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -192,42 +215,45 @@ class _AttentionBwd(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, out, lse, causal, scale, impl):
-        return _attention_bwd_op(dout, q, k, v, out, lse, causal, scale, impl)
+    def forward(dout, q, k, v, out, lse, causal, scale, window_left, window_right, q_lens, kv_lens, impl):
+        return _attention_bwd_op(dout, q, k, v, out, lse, causal, scale, window_left, window_right,
+                                 q_lens, kv_lens, impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        dout, q, k, v, out, lse, causal, scale, impl = inputs
+        dout, q, k, v, out, lse, causal, scale, window_left, window_right, q_lens, kv_lens, impl = inputs
         ctx.save_for_backward(dout, q, k, v)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.mask = (causal, scale, window_left, window_right, q_lens, kv_lens)
 
     @staticmethod
     def backward(ctx, gdq, gdk, gdv):
         dout, q, k, v = ctx.saved_tensors
-        causal, scale = ctx.causal, ctx.scale
+        mask = ctx.mask
 
         def vjp_of_attention(do, q_, k_, v_):
-            f = lambda a, b, c: reference.attention_fwd(a, b, c, causal, scale)[0]  # noqa: E731
+            f = lambda a, b, c: reference.attention_fwd(a, b, c, *mask)[0]  # noqa: E731
             return torch.func.vjp(f, q_, k_, v_)[1](do)
 
         _, vjp_fn = torch.func.vjp(vjp_of_attention, dout, q, k, v)
         gdout, gq, gk, gv = vjp_fn((gdq, gdk, gdv))
-        return gdout, gq, gk, gv, None, None, None, None, None
+        return (gdout, gq, gk, gv) + (None,) * 9
 
 
 @torch.library.custom_op("condinit::attention_jvp", mutates_args=())
 def _attention_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
-                      tv: Optional[Tensor], causal: bool, scale: float, impl: str
+                      tv: Optional[Tensor], causal: bool, scale: float, window_left: int,
+                      window_right: int, q_lens: Optional[Tensor], kv_lens: Optional[Tensor], impl: str
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused single-pass JVP on backend ``impl``: ``(out, tout, lse)``; tangents ``[P, ...]``,
     at least one not None (a None tangent is zero)."""
     out, tout, lse = ATTENTION_JVP(impl, q.contiguous(), k.contiguous(), v.contiguous(),
-                                   _c(tq), _c(tk), _c(tv), causal, scale)
+                                   _c(tq), _c(tk), _c(tv), causal, scale, window_left, window_right,
+                                   q_lens, kv_lens)
     return out, tout, lse
 
 
 @_attention_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, causal, scale, impl):
+def _(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, impl):
     B, H, Nq, _ = q.shape
     P = next(t.shape[0] for t in (tq, tk, tv) if t is not None)
     return (torch.empty_like(q), q.new_empty((P,) + tuple(q.shape)),
@@ -237,18 +263,21 @@ def _(q, k, v, tq, tk, tv, causal, scale, impl):
 @torch.library.custom_op("condinit::attention_jvp_bwd", mutates_args=())
 def _attention_jvp_bwd_op(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                           tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor], out: Tensor,
-                          tout: Tensor, lse: Tensor, causal: bool, scale: float, impl: str
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          tout: Tensor, lse: Tensor, causal: bool, scale: float, window_left: int,
+                          window_right: int, q_lens: Optional[Tensor], kv_lens: Optional[Tensor],
+                          impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward through the fused JVP on backend ``impl``: ``(dq, dk, dv, dtq, dtk, dtv)`` for
     upstream ``gout`` and ``gtout`` ``[P, ...]``. A None tangent is zero and still gets its
     gradient (the caller drops it)."""
     grads = ATTENTION_JVP_BWD(impl, *(x.contiguous() for x in (gout, gtout, q, k, v)), _c(tq), _c(tk),
-                              _c(tv), *(x.contiguous() for x in (out, tout, lse)), causal, scale)
+                              _c(tv), *(x.contiguous() for x in (out, tout, lse)), causal, scale,
+                              window_left, window_right, q_lens, kv_lens)
     return tuple(grads)
 
 
 @_attention_jvp_bwd_op.register_fake
-def _(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, impl):
+def _(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, window_left, window_right,
+      q_lens, kv_lens, impl):
     P = gtout.shape[0]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *(x.new_empty((P,) + tuple(x.shape)) for x in (q, k, v)))
@@ -278,38 +307,53 @@ def _unfold(x: Tensor, size: int, lead: int = 0) -> Tensor:
     return x.reshape(*s[:lead], size, s[lead] // size, *s[lead + 1:])
 
 
+def _fold_mask(n: int, in_dims, causal, scale, window_left, window_right, q_lens, kv_lens) -> tuple:
+    """The mask arguments for the folded batch: lens ``[B]`` (or ``[V, B]`` when vmapped)
+    become ``[V*B]`` int32."""
+    lens = [_fold(x, d, n) for x, d in zip((q_lens, kv_lens), in_dims)]
+    lens = [x.to(torch.int32).contiguous() if x is not None else None for x in lens]
+    return (causal, scale, window_left, window_right, *lens)
+
+
 @torch.library.register_vmap("condinit::attention_fwd")
-def _(info, in_dims, q, k, v, causal, scale, impl):
+def _(info, in_dims, q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, impl):
     n = info.batch_size
     qd, kd, vd = in_dims[:3]
-    out, lse = _attention_fwd_op(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), causal, scale, impl)
+    mask = _fold_mask(n, in_dims[7:9], causal, scale, window_left, window_right, q_lens, kv_lens)
+    out, lse = _attention_fwd_op(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), *mask, impl)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap("condinit::attention_bwd")
-def _(info, in_dims, dout, q, k, v, out, lse, causal, scale, impl):
+def _(info, in_dims, dout, q, k, v, out, lse, causal, scale, window_left, window_right, q_lens, kv_lens,
+      impl):
     n = info.batch_size
     args = [_fold(x, d, n) for x, d in zip((dout, q, k, v, out, lse), in_dims[:6])]
-    dq, dk, dv = _attention_bwd_op(*args, causal, scale, impl)
+    mask = _fold_mask(n, in_dims[10:12], causal, scale, window_left, window_right, q_lens, kv_lens)
+    dq, dk, dv = _attention_bwd_op(*args, *mask, impl)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
 @torch.library.register_vmap("condinit::attention_jvp")
-def _(info, in_dims, q, k, v, tq, tk, tv, causal, scale, impl):
+def _(info, in_dims, q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens,
+      impl):
     n = info.batch_size
     primals = [_fold(x, d, n) for x, d in zip((q, k, v), in_dims[:3])]
     tangents = [_fold_tangent(x, d, n) for x, d in zip((tq, tk, tv), in_dims[3:6])]
-    out, tout, lse = _attention_jvp_op(*primals, *tangents, causal, scale, impl)
+    mask = _fold_mask(n, in_dims[10:12], causal, scale, window_left, window_right, q_lens, kv_lens)
+    out, tout, lse = _attention_jvp_op(*primals, *tangents, *mask, impl)
     return (_unfold(out, n), _unfold(tout, n, lead=1), _unfold(lse, n)), (0, 1, 0)
 
 
 @torch.library.register_vmap("condinit::attention_jvp_bwd")
-def _(info, in_dims, gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, impl):
+def _(info, in_dims, gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, causal, scale, window_left,
+      window_right, q_lens, kv_lens, impl):
     n = info.batch_size
     fold = [_fold, _fold_tangent, _fold, _fold, _fold, _fold_tangent, _fold_tangent, _fold_tangent,
             _fold, _fold_tangent, _fold]
     args = [f(x, d, n) for f, x, d in zip(fold, (gout, gtout, q, k, v, tq, tk, tv, out, tout, lse), in_dims)]
-    grads = _attention_jvp_bwd_op(*args, causal, scale, impl)
+    mask = _fold_mask(n, in_dims[15:17], causal, scale, window_left, window_right, q_lens, kv_lens)
+    grads = _attention_jvp_bwd_op(*args, *mask, impl)
     return (tuple(_unfold(g, n) for g in grads[:3]) + tuple(_unfold(g, n, lead=1) for g in grads[3:]),
             (0, 0, 0, 1, 1, 1))
 
@@ -343,14 +387,51 @@ def _check_primals(q, k, v) -> None:
                          f"(grouped-query attention)")
 
 
-def _check_options(causal, scale, backend, d: int) -> tuple[float, Optional[str]]:
-    check_bool("causal", causal)
+def _check_options(scale, backend, d: int) -> tuple[float, Optional[str]]:
     scale = 1.0 / d ** 0.5 if scale is None else check_real("scale", scale)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     if backend is not None and backend != "auto" and backend not in _backends.BACKENDS:
         raise ValueError(f"backend must be one of {_backends.BACKENDS}, 'auto' or None, got {backend!r}")
     return scale, backend
+
+
+def _check_lens(name: str, lens, batch: int, n: int, what: str, device: torch.device) -> Optional[Tensor]:
+    """``lens`` (None, or a ``[B]`` int tensor / sequence of ints in ``[0, n]``) as int32 on
+    ``device``."""
+    if lens is None:
+        return None
+    if isinstance(lens, (list, tuple)):
+        for x in lens:
+            check_int(f"{name} entries", x)
+        lens = torch.tensor(lens, dtype=torch.int64)
+    check_tensor(name, lens)
+    if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {lens.dtype}")
+    if tuple(lens.shape) != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}] (one {what} length per batch entry), "
+                         f"got {tuple(lens.shape)}")
+    if bool(((lens < 0) | (lens > n)).any()):
+        raise ValueError(f"{name} must be in [0, {n}] ({what} length at most its dimension), "
+                         f"got {lens.tolist()}")
+    return lens.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _check_mask(q: Tensor, k: Tensor, causal, window, q_lens, kv_lens) -> tuple:
+    """``(causal, window_left, window_right, q_lens, kv_lens)`` as the kernels take them."""
+    check_bool("causal", causal)
+    if window is None:
+        left, right = -1, -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be None or a pair (left, right) of ints >= -1 (-1: unbounded), "
+                            f"got {window!r}")
+        left = check_int("window[0] (left)", window[0], min=-1)
+        right = check_int("window[1] (right)", window[1], min=-1)
+    B = q.shape[0]
+    q_lens = _check_lens("q_lens", q_lens, B, q.shape[2], "query", q.device)
+    kv_lens = _check_lens("kv_lens", kv_lens, B, k.shape[2], "key", q.device)
+    return causal, left, right, q_lens, kv_lens
 
 
 def _check_tangents(primals, tangents) -> tuple[bool, int]:
@@ -398,22 +479,23 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, causal, scale, fwd_impl, bwd_impl, jvp_impl):
-        return _attention_fwd_op(q, k, v, causal, scale, fwd_impl)
+    def forward(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl):
+        return _attention_fwd_op(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, fwd_impl, bwd_impl, jvp_impl = inputs
+        q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.bwd_impl, ctx.jvp_impl = causal, scale, bwd_impl, jvp_impl
+        ctx.mask = (causal, scale, window_left, window_right, q_lens, kv_lens)
+        ctx.bwd_impl, ctx.jvp_impl = bwd_impl, jvp_impl
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _AttentionBwd.apply(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _AttentionBwd.apply(dout, q, k, v, out, lse, *ctx.mask, ctx.bwd_impl)
+        return (dq, dk, dv) + (None,) * 9
 
 
 class _AttentionAD(_Attention):
@@ -429,11 +511,11 @@ class _AttentionAD(_Attention):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, causal, scale, fwd_impl, bwd_impl, jvp_impl):
+    def vmap(info, in_dims, q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl):
         n = info.batch_size
+        mask = _fold_mask(n, in_dims[7:9], causal, scale, window_left, window_right, q_lens, kv_lens)
         out, lse = _AttentionAD.apply(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n),
-                                      _fold(v, in_dims[2], n), causal, scale, fwd_impl, bwd_impl,
-                                      jvp_impl)
+                                      _fold(v, in_dims[2], n), *mask, fwd_impl, bwd_impl, jvp_impl)
         return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
     @staticmethod
@@ -447,20 +529,28 @@ class _AttentionAD(_Attention):
         if tq is None and tk is None and tv is None:
             return torch.zeros_like(q), None
         tangents = [t.unsqueeze(0) if t is not None else None for t in (tq, tk, tv)]
-        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, ctx.causal, ctx.scale, ctx.jvp_impl)
+        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, *ctx.mask, ctx.jvp_impl)
         return tout.squeeze(0), None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-              scale: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
-    """Fused scaled-dot-product attention, ``softmax(scale Q K^T [+ causal mask]) V``.
+              window: Optional[tuple[int, int]] = None, q_lens: Optional[Tensor] = None,
+              kv_lens: Optional[Tensor] = None, scale: Optional[float] = None,
+              backend: Optional[str] = None) -> Tensor:
+    """Fused scaled-dot-product attention, ``softmax(scale Q K^T [+ mask]) V``.
 
     Args:
         q: ``[B, H, Nq, d]``.
         k, v: ``[B, Hkv, Nk, d]``, ``Hkv`` divides ``H`` (query head ``h`` uses key/value head
             ``h // (H // Hkv)``).
-        causal: query ``i`` attends key ``j`` iff ``j <= i + (Nk - Nq)`` (bottom-right aligned).
-            A query with no key gets 0 (and zero gradients).
+        causal, window, q_lens, kv_lens: the mask (``docs/design.md``, "Attention"). For batch
+            entry ``b`` let ``Lq = q_lens[b]`` (default ``Nq``), ``Lk = kv_lens[b]`` (default
+            ``Nk``) and ``off = Lk - Lq``. Query ``i < Lq`` attends key ``j`` iff ``j < Lk`` and,
+            with ``causal``, ``j <= i + off`` (bottom-right aligned) and, with ``window = (left,
+            right)``, ``i + off - left <= j <= i + off + right`` (-1: unbounded on that side;
+            Hugging Face's ``sliding_window=W`` is ``causal=True, window=(W - 1, -1)``). Queries
+            ``i >= Lq`` are padding. A query with no key gets 0 (and zero gradients); padded keys
+            get zero gradients. ``q_lens`` / ``kv_lens``: int tensors (or lists) ``[B]``.
         scale: defaults to ``1 / sqrt(d)``.
         backend: ``"cuda"``, ``"triton"``, ``"cpp-cpu"``, ``"torch"``, or None / ``"auto"``
             (the first deterministic backend that supports the call; ``condinit info`` shows the
@@ -478,14 +568,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     Examples:
         >>> q, k, v = torch.randn(2, 8, 128, 64), torch.randn(2, 2, 128, 64), torch.randn(2, 2, 128, 64)
         >>> out = condinit.attention(q, k, v, causal=True)            # GQA: 8 query, 2 kv heads
+        >>> out = condinit.attention(q, k, v, causal=True, window=(31, -1))   # sliding window 32
+        >>> out = condinit.attention(q, k, v, kv_lens=torch.tensor([128, 100]))  # key padding
         >>> out, tangent = torch.func.jvp(condinit.attention, (q, k, v), (q, k, v))
     """
     _check_primals(q, k, v)
-    scale, backend = _check_options(causal, scale, backend, q.shape[-1])
-    impls = tuple(_choose(op, q, backend) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP))
+    causal, left, right, q_lens, kv_lens = _check_mask(q, k, causal, window, q_lens, kv_lens)
+    scale, backend = _check_options(scale, backend, q.shape[-1])
+    masks = _mask_kinds(causal, left, right, q_lens, kv_lens)
+    impls = tuple(_choose(op, q, backend, masks) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
-    out, _ = fn.apply(q, k, v, causal, scale, *impls)
+    out, _ = fn.apply(q, k, v, causal, scale, left, right, q_lens, kv_lens, *impls)
     return out
 
 
@@ -533,16 +627,17 @@ class _AttentionJVP(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, jvp_impl)
+    def forward(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl = inputs
+        q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl = inputs
         ctx.mark_non_differentiable(output[2])
         ctx.present = tuple(t is not None for t in (tq, tk, tv))
         ctx.save_for_backward(q, k, v, tq, tk, tv, *output)
-        ctx.causal, ctx.scale, ctx.bwd_impl = causal, scale, bwd_impl
+        ctx.mask = (causal, scale, window_left, window_right, q_lens, kv_lens)
+        ctx.bwd_impl = bwd_impl
 
     @staticmethod
     def backward(ctx, gout, gtout, _glse):
@@ -551,12 +646,12 @@ class _AttentionJVP(torch.autograd.Function):
         recording = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
         with torch.no_grad():  # the op has no autograd formula; _FirstOrderOnly stands in for one
             grads = _attention_jvp_bwd_op(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
-                                          ctx.causal, ctx.scale, ctx.bwd_impl)
+                                          *ctx.mask, ctx.bwd_impl)
         if recording:
             grads = _FirstOrderOnly.apply(len(grads), *grads, *inputs)
         dq, dk, dv, *dt = grads
         dt = [g if p else None for g, p in zip(dt, ctx.present)]
-        return (dq, dk, dv, *dt, None, None, None, None)
+        return (dq, dk, dv, *dt) + (None,) * 8
 
 
 class _AttentionJVPOutGrad(torch.autograd.Function):
@@ -566,33 +661,36 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, jvp_impl)
+    def forward(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl):
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, causal, scale, jvp_impl, bwd_impl = inputs
+        q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl = inputs
         out, tout, lse = output
         ctx.mark_non_differentiable(tout, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.bwd_impl = causal, scale, bwd_impl
+        ctx.mask = (causal, scale, window_left, window_right, q_lens, kv_lens)
+        ctx.bwd_impl = bwd_impl
 
     @staticmethod
     def backward(ctx, gout, _gtout, _glse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _AttentionBwd.apply(gout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_impl)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv = _AttentionBwd.apply(gout, q, k, v, out, lse, *ctx.mask, ctx.bwd_impl)
+        return (dq, dk, dv) + (None,) * 11
 
 
-def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str]) -> str:
+def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str], masks: tuple[str, ...]) -> str:
     """The backward's backend: the one forced for the forward where ``op`` has a row for it
     (attention_jvp_bwd has no Triton / CUDA kernel yet), else the automatic choice."""
-    return _choose(op, q, backend if backend is None or backend in op.impls else "auto")
+    return _choose(op, q, backend if backend is None or backend in op.impls else "auto", masks)
 
 
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
                   tk: Optional[Tensor] = None, tv: Optional[Tensor] = None, *,
-                  causal: bool = False, scale: Optional[float] = None,
+                  causal: bool = False, window: Optional[tuple[int, int]] = None,
+                  q_lens: Optional[Tensor] = None, kv_lens: Optional[Tensor] = None,
+                  scale: Optional[float] = None,
                   backend: Optional[str] = None, grad_through_tangent: bool = True
                   ) -> tuple[Tensor, Tensor]:
     """Attention and its Jacobian-vector product in one fused pass: ``(out, tangent_out)``.
@@ -608,7 +706,8 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
         tq, tk, tv: tangents shaped like their primal, or with a leading probe dim ``[P, ...]``
             (all given ones alike); None means a zero tangent (its work is skipped where the
             backend allows). The ``P`` probes share the primal tiles in one pass.
-        causal, scale: as in :func:`attention`.
+        causal, window, q_lens, kv_lens, scale: as in :func:`attention` (rows that attend no
+            key, padded queries included, get a zero tangent).
         backend: as in :func:`attention`, for the JVP. The backward uses the same backend where
             its table has that row, else the automatic choice: the backward through the tangent
             has kernels for ``"cpp-cpu"`` and ``"torch"`` only (on GPUs the tiled torch reference
@@ -638,10 +737,13 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
         >>> (out.square().sum() + tout.square().sum()).backward()                    # q.grad
     """
     _check_primals(q, k, v)
-    scale, backend = _check_options(causal, scale, backend, q.shape[-1])
+    causal, left, right, q_lens, kv_lens = _check_mask(q, k, causal, window, q_lens, kv_lens)
+    scale, backend = _check_options(scale, backend, q.shape[-1])
     check_bool("grad_through_tangent", grad_through_tangent)
     has_p, P = _check_tangents((("q", q), ("k", k), ("v", v)), (("tq", tq), ("tk", tk), ("tv", tv)))
-    impl = _choose(ATTENTION_JVP, q, backend)
+    masks = _mask_kinds(causal, left, right, q_lens, kv_lens)
+    mask = (causal, scale, left, right, q_lens, kv_lens)
+    impl = _choose(ATTENTION_JVP, q, backend, masks)
     if tq is None and tk is None and tv is None:
         tv = torch.zeros_like(v)  # all-zero tangent: keep one code path (out is still needed)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -657,8 +759,8 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
     if needs_grad:
         fn, bwd_op = ((_AttentionJVP, ATTENTION_JVP_BWD) if grad_through_tangent
                       else (_AttentionJVPOutGrad, ATTENTION_BWD))
-        bwd_impl = _backward_backend(bwd_op, q, backend)
-        out, tout, _ = fn.apply(q, k, v, *tangents, causal, scale, impl, bwd_impl)
+        bwd_impl = _backward_backend(bwd_op, q, backend, masks)
+        out, tout, _ = fn.apply(q, k, v, *tangents, *mask, impl, bwd_impl)
     else:
-        out, tout, _ = _attention_jvp_op(q, k, v, *tangents, causal, scale, impl)
+        out, tout, _ = _attention_jvp_op(q, k, v, *tangents, *mask, impl)
     return out, (tout if has_p else tout.squeeze(0))

@@ -68,35 +68,106 @@ def _grouped_inputs(q, k, v, tq, tk, tv, hkv: int, scale: float, acc_dtype):
     return qg, kg, vg, tqg, tkg, tvg
 
 
-def _key_range(i0: int, i1: int, nq: int, nk: int, causal: bool) -> int:
-    """Number of keys any query in [i0, i1) may attend (keys [0, end) are visited)."""
-    if not causal:
-        return nk
-    return max(0, min(nk, i1 - 1 + (nk - nq) + 1))
+class _Mask:
+    """Which keys each query row attends, and the blocks that need masking.
+
+    Row ``i`` of batch ``b`` (``Lq = q_lens[b]``, ``Lk = kv_lens[b]``, ``off = Lk - Lq``) attends
+    the keys ``lo[b, i] <= j < hi[b, i]``: ``j < Lk``, and with ``causal`` ``j <= i + off``, with
+    ``window_left >= 0`` ``j >= i + off - window_left``, with ``window_right >= 0``
+    ``j <= i + off + window_right``; rows ``i >= Lq`` attend nothing. Every constraint is an
+    interval, so the allowed keys of a row are one interval and ``lo``, ``hi`` grow with ``i``.
+    """
+
+    def __init__(self, nq: int, nk: int, causal: bool, window_left: int, window_right: int,
+                 q_lens: Optional[Tensor], kv_lens: Optional[Tensor], device):
+        self.nq, self.nk = nq, nk
+        self.trivial = (not causal and window_left < 0 and window_right < 0 and q_lens is None
+                        and kv_lens is None)
+        if self.trivial:
+            return
+        i = torch.arange(nq, dtype=torch.int64)[None, :]                        # bounds on the host
+        lq = (q_lens.to("cpu", torch.int64) if q_lens is not None else torch.full((1,), nq))[:, None]
+        lk = (kv_lens.to("cpu", torch.int64) if kv_lens is not None else torch.full((1,), nk))[:, None]
+        diag = i + (lk - lq)                                                    # [B or 1, Nq]
+        hi = lk.expand_as(diag)
+        if causal:
+            hi = torch.minimum(hi, diag + 1)
+        if window_right >= 0:
+            hi = torch.minimum(hi, diag + window_right + 1)
+        lo = torch.zeros_like(hi)
+        if window_left >= 0:
+            lo = torch.maximum(lo, diag - window_left)
+        valid = i < lq
+        self.lo = torch.where(valid, lo, 0)
+        self.hi = torch.where(valid, torch.maximum(hi, self.lo), 0)             # empty: hi <= lo
+        self.lo_dev, self.hi_dev = self.lo.to(device), self.hi.to(device)
+
+    def key_blocks(self, i0: int, i1: int, block_k: int) -> list[tuple[int, int]]:
+        """The key blocks ``[j0, j1)`` that rows ``[i0, i1)`` may attend (aligned to ``block_k``)."""
+        if self.trivial:
+            start, end = 0, self.nk
+        else:
+            lo, hi = self.lo[:, i0:i1], self.hi[:, i0:i1]
+            live = hi > lo
+            if not live.any():
+                return []
+            start = int(lo[live].min()) // block_k * block_k
+            end = int(hi[live].max())
+        return [(j0, min(self.nk, j0 + block_k)) for j0 in range(start, end, block_k)]
+
+    def block(self, i0: int, i1: int, j0: int, j1: int) -> Optional[Tensor]:
+        """Bool ``[B or 1, 1, 1, bq, bk]`` of the allowed pairs of a block (broadcasts over the kv
+        heads and the query heads of a group), None when all are allowed."""
+        if self.trivial:
+            return None
+        lo, hi = self.lo[:, i0:i1], self.hi[:, i0:i1]
+        if bool((lo <= j0).all()) and bool((hi >= j1).all()):
+            return None
+        j = torch.arange(j0, j1, device=self.lo_dev.device)
+        allowed = (j >= self.lo_dev[:, i0:i1, None]) & (j < self.hi_dev[:, i0:i1, None])
+        return allowed[:, None, None]
 
 
-def _mask(i0: int, i1: int, j0: int, j1: int, nq: int, nk: int, device) -> Optional[Tensor]:
-    """Boolean [bq, bk] mask of allowed (query, key) pairs for a causal block, None if all allowed."""
-    if j1 - 1 <= i0 + (nk - nq):  # the block's last key is visible to its first query
-        return None
-    i = torch.arange(i0, i1, device=device)[:, None]
-    j = torch.arange(j0, j1, device=device)[None, :]
-    return j <= i + (nk - nq)
+def _mm(a: Tensor, x: Tensor, allowed: Optional[Tensor]) -> Tensor:
+    """``a @ x`` where ``a`` is 0 outside ``allowed`` (a mask over its last two dims), exact when
+    ``x`` holds NaN / Inf in rows that only masked-out pairs touch: those never contribute (a
+    plain product gives ``0 * NaN = NaN``). A non-finite entry that an allowed pair touches
+    makes the result NaN there."""
+    if allowed is None:
+        return a @ x
+    finite = torch.isfinite(x)
+    if bool(finite.all()):
+        return a @ x
+    out = a @ torch.where(finite, x, torch.zeros_like(x))
+    hit = (allowed.to(x.dtype) @ (~finite).to(x.dtype)) > 0
+    return torch.where(hit, torch.full_like(out, float("nan")), out)
+
+
+def _zero_outside(x: Optional[Tensor], allowed: Optional[Tensor]) -> Optional[Tensor]:
+    """Score-shaped ``x`` set to 0 at masked-out pairs (which may hold NaN from masked inputs)."""
+    if x is None or allowed is None:
+        return x
+    return x.masked_fill(~allowed, 0.0)
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                  window_left: int = -1, window_right: int = -1, q_lens: Optional[Tensor] = None,
+                  kv_lens: Optional[Tensor] = None,
                   block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
     """Forward: ``out = softmax(scale * Q K^T) V`` and ``lse = logsumexp(scale * Q K^T)``.
 
     Online softmax per query block: running max ``m``, ``l = rowsum(exp(S - m))`` and
     ``acc = exp(S - m) V``, rescaled by ``alpha = exp(m_old - m_new)`` when ``m`` grows.
     """
-    out, _, lse = attention_jvp(q, k, v, None, None, None, causal, scale, block_q, block_k)
+    out, _, lse = attention_jvp(q, k, v, None, None, None, causal, scale, window_left, window_right,
+                                q_lens, kv_lens, block_q, block_k)
     return out, lse
 
 
 def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Optional[Tensor],
                   tv: Optional[Tensor], causal: bool, scale: float,
+                  window_left: int = -1, window_right: int = -1, q_lens: Optional[Tensor] = None,
+                  kv_lens: Optional[Tensor] = None,
                   block_q: int = BLOCK_Q, block_k: int = BLOCK_K
                   ) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """Fused single-pass JVP: ``(out, tout, lse)`` for tangents ``[P, ...]`` (None = zero tangent).
@@ -122,6 +193,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
     qg, kg, vg, tqg, tkg, tvg = _grouped_inputs(q, k, v, tq, tk, tv, Hkv, scale, acc_dtype)
     # With both Q' and K', S' = [s Q', s Q] [K, K']^T: one product with inner dim 2d.
     both = tqg is not None and tkg is not None
+    mask = _Mask(Nq, Nk, causal, window_left, window_right, q_lens, kv_lens, q.device)
     if both:
         kcat = torch.cat([kg.expand(P, *kg.shape), tkg], dim=-1)            # [P, B, Hkv, 1, Nk, 2d]
 
@@ -139,13 +211,12 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
         if with_tangent:
             acc_tangent = qb.new_zeros((P,) + qb.shape)                      # accA + accB, summed as we go
             r = qb.new_zeros((P,) + rows)
-        for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
-            j1 = min(Nk, j0 + block_k)
+        for j0, j1 in mask.key_blocks(i0, i1, block_k):
             kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
             s = qb @ kb.transpose(-1, -2)                               # [B, Hkv, G, bq, bk]
-            mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
-            if mask is not None:
-                s = s.masked_fill(~mask, _NEG_INF)
+            allowed = mask.block(i0, i1, j0, j1)
+            if allowed is not None:
+                s = s.masked_fill(~allowed, _NEG_INF)
             # m only stabilizes the exponentials; the result does not depend on it, so it is
             # held constant for autograd (exact, and avoids differentiating through max).
             m_new = torch.maximum(m, s.detach().amax(-1))
@@ -153,7 +224,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
             alpha = torch.exp(m - m_safe)
             p = torch.exp(s - m_safe[..., None])                        # P~, 0 where masked
             l = alpha * l + p.sum(-1)
-            acc = alpha[..., None] * acc + p @ vb
+            acc = alpha[..., None] * acc + _mm(p, vb, allowed)
             if with_tangent:
                 if both:                                                # S' = s (Q' K^T + Q K'^T)
                     ds = qcat @ kcat[..., j0:j1, :].transpose(-1, -2)
@@ -163,16 +234,17 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
                     ds = qb @ tkg[..., j0:j1, :].transpose(-1, -2)
                 else:
                     ds = None
+                ds = _zero_outside(ds, allowed)
                 a = alpha[..., None]
                 upd = acc_tangent * a
                 if ds is not None:
                     ps = p * ds                                         # P~ * S' (0 where masked)
                     r = alpha * r + ps.sum(-1)
-                    upd = upd + ps @ vb                                 # accB
+                    upd = upd + _mm(ps, vb, allowed)                    # accB
                 else:
                     r = alpha * r
                 if tvg is not None:
-                    upd = upd + p @ tvg[..., j0:j1, :]                  # accA
+                    upd = upd + _mm(p, tvg[..., j0:j1, :], allowed)     # accA
                 acc_tangent = upd
             m = m_new
         nonempty = l != 0   # l is 0 exactly when the row sees no key; a NaN l must stay NaN
@@ -190,7 +262,10 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: Opt
 
 
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  causal: bool, scale: float, block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+                  causal: bool, scale: float,
+                  window_left: int = -1, window_right: int = -1, q_lens: Optional[Tensor] = None,
+                  kv_lens: Optional[Tensor] = None,
+                  block_q: int = BLOCK_Q, block_k: int = BLOCK_K
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """VJP from the saved ``lse`` (the flash backward): ``(dq, dk, dv)``.
 
@@ -209,6 +284,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     lseg = lse.to(acc_dtype).reshape(B, Hkv, H // Hkv, Nq)
     # Empty rows (lse = -inf) have P = exp(-inf - 0) = 0 everywhere.
     lseg = torch.where(lseg == _NEG_INF, torch.zeros_like(lseg), lseg)
+    mask = _Mask(Nq, Nk, causal, window_left, window_right, q_lens, kv_lens, q.device)
     dk = torch.zeros(B, Hkv, Nk, d, dtype=acc_dtype, device=q.device)
     dv = torch.zeros_like(dk)
     dqs = []
@@ -218,19 +294,19 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         lb = lseg[..., i0:i1, None]
         D = (dob * og[..., i0:i1, :]).sum(-1, keepdim=True)             # [B, Hkv, G, bq, 1]
         dq = torch.zeros_like(qb)
-        for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k):
-            j1 = min(Nk, j0 + block_k)
+        for j0, j1 in mask.key_blocks(i0, i1, block_k):
             kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
             s = qb @ kb.transpose(-1, -2)
-            mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
-            if mask is not None:
-                s = s.masked_fill(~mask, _NEG_INF)
-            p = torch.exp(s - lb)                                       # [B, Hkv, G, bq, bk]
+            allowed = mask.block(i0, i1, j0, j1)
+            if allowed is not None:
+                s = s.masked_fill(~allowed, _NEG_INF)
+            p = _zero_outside(torch.exp(s - lb), allowed)               # [B, Hkv, G, bq, bk]
             dp = dob @ vb.transpose(-1, -2)
-            ds = p * (dp - D)
-            dq += ds @ kb
-            dk[..., j0:j1, :] += (ds.transpose(-1, -2) @ qb).sum(2)
-            dv[..., j0:j1, :] += (p.transpose(-1, -2) @ dob).sum(2)
+            ds = _zero_outside(p * (dp - D), allowed)
+            allowed_t = allowed.transpose(-1, -2) if allowed is not None else None
+            dq += _mm(ds, kb, allowed)
+            dk[..., j0:j1, :] += _mm(ds.transpose(-1, -2), qb, allowed_t).sum(2)
+            dv[..., j0:j1, :] += _mm(p.transpose(-1, -2), dob, allowed_t).sum(2)
         dqs.append(dq)
     dq = _ungrouped(torch.cat(dqs, dim=-2)) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -250,6 +326,8 @@ def _tangent_scores(qb: Tensor, tqb: Optional[Tensor], kb: Tensor, tkb: Optional
 def attention_jvp_bwd(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                       tq: Optional[Tensor], tk: Optional[Tensor], tv: Optional[Tensor],
                       out: Tensor, tout: Tensor, lse: Tensor, causal: bool, scale: float,
+                      window_left: int = -1, window_right: int = -1, q_lens: Optional[Tensor] = None,
+                      kv_lens: Optional[Tensor] = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward through the fused JVP: ``(dq, dk, dv, dtq, dtk, dtv)`` of a loss on
@@ -291,6 +369,7 @@ def attention_jvp_bwd(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tens
     delta_t = (gtog * og).sum(-1)                                            # d' [P, B, Hkv, G, Nq]
     D_saved = (gog * og).sum(-1) + (gtog * _grouped(tout, Hkv).to(acc_dtype)).sum(-1).sum(0)
 
+    mask = _Mask(Nq, Nk, causal, window_left, window_right, q_lens, kv_lens, q.device)
     dk = torch.zeros(B, Hkv, Nk, d, dtype=acc_dtype, device=q.device)
     dv = torch.zeros_like(dk)
     dtk = torch.zeros((P,) + tuple(dk.shape), dtype=acc_dtype, device=q.device)
@@ -302,26 +381,26 @@ def attention_jvp_bwd(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tens
         tqb = tqg[..., i0:i1, :] if tqg is not None else None
         lb = lseg[..., i0:i1, None]
         dlt = delta_t[..., i0:i1, None]                                      # [P, B, Hkv, G, bq, 1]
-        key_blocks = [(j0, min(Nk, j0 + block_k))
-                      for j0 in range(0, _key_range(i0, i1, Nq, Nk, causal), block_k)]
+        key_blocks = mask.key_blocks(i0, i1, block_k)
 
-        def probs(j0: int, j1: int) -> Tensor:
+        def probs(j0: int, j1: int, allowed: Optional[Tensor]) -> Tensor:
             """P = exp(S - lse) of the block, 0 where masked."""
             s = qb @ kg[..., j0:j1, :].transpose(-1, -2)                     # [B, Hkv, G, bq, bk]
-            mask = _mask(i0, i1, j0, j1, Nq, Nk, q.device) if causal else None
-            if mask is not None:
-                s = s.masked_fill(~mask, _NEG_INF)
-            return torch.exp(s - lb)
+            if allowed is not None:
+                s = s.masked_fill(~allowed, _NEG_INF)
+            return _zero_outside(torch.exp(s - lb), allowed)
 
-        def scores_t(j0: int, j1: int) -> Optional[Tensor]:
-            return _tangent_scores(qb, tqb, kg[..., j0:j1, :],
-                                   tkg[..., j0:j1, :] if tkg is not None else None)
+        def scores_t(j0: int, j1: int, allowed: Optional[Tensor]) -> Optional[Tensor]:
+            return _zero_outside(_tangent_scores(qb, tqb, kg[..., j0:j1, :],
+                                                 tkg[..., j0:j1, :] if tkg is not None else None),
+                                 allowed)
 
         # Sweep 1: r = rowsum(P * S') per probe (0 when S' = 0).
         r = qb.new_zeros((P,) + qb.shape[:-1] + (1,))                        # [P, B, Hkv, G, bq, 1]
         if tqg is not None or tkg is not None:
             for j0, j1 in key_blocks:
-                r += (probs(j0, j1) * scores_t(j0, j1)).sum(-1, keepdim=True)
+                allowed = mask.block(i0, i1, j0, j1)
+                r += (probs(j0, j1, allowed) * scores_t(j0, j1, allowed)).sum(-1, keepdim=True)
         D = D_saved[..., i0:i1, None] - (r * dlt).sum(0)                     # [B, Hkv, G, bq, 1]
 
         # Sweep 2: the gradients.
@@ -330,28 +409,33 @@ def attention_jvp_bwd(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: Tens
         for j0, j1 in key_blocks:
             kb, vb = kg[..., j0:j1, :], vg[..., j0:j1, :]
             tkb = tkg[..., j0:j1, :] if tkg is not None else None
-            p = probs(j0, j1)
-            ds = scores_t(j0, j1)                                            # S' or None
+            allowed = mask.block(i0, i1, j0, j1)
+            allowed_t = allowed.transpose(-1, -2) if allowed is not None else None
+            p = probs(j0, j1, allowed)
+            ds = scores_t(j0, j1, allowed)                                   # S' or None
             dpt = gtob @ vb.transpose(-1, -2)                                # dP' [P, B, Hkv, G, bq, bk]
             gp = gob @ vb.transpose(-1, -2)                                  # gP  [B, Hkv, G, bq, bk]
             if tvg is not None:
                 gp = gp + (gtob @ tvg[..., j0:j1, :].transpose(-1, -2)).sum(0)
             if ds is not None:
                 gp = gp + (dpt * (ds - r) - ds * dlt).sum(0)
-            gst = p * (dpt - dlt)                                            # gS' [P, ...]
-            gs = p * (gp - D)                                                # gS
-            dq += gs @ kb
+            # (Masked pairs are set to 0: a NaN row statistic must not reach masked keys.)
+            gst = _zero_outside(p * (dpt - dlt), allowed)                    # gS' [P, ...]
+            gs = _zero_outside(p * (gp - D), allowed)                        # gS
+            dq += _mm(gs, kb, allowed)
             if tkb is not None:
-                dq += (gst @ tkb).sum(0)
-            dtq += gst @ kb
-            dk[..., j0:j1, :] += (gs.transpose(-1, -2) @ qb).sum(2)
+                dq += _mm(gst, tkb, allowed).sum(0)
+            dtq += _mm(gst, kb, allowed)
+            t = lambda x: x.transpose(-1, -2)  # noqa: E731
+            dk[..., j0:j1, :] += _mm(t(gs), qb, allowed_t).sum(2)
             if tqb is not None:
-                dk[..., j0:j1, :] += (gst.transpose(-1, -2) @ tqb).sum((0, 3))
-            dv[..., j0:j1, :] += (p.transpose(-1, -2) @ gob).sum(2)
+                dk[..., j0:j1, :] += _mm(t(gst), tqb, allowed_t).sum((0, 3))
+            dv[..., j0:j1, :] += _mm(t(p), gob, allowed_t).sum(2)
             if ds is not None:                                               # P' = 0 when S' = 0
-                dv[..., j0:j1, :] += ((p * (ds - r)).transpose(-1, -2) @ gtob).sum((0, 3))
-            dtk[..., j0:j1, :] += (gst.transpose(-1, -2) @ qb).sum(3)
-            dtv[..., j0:j1, :] += (p.transpose(-1, -2) @ gtob).sum(3)
+                pt = _zero_outside(p * (ds - r), allowed)
+                dv[..., j0:j1, :] += _mm(t(pt), gtob, allowed_t).sum((0, 3))
+            dtk[..., j0:j1, :] += _mm(t(gst), qb, allowed_t).sum(3)
+            dtv[..., j0:j1, :] += _mm(t(p), gtob, allowed_t).sum(3)
         dqs.append(dq)
         dtqs.append(dtq)
     dq = _ungrouped(torch.cat(dqs, dim=-2)) * scale
