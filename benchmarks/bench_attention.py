@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py            # CPU, B=1, H=8, N=4096, d=64, causal, fp32
     python benchmarks/bench_attention.py --quick    # N=1024
+    python benchmarks/bench_attention.py --vs-sdpa -N 2048 4096   # against torch's fused CPU SDPA
     python -m pytest benchmarks/bench_attention.py --benchmark-enable   # small pytest-benchmark cases
 
 Side by side, in one run: ``condinit.attention_jvp`` on the automatic backend (the C++ CPU kernel
@@ -18,6 +19,14 @@ kernel resets the high-water mark (``/proc/self/clear_refs`` = 5) and ``VmHWM`` 
 where that is unavailable a sampling thread polls ``VmRSS`` every millisecond.
 
 Targets: >= 10x faster than MATH and <= 5 % of its peak extra memory.
+
+``--vs-sdpa``: condinit's kernels against torch's own fused CPU attention in the same run, for
+each N given: the forward (``condinit.attention``) and the JVP (``condinit.attention_jvp``, one
+probe) against ``F.scaled_dot_product_attention`` on its flash CPU backend (no forward AD of its
+own), and the tangent backward (gradients of a loss on ``(out, tangent_out)`` through
+``attention_jvp``) against autograd through ``torch.func.jvp`` over SDPA MATH (time of the
+backward call; peak extra memory of JVP + backward). Targets: forward <= 1.1x SDPA's forward,
+JVP <= 2.5x SDPA's forward, tangent backward >= 5x faster than MATH at <= 5 % of its memory.
 """
 from __future__ import annotations
 
@@ -97,16 +106,11 @@ def _inputs(B, H, N, d, P, dtype=torch.float32, seed=0):
 
 def _method(name: str, causal: bool):
     """Return (fn(q, k, v, tq, tk, tv) -> tangent, backend label)."""
-    import torch.nn.functional as F
-
     if name == "math":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from condinit.bench import math_jvp
 
         def fn(q, k, v, tq, tk, tv):
-            f = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
-            with sdpa_kernel(SDPBackend.MATH):
-                return torch.stack([torch.func.jvp(f, (q, k, v), (tq[p], tk[p], tv[p]))[1]
-                                    for p in range(tq.shape[0])])
+            return torch.stack([math_jvp(q, k, v, tq[p], tk[p], tv[p], causal)[1] for p in range(tq.shape[0])])
         return fn, "torch.func.jvp(SDPA MATH)"
 
     import condinit
@@ -122,9 +126,95 @@ def _method(name: str, causal: bool):
     return fn, backend
 
 
+def _sdpa_child(cfg: dict) -> dict:
+    """One ``--vs-sdpa`` measurement: median seconds of the timed part and peak extra memory."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import condinit
+    name, causal, N = cfg["method"], cfg["causal"], cfg["N"]
+    grad = name.endswith("tangent-bwd")
+    q, k, v, tq, tk, tv = _inputs(cfg["B"], cfg["H"], N, cfg["d"], 1)
+    tq, tk, tv = tq[0], tk[0], tv[0]
+    if grad:
+        q, k, v, tq, tk, tv = (x.requires_grad_() for x in (q, k, v, tq, tk, tv))
+
+    def math_sdpa(a, b, c):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=causal)
+
+    def run():
+        """Returns the seconds of the timed part."""
+        if name == "sdpa-fwd":
+            with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                t0 = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return time.perf_counter() - t0
+        if name == "condinit-fwd":
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                condinit.attention(q, k, v, causal=causal)
+            return time.perf_counter() - t0
+        if name == "condinit-jvp":
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                condinit.attention_jvp(q, k, v, tq, tk, tv, causal=causal)
+            return time.perf_counter() - t0
+        if name == "condinit-tangent-bwd":
+            out, tout = condinit.attention_jvp(q, k, v, tq, tk, tv, causal=causal)
+        else:  # math-tangent-bwd
+            out, tout = torch.func.jvp(math_sdpa, (q, k, v), (tq, tk, tv))
+        gout, gtout = torch.ones_like(out), torch.ones_like(tout)
+        t0 = time.perf_counter()
+        torch.autograd.grad((out, tout), (q, k, v, tq, tk, tv), (gout, gtout))
+        return time.perf_counter() - t0
+
+    run()  # warm-up at full size (thread pools, lazy imports, allocator)
+    times = []
+    with PeakRSS() as mem:
+        for _ in range(cfg["repeats"]):
+            times.append(run())
+    return {"method": name, "N": N, "seconds": statistics.median(times), "all_seconds": times,
+            "peak_extra_bytes": mem.extra_bytes, "threads": torch.get_num_threads()}
+
+
+def vs_sdpa(args, base) -> list:
+    """The ``--vs-sdpa`` table: per N, condinit's forward / JVP / tangent backward against
+    SDPA's fused CPU forward and the MATH route's tangent backward, measured side by side."""
+    results = []
+    print(f"{'N':>6} {'SDPA flash fwd':>15} {'condinit fwd':>13} {'ratio':>7} {'condinit JVP':>13} {'ratio':>7}"
+          f" {'MATH tangent bwd':>17} {'condinit t.bwd':>15} {'speedup':>8} {'memory':>8}")
+    for N in args.N:
+        row = {}
+        methods = ["sdpa-fwd", "condinit-fwd", "condinit-jvp"]
+        if not args.skip_math:
+            methods += ["math-tangent-bwd"]
+        methods += ["condinit-tangent-bwd"]
+        for method in methods:
+            repeats = 1 if method == "math-tangent-bwd" else args.repeats
+            r = run_child({**base, "N": N, "method": method, "repeats": repeats, "vs_sdpa": True}, args.timeout)
+            row[method] = r
+            results.append(r)
+        if any("error" in r for r in row.values()):
+            print(f"{N:>6} error: " + "; ".join(f"{m}: {r['error']}" for m, r in row.items() if "error" in r))
+            continue
+        s = {m: r["seconds"] for m, r in row.items()}
+        mb = {m: r["peak_extra_bytes"] for m, r in row.items()}
+        math_part = (f" {s['math-tangent-bwd']:>17.3f} {s['condinit-tangent-bwd']:>15.3f} "
+                     f"{s['math-tangent-bwd'] / s['condinit-tangent-bwd']:>7.1f}x "
+                     f"{mb['condinit-tangent-bwd'] / max(1, mb['math-tangent-bwd']) * 100:>7.2f}%"
+                     ) if "math-tangent-bwd" in s else f" {'-':>17} {s['condinit-tangent-bwd']:>15.3f}"
+        print(f"{N:>6} {s['sdpa-fwd']:>15.3f} {s['condinit-fwd']:>13.3f} {s['condinit-fwd'] / s['sdpa-fwd']:>6.2f}x"
+              f" {s['condinit-jvp']:>13.3f} {s['condinit-jvp'] / s['sdpa-fwd']:>6.2f}x" + math_part)
+    print("ratios: condinit time / SDPA flash forward time (targets: forward <= 1.1x, JVP <= 2.5x); "
+          "tangent backward: MATH time / condinit time (target >= 5x), condinit peak extra memory / "
+          "MATH's (target <= 5 %)")
+    return results
+
+
 def _chosen_backend(q, backend):
-    from condinit.ops.attention.op import ATTENTION_JVP
-    return ATTENTION_JVP.choose(q.device, backend, head_dim=q.shape[-1], dtype=q.dtype)
+    from condinit.bench import attention_backends
+    return attention_backends(q.device, q.dtype, q.shape[-1], backend)["jvp"]
 
 
 def child(cfg: dict) -> dict:
@@ -132,6 +222,8 @@ def child(cfg: dict) -> dict:
         torch.set_num_threads(cfg["threads"])
     if cfg.get("native_lib"):
         torch.ops.load_library(cfg["native_lib"])
+    if cfg.get("vs_sdpa"):
+        return _sdpa_child(cfg)
     name, causal = cfg["method"], cfg["causal"]
     fn, label = _method(name, causal)
     # warm up on a small problem (lazy imports, kernel selection) without touching the peak
@@ -175,7 +267,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="N=1024 instead of 4096")
     ap.add_argument("-B", type=int, default=1)
     ap.add_argument("-H", type=int, default=8)
-    ap.add_argument("-N", type=int, default=None)
+    ap.add_argument("-N", type=int, nargs="+", default=None, help="sequence length(s); several with --vs-sdpa")
     ap.add_argument("-d", type=int, default=64)
     ap.add_argument("--probes", type=int, default=8, help="P for the multi-probe comparison")
     ap.add_argument("--non-causal", action="store_true")
@@ -187,13 +279,28 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--native-lib", help="kernel development: load this library of condinit_C ops "
                     "(a separately built attention kernel) in every measurement")
+    ap.add_argument("--vs-sdpa", action="store_true", help="forward / JVP / tangent backward against torch's "
+                    "fused CPU SDPA and the MATH route, for each -N")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
 
-    N = args.N or (1024 if args.quick else 4096)
+    if args.vs_sdpa:
+        args.N = args.N or [2048, 4096]
+        base = {"B": args.B, "H": args.H, "d": args.d, "causal": not args.non_causal, "threads": args.threads,
+                "native_lib": os.path.abspath(args.native_lib) if args.native_lib else None}
+        print(f"attention vs torch SDPA, CPU, B={args.B} H={args.H} d={args.d} "
+              f"{'non-causal' if args.non_causal else 'causal'} fp32; torch {torch.__version__}; torch threads "
+              f"{args.threads or torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} CPUs; median of {args.repeats} (MATH: 1)")
+        results = vs_sdpa(args, base)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": base, "results": results}, f, indent=1)
+        return 0
+    N = args.N[0] if args.N else (1024 if args.quick else 4096)
     causal = not args.non_causal
     base = {"B": args.B, "H": args.H, "N": N, "d": args.d, "causal": causal, "threads": args.threads,
             "native_lib": os.path.abspath(args.native_lib) if args.native_lib else None}

@@ -1,89 +1,328 @@
 """One script for a machine with one NVIDIA GPU: build, check every GPU path, time it, report.
 
-    python benchmarks/gpu_check.py [--log gpu_check.log] [--skip-build] [--quick]
+    python benchmarks/gpu_check.py [--log PATH] [--skip-build] [--quick] [--budget 470]
+    python benchmarks/gpu_check.py --cpu-dry-run      # the same logic on the CPU backends, toy sizes
 
-1. builds condinit with its CUDA extension (``pip install --no-build-isolation --no-deps -e .``,
-   archs of the visible GPU only), unless ``--skip-build``;
-2. checks every GPU path against float64 references on fresh random inputs:
-   the counter-based generator (cuda vs the CPU backends), every orthogonalization method,
-   the batched conditioned init (GPU equals CPU), and the attention op's Triton and CUDA
-   kernels (forward, backward, JVP with probes; fp32 / fp16 / bf16; causal; GQA; awkward N);
-3. times them against their baselines, side by side: conditioned init of a Llama-3-70B-shaped
-   stack vs batched ``torch.linalg.qr`` and the per-head ``orthogonal_`` loop; attention JVP
-   (bf16, N=8192, d=128) vs ``torch.func.jvp`` over SDPA's MATH backend, and its TFLOP/s
-   (3x the forward's FLOPs) against the bf16 matrix rate measured in the same run;
-4. prints a short table last and writes the full log to ``--log`` (default ``$OUT/gpu_check.log``
-   when ``$OUT`` is set, else ``gpu_check.log``).
+Made so that one run cannot be lost (docs/design.md, "GPU checks"):
 
-Designed to finish in under 8 minutes on one H200. Exit status 0 when every check passed.
+1. **build** (``pip install --no-index --no-build-isolation --no-deps -e .``, the visible GPU's arch
+   only, offline) under a timeout; where the system Python refuses to install (an externally
+   managed environment) into a venv with the system site packages, whose Python then runs the
+   sections. A failed build is recorded and the sections run with whatever backends load.
+2. **sections**, each in its own process with its own timeout (an illegal address is sticky for a
+   whole CUDA context; a hang must not eat the budget): ``sanitize`` first (compute-sanitizer
+   memcheck and racecheck on tiny shapes, time-capped, when compute-sanitizer exists), then
+   ``init``, ``attention-triton``, ``attention-cuda``, and the timing sections, which run the
+   ``condinit bench`` library (:mod:`condinit.bench`) with the backend forced (a backend that cannot
+   run a row fails that row; nothing falls back) and print the backend on every row.
+3. Every (section, dtype, shape) check is guarded and recorded the moment it finishes (one JSON
+   line in a results file the parent reads back): a section that crashes or times out keeps every
+   check it finished and gets one ERROR entry with the tail of its output.
+4. The summary, the failed checks and the timing table are printed last; the full log goes to
+   ``--log`` (default ``$OUT/gpu_check.log`` when ``$OUT`` is set, else ``gpu_check.log``) and every
+   record to ``--json`` (default: next to the log).
+
+fp32 Triton attention is checked on one small shape (its fp32 kernels compile slowly). The whole
+run stays within ``--budget`` seconds (default 470, under 8 minutes on one H200 including the
+build): each section's timeout is its own cap, cut to what the budget has left after reserving a
+little for the sections after it. Exit status 0 when every check passed.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# --cpu-dry-run runs the same code on the CPU at toy sizes with the CPU backends, so the script's
-# own logic is checked on every CI run, before any GPU time is spent on it.
-DRY = False
-DEV = "cuda"
-GPU_BACKENDS = ("triton", "cuda")
-RANDN_BACKEND = "cuda"
-LOG = None
-RESULTS = []  # (section, name, status, detail)
+SCRIPT = os.path.abspath(__file__)
+
+# (name, timeout cap in seconds, seconds reserved for it while earlier sections run)
+SECTIONS = (
+    ("sanitize", 75, 15),
+    ("init", 60, 15),
+    ("attention-triton", 110, 20),
+    ("attention-cuda", 70, 15),
+    ("timing-init", 60, 15),
+    ("timing-attention-triton", 60, 15),
+    ("timing-attention-cuda", 50, 10),
+)
+SANITIZER_TOOLS = (("memcheck", 0.6), ("racecheck", 0.4))   # share of the sanitize section's time
+TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+# A section may be made to fail on purpose (tests of the parent's bookkeeping): "section:crash" or
+# "section:hang".
+FAULT_ENV = "CONDINIT_GPU_CHECK_FAULT"
 
 
-def log(msg=""):
-    print(msg, flush=True)
-    if LOG is not None:
-        LOG.write(msg + "\n")
-        LOG.flush()
+# ============================================================================================= parent
+
+class Log:
+    def __init__(self, path):
+        self.path = path
+        self.file = open(path, "w")
+
+    def __call__(self, msg=""):
+        print(msg, flush=True)
+        self.file.write(msg + "\n")
+        self.file.flush()
 
 
-def record(section, name, ok, detail=""):
-    status = "PASS" if ok is True else ("FAIL" if ok is False else ok)
-    RESULTS.append((section, name, status, detail))
-    log(f"[{status}] {section}: {name} {detail}")
+def run_limited(cmd, timeout, env=None, cwd=ROOT):
+    """(returncode or None when it timed out, combined output): the command in its own process
+    group, killed as a group at the timeout (compute-sanitizer and pip start children)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, timeout))
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        return None, out
 
 
-def guarded(section):
-    """Run a check function; an exception is recorded as ERROR and the script goes on."""
-    def deco(fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                fn(*a, **k)
-            except Exception as exc:
-                record(section, fn.__name__, "ERROR", f"{type(exc).__name__}: {exc}")
-                log(traceback.format_exc())
-            log(f"   ({fn.__name__} took {time.perf_counter() - t0:.1f} s)")
-        return wrapper
-    return deco
+class Parent:
+    def __init__(self, args, log):
+        self.args, self.log = args, log
+        self.t0 = time.monotonic()
+        self.records = []
+        self.python = sys.executable
+
+    def left(self):
+        return self.args.budget - (time.monotonic() - self.t0)
+
+    def record(self, section, name, status, detail="", seconds=0.0):
+        rec = {"section": section, "name": name, "status": status, "detail": detail, "seconds": seconds}
+        self.records.append(rec)
+        self.log(f"[{status}] {section}: {name} {detail}")
+
+    def env(self):
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHONUNBUFFERED": "1"}
+        if not self.args.cpu_dry_run:
+            env.pop("TRITON_INTERPRET", None)   # the real kernels, not the interpreter
+        return env
+
+    # ---- build
+    def build(self, timeout):
+        import torch
+        major, minor = torch.cuda.get_device_capability(0)
+        env = {**self.env(), "CONDINIT_STRICT_BUILD": "1", "MAX_JOBS": str(os.cpu_count() or 8),
+               "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}", "PIP_NO_INDEX": "1"}
+        env.setdefault("CUDA_HOME", "/usr/local/cuda")
+        t0 = time.monotonic()
+        pip = ["-m", "pip", "install", "--no-index", "--no-build-isolation", "--no-deps", "-e", ROOT]
+        self.log(f"$ python {' '.join(pip)}  (TORCH_CUDA_ARCH_LIST={env['TORCH_CUDA_ARCH_LIST']}, "
+                 f"timeout {timeout:.0f} s)")
+        rc, out = run_limited([self.python, *pip], timeout, env)
+        if rc not in (0, None) and "externally-managed-environment" in out:
+            venv = os.path.join(tempfile.gettempdir(), "condinit-gpu-check-venv")
+            self.log(f"the system Python refuses installs: venv with system site packages at {venv}")
+            rc_v, out_v = run_limited([self.python, "-m", "venv", "--system-site-packages", venv],
+                                      max(1.0, timeout - (time.monotonic() - t0)), env)
+            if rc_v == 0:
+                self.python = os.path.join(venv, "bin", "python")
+                rc, out = run_limited([self.python, *pip], max(1.0, timeout - (time.monotonic() - t0)), env)
+            else:
+                out += "\n" + out_v
+        self.log(out[-15000:])
+        seconds = time.monotonic() - t0
+        if rc is None:
+            self.record("build", "pip install -e . with CUDA", "ERROR", f"timed out after {seconds:.0f} s", seconds)
+        else:
+            self.record("build", "pip install -e . with CUDA", "PASS" if rc == 0 else "FAIL",
+                        f"{seconds:.0f} s, exit {rc}", seconds)
+        return rc == 0
+
+    # ---- sections
+    def section(self, name, cap, later_reserve):
+        timeout = min(cap, self.args.section_timeout.get(name, self.args.section_timeout.get("*", cap)),
+                      self.left() - later_reserve)
+        if timeout < 5:
+            self.record(name, "section", "SKIP", f"budget spent ({self.left():.0f} s left)")
+            return
+        fd, results = tempfile.mkstemp(prefix=f"gpu_check-{name}-", suffix=".jsonl")
+        os.close(fd)
+        if name == "sanitize":
+            return self.sanitize(timeout, results)
+        self.log(f"--- section {name} (timeout {timeout:.0f} s)")
+        cmd = [self.python, SCRIPT, "--section", name, "--results", results] + self.child_flags()
+        self.child(name, cmd, timeout, results)
+
+    def child_flags(self):
+        return ["--cpu-dry-run"] * self.args.cpu_dry_run + ["--quick"] * self.args.quick + \
+            ["--autotune"] * self.args.autotune
+
+    def child(self, name, cmd, timeout, results, label=None):
+        t0 = time.monotonic()
+        rc, out = run_limited(cmd, timeout, self.env())
+        seconds = time.monotonic() - t0
+        got = read_records(results)
+        if os.path.exists(results):
+            os.remove(results)
+        # a timing row is emitted when measured and again with its rates at the end: keep the last
+        keyed = {}
+        for rec in got:
+            if rec.get("kind") == "row":
+                keyed[(rec["section"], rec["row"]["key"])] = rec
+            else:
+                self.records.append(rec)
+        self.records += keyed.values()
+        self.log(out.rstrip()[-20000:])
+        label = label or name
+        if rc is None:
+            self.record(label, "section", "ERROR", f"timed out after {seconds:.0f} s; {len(got)} records kept; "
+                        f"last output: {tail(out)}", seconds)
+        elif rc != 0:
+            self.record(label, "section", "ERROR", f"exit status {rc} after {seconds:.0f} s; {len(got)} records "
+                        f"kept; last output: {tail(out)}", seconds)
+        else:
+            self.log(f"    (section {label}: {len(got)} records, {seconds:.0f} s)")
+        return rc, out
+
+    def sanitize(self, timeout, results):
+        tool = shutil.which("compute-sanitizer") or next(
+            (p for p in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "compute-sanitizer"),
+                         "/usr/local/cuda/bin/compute-sanitizer") if os.path.isfile(p)), None)
+        if tool is None or self.args.cpu_dry_run:
+            why = "CPU dry run" if self.args.cpu_dry_run else "compute-sanitizer not found"
+            self.record("sanitize", "compute-sanitizer", "SKIP", why)
+            # the tiny checks still run (without the sanitizer), so their logic is exercised
+            self.log("--- section sanitize: tiny shapes without compute-sanitizer")
+            self.child("sanitize", [self.python, SCRIPT, "--section", "tiny", "--results", results]
+                       + self.child_flags(), timeout, results, "tiny")
+            return
+        for tool_name, share in SANITIZER_TOOLS:
+            cap = timeout * share
+            self.log(f"--- section sanitize: {tool_name} on tiny shapes (timeout {cap:.0f} s)")
+            res = results if tool_name == "memcheck" else results + f".{tool_name}"
+            cmd = [tool, "--tool", tool_name, "--error-exitcode", "97", "--target-processes", "all",
+                   self.python, SCRIPT, "--section", "tiny", "--results", res, "--tag", tool_name] + self.child_flags()
+            rc, out = self.child(f"sanitize-{tool_name}", cmd, cap, res)
+            summary = next((ln.strip() for ln in reversed(out.splitlines()) if "ERROR SUMMARY" in ln), "")
+            if rc is None:
+                status = "ERROR"
+            else:
+                status = "PASS" if rc == 0 and ("0 errors" in summary or "0 hazards" in summary or not summary) \
+                    else "FAIL"
+            self.record("sanitize", f"compute-sanitizer {tool_name} (tiny shapes)", status,
+                        summary or ("timed out" if rc is None else f"exit {rc}"))
+
+    def run(self):
+        import torch
+        args = self.args
+        self.log(f"condinit gpu_check {time.strftime('%Y-%m-%d %H:%M:%S')}; python {sys.version.split()[0]}, "
+                 f"torch {torch.__version__}; budget {args.budget:.0f} s")
+        if not args.cpu_dry_run and not torch.cuda.is_available():
+            self.log("no CUDA GPU visible: nothing to check")
+            return 1
+        device = "CPU dry run" if args.cpu_dry_run else torch.cuda.get_device_name(0)
+        if not args.cpu_dry_run:
+            self.log(f"GPU: {device}, capability {torch.cuda.get_device_capability(0)}")
+        reserve = sum(r for _, _, r in SECTIONS)
+        if not args.skip_build and not args.cpu_dry_run:
+            self.build(min(args.build_timeout, self.left() - reserve))
+        wanted = args.sections.split(",") if args.sections else [s for s, _, _ in SECTIONS]
+        for i, (name, cap, _) in enumerate(SECTIONS):
+            if name in wanted:
+                later = sum(r for n, _, r in SECTIONS[i + 1:] if n in wanted)
+                self.section(name, cap, later)
+        return self.summary(device)
+
+    def summary(self, device):
+        log = self.log
+        checks = [r for r in self.records if r.get("kind") != "row"]
+        rows = [r for r in self.records if r.get("kind") == "row"]
+        failed = [r for r in checks if r["status"] not in ("PASS", "SKIP")]
+        log("")
+        log(f"=== condinit gpu_check summary ({device}, {time.monotonic() - self.t0:.0f} s of a "
+            f"{self.args.budget:.0f} s budget) ===")
+        log(f"checks: {sum(r['status'] == 'PASS' for r in checks)} passed, {len(failed)} failed, "
+            f"{sum(r['status'] == 'SKIP' for r in checks)} skipped")
+        for r in failed:
+            log(f"  {r['status']} {r['section']}: {r['name']} {r['detail']}")
+        if rows:
+            sys.path.insert(0, ROOT)
+            from condinit import bench
+            fields = {f for f in bench.Row.__dataclass_fields__}
+            table = [bench.Row(**{k: v for k, v in r["row"].items() if k in fields}) for r in rows]
+            log(bench.format_table(table, "timing (median; FLOPs: attention fwd 4BHN^2d halved causal, bwd 2.5x, "
+                                          "jvp 3x, tangent bwd 7.5x; % of the ceiling measured in the same section)"))
+        with open(self.args.json, "w") as f:
+            json.dump({"device": device, "records": self.records}, f, indent=1, default=str)
+        log(f"log: {self.log.path}; records: {self.args.json}")
+        return 0 if not failed else 1
 
 
-# --------------------------------------------------------------------------------------------- build
-def build():
-    import torch
-    major, minor = torch.cuda.get_device_capability(0)
-    env = {**os.environ, "CONDINIT_STRICT_BUILD": "1", "MAX_JOBS": str(os.cpu_count() or 8),
-           "TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"}
-    env.setdefault("CUDA_HOME", "/usr/local/cuda")
-    cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "-e", ROOT]
-    log(f"$ {' '.join(cmd)}  (TORCH_CUDA_ARCH_LIST={env['TORCH_CUDA_ARCH_LIST']})")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    log(proc.stdout[-20000:])
-    log(proc.stderr[-20000:])
-    record("build", "pip install -e . with CUDA", proc.returncode == 0, f"{time.perf_counter() - t0:.0f} s")
-    return proc.returncode == 0
+def read_records(path):
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:   # a line cut short by a crash
+                        pass
+    except OSError:
+        pass
+    return out
 
 
-# --------------------------------------------------------------------------------------------- helpers
+def tail(text, n=3):
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-600:]
+
+
+# ============================================================================================= child
+
+class Child:
+    """One section in its own process: each check guarded, recorded as one JSON line at once."""
+
+    def __init__(self, section, results, dry, quick, tag=None):
+        self.section, self.dry, self.quick = section, dry, quick
+        self.label = f"{section}-{tag}" if tag else section
+        self.results = open(results, "a")
+        self.dev = "cpu" if dry else "cuda"
+
+    def emit(self, rec):
+        self.results.write(json.dumps(rec, default=str) + "\n")
+        self.results.flush()
+        os.fsync(self.results.fileno())
+
+    def record(self, name, status, detail="", seconds=0.0):
+        self.emit({"section": self.label, "name": name, "status": status, "detail": detail, "seconds": seconds})
+        print(f"[{status}] {self.label}: {name} {detail}", flush=True)
+
+    def check(self, name, fn, *args):
+        """Run ``fn(*args) -> (ok, detail)``; an exception is an ERROR with its message."""
+        t0 = time.perf_counter()
+        try:
+            ok, detail = fn(*args)
+            status = "PASS" if ok else "FAIL"
+        except Exception as exc:
+            status, detail = "ERROR", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            traceback.print_exc()
+        self.record(name, status, detail, time.perf_counter() - t0)
+
+    def row(self, row):
+        import dataclasses
+        self.emit({"section": self.label, "kind": "row", "row": dataclasses.asdict(row)})
+        print(f"[ROW] {self.label}: {row.name} [{row.backend}] "
+              + (f"{row.seconds * 1e3:.2f} ms" if row.ok else f"ERROR {row.error}"), flush=True)
+
+
 def rel_err(x, ref, floor=1e-30):
     """max |x - ref| / max |ref|; ``floor`` bounds the denominator from below (a gradient that is
     exactly zero, e.g. dq when each row sees one key, would otherwise divide rounding noise by 0)."""
@@ -91,83 +330,6 @@ def rel_err(x, ref, floor=1e-30):
     return ((x - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
 
 
-def cuda_time(fn, warmup=2, iters=5):
-    """Median milliseconds of fn() timed with CUDA events after warm-up."""
-    import torch
-    if DEV == "cpu":
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
-
-
-# --------------------------------------------------------------------------------------------- init engine
-@guarded("init")
-def check_randn():
-    import torch
-    from condinit.init.philox import block_randn
-    ids = [0, 5, 123456789, 2**33 + 7]
-    gpu = block_randn(1234, 7, ids, (64, 1000), device=DEV, backend=RANDN_BACKEND).cpu()
-    cpu = block_randn(1234, 7, ids, (64, 1000), device="cpu")
-    diff = (gpu - cpu).abs().max().item()
-    same = torch.equal(gpu, cpu)
-    # The generator is designed bit-identical across backends (fixed fp32 operation sequences).
-    record("init", "randn cuda == cpu bit for bit", same, f"max|diff|={diff:.2e}")
-
-
-@guarded("init")
-def check_orthogonalize():
-    import torch
-    from condinit.init import orthogonalize
-    g = torch.Generator(device=DEV).manual_seed(0)
-    shapes = [(64, 1, 1), (96, 64, 2048), (8, 128, 8192), (4, 256, 16384), (2, 17, 123), (2, 300, 40)]
-    for shape in (shapes[:2] + shapes[4:] if DRY else shapes):
-        x = torch.randn(shape, device=DEV, generator=g)
-        for method in ("householder", "cholqr2", "polar", "svd"):
-            q = orthogonalize(x, method=method)
-            m, n = shape[-2:]
-            gram = q @ q.mT if m <= n else q.mT @ q
-            err = (gram - torch.eye(min(m, n), device=DEV)).abs().max().item()
-            record("init", f"orthogonalize {method} {shape}", err <= 1e-5, f"max|WW^T-I|={err:.1e}")
-    x = torch.randn(16, 64, 4096, device=DEV, generator=g)
-    d = (orthogonalize(x, method="cholqr2") - orthogonalize(x, method="householder")).abs().max().item()
-    record("init", "cholqr2 Q == householder Q (sign-fixed)", d <= 1e-5, f"max|diff|={d:.1e}")
-
-
-@guarded("init")
-def check_conditioned_init_gpu_equals_cpu():
-    import torch
-    from condinit.init import conditioned_init_layers_
-    L, D, H, Hkv, d = 3, 512, 8, 2, 64
-
-    def make(device):
-        return [dict(q=torch.empty(H * d, D, device=device), k=torch.empty(Hkv * d, D, device=device),
-                     v=torch.empty(Hkv * d, D, device=device)) for _ in range(L)]
-
-    cpu, gpu = make("cpu"), make(DEV)
-    conditioned_init_layers_(cpu, num_heads=H, num_kv_heads=Hkv, seed=11)
-    conditioned_init_layers_(gpu, num_heads=H, num_kv_heads=Hkv, seed=11)
-    err = max((a[n] - b[n].cpu()).abs().max().item() for a, b in zip(cpu, gpu) for n in "qkv")
-    record("init", "conditioned_init_layers_ cuda == cpu", err <= 1e-5, f"max|diff|={err:.1e}")
-
-
-# --------------------------------------------------------------------------------------------- attention
 def naive_attention(q, k, v, causal, scale):
     import torch
     H, Hkv = q.shape[1], k.shape[1]
@@ -183,240 +345,230 @@ def naive_attention(q, k, v, causal, scale):
     return (p * mask.any(-1, keepdim=True)) @ v
 
 
-@guarded("attention")
-def check_attention(backend):
+def attention_case(dev, backend, dtype, case, probes=2):
+    """(ok, detail): forward, ``probes``-probe JVP and backward of ``condinit`` on ``backend`` (forced)
+    against float64 references, one case ``(B, H, Hkv, Nq, Nk, d, causal)``."""
     import torch
     import condinit
-    cases = [  # B, H, Hkv, Nq, Nk, d, causal
-        (1, 2, 2, 1, 1, 64, False), (2, 4, 2, 17, 17, 16, True), (1, 8, 1, 128, 128, 128, True),
-        (1, 4, 4, 333, 333, 80, False), (1, 2, 1, 200, 64, 64, True), (1, 2, 2, 64, 300, 256, True),
-        (1, 8, 2, 129, 257, 96, False), (1, 2, 2, 1000, 1000, 32, True),
-    ][: 4 if DRY else None]
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        worst = {"out": 0.0, "tout": 0.0, "grad": 0.0}
-        for B, H, Hkv, Nq, Nk, d, causal in cases:
-            mk = lambda h, n: torch.randn(B, h, n, d, device=DEV, dtype=torch.float64)
-            q, k, v = mk(H, Nq), mk(Hkv, Nk), mk(Hkv, Nk)
-            P = 2
-            tq, tk, tv = (torch.randn(P, *t.shape, device=DEV, dtype=torch.float64) for t in (q, k, v))
-            scale = d ** -0.5
-            # float64 reference: value, tangents (per probe), gradients
-            ref_out = naive_attention(q, k, v, causal, scale)
-            ref_t = torch.stack([torch.func.jvp(lambda a, b, c: naive_attention(a, b, c, causal, scale),
-                                                (q, k, v), (tq[p], tk[p], tv[p]))[1] for p in range(P)])
-            dout = torch.randn_like(ref_out)
-            _, vjp = torch.func.vjp(lambda a, b, c: naive_attention(a, b, c, causal, scale), q, k, v)
-            ref_g = vjp(dout)
-            c = lambda t: t.to(dtype).contiguous()
-            out, tout = condinit.attention_jvp(c(q), c(k), c(v), c(tq), c(tk), c(tv), causal=causal,
-                                               scale=scale, backend=backend)
-            qq, kk, vv = (c(t).requires_grad_() for t in (q, k, v))
-            o2 = condinit.attention(qq, kk, vv, causal=causal, scale=scale, backend=backend)
-            grads = torch.autograd.grad(o2, (qq, kk, vv), c(dout))
-            nan = any(torch.isnan(t).any().item() for t in (out, tout, o2, *grads))
-            worst["out"] = max(worst["out"], rel_err(out, ref_out), rel_err(o2, ref_out))
-            worst["tout"] = max(worst["tout"], rel_err(tout, ref_t))
-            # inputs are unit Gaussians, so gradients are O(1): floor the denominator at 1
-            worst["grad"] = max(worst["grad"], *(rel_err(a, b, floor=1.0) for a, b in zip(grads, ref_g)))
-            if nan:
-                record("attention", f"{backend} {dtype} {B,H,Hkv,Nq,Nk,d,causal}", False, "NaN in output")
-        tol = TOL[str(dtype).split(".")[1]]
-        ok = all(v <= tol for v in worst.values())
-        record("attention", f"{backend} {str(dtype)[6:]} fwd/jvp(P=2)/bwd vs float64",
-               ok, " ".join(f"{k}={v:.1e}" for k, v in worst.items()) + f" (tol {tol:.0e})")
+    B, H, Hkv, Nq, Nk, d, causal = case
+    mk = lambda h, n: torch.randn(B, h, n, d, device=dev, dtype=torch.float64)  # noqa: E731
+    q, k, v = mk(H, Nq), mk(Hkv, Nk), mk(Hkv, Nk)
+    tq, tk, tv = (torch.randn(probes, *t.shape, device=dev, dtype=torch.float64) for t in (q, k, v))
+    scale = d ** -0.5
+    f = lambda a, b, c: naive_attention(a, b, c, causal, scale)  # noqa: E731
+    ref_out = f(q, k, v)
+    ref_t = torch.stack([torch.func.jvp(f, (q, k, v), (tq[p], tk[p], tv[p]))[1] for p in range(probes)])
+    dout = torch.randn_like(ref_out)
+    _, vjp = torch.func.vjp(f, q, k, v)
+    ref_g = vjp(dout)
+    c = lambda t: t.to(dtype).contiguous()  # noqa: E731
+    out, tout = condinit.attention_jvp(c(q), c(k), c(v), c(tq), c(tk), c(tv), causal=causal, scale=scale,
+                                       backend=backend)
+    qq, kk, vv = (c(t).requires_grad_() for t in (q, k, v))
+    o2 = condinit.attention(qq, kk, vv, causal=causal, scale=scale, backend=backend)
+    grads = torch.autograd.grad(o2, (qq, kk, vv), c(dout))
+    if any(bool(torch.isnan(t).any()) for t in (out, tout, o2, *grads)):
+        return False, "NaN in an output"
+    err = {"out": max(rel_err(out, ref_out), rel_err(o2, ref_out)), "tout": rel_err(tout, ref_t),
+           # inputs are unit Gaussians, so gradients are O(1): floor the denominator at 1
+           "grad": max(rel_err(a, b, floor=1.0) for a, b in zip(grads, ref_g))}
+    tol = TOL[str(dtype).split(".")[1]]
+    return all(e <= tol for e in err.values()), " ".join(f"{k}={e:.1e}" for k, e in err.items()) + f" (tol {tol:.0e})"
 
 
-# --------------------------------------------------------------------------------------------- timing
-TIMINGS = []  # (what, condinit_ms, baseline name, baseline_ms, extra)
+ATTENTION_CASES = [  # B, H, Hkv, Nq, Nk, d, causal
+    (1, 2, 2, 64, 64, 64, True), (1, 2, 2, 1, 1, 64, False), (2, 4, 2, 17, 17, 16, True),
+    (1, 8, 1, 128, 128, 128, True), (1, 4, 4, 333, 333, 80, False), (1, 2, 1, 200, 64, 64, True),
+    (1, 2, 2, 64, 300, 256, True), (1, 8, 2, 129, 257, 96, False), (1, 2, 2, 1000, 1000, 32, True),
+]
 
 
-@guarded("timing")
-def time_matmul_rate():
+def section_tiny(ch):
+    """Tiny shapes of every GPU kernel (under compute-sanitizer: memory errors and races)."""
     import torch
-    n = 512 if DRY else 8192
-    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    ms = cuda_time(lambda: a @ a, warmup=3, iters=10)
-    rate = 2 * n ** 3 / ms / 1e9
-    TIMINGS.append((f"bf16 matmul {n}^3 (ceiling)", ms, "", float("nan"), f"{rate:.1f} TFLOP/s"))
-    a32 = torch.randn(n, n, device=DEV)
-    with_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    ms32 = cuda_time(lambda: a32 @ a32, warmup=2, iters=5)
-    torch.backends.cuda.matmul.allow_tf32 = with_tf32
-    TIMINGS.append((f"fp32 matmul {n}^3 (ceiling)", ms32, "", float("nan"), f"{2 * n ** 3 / ms32 / 1e9:.1f} TFLOP/s"))
-    globals()["BF16_RATE"] = rate
+    from condinit.init import orthogonalize
+    from condinit.init.philox import block_randn
+    randn_backend = "cpp-cpu" if ch.dry else "cuda"
+
+    def randn():
+        a = block_randn(7, 3, [0, 2**33 + 1], (5, 37), device=ch.dev, backend=randn_backend).cpu()
+        b = block_randn(7, 3, [0, 2**33 + 1], (5, 37), device="cpu", backend="torch")
+        return torch.equal(a, b), f"{randn_backend} == torch reference bit for bit"
+    ch.check(f"randn {randn_backend} (2, 5, 37)", randn)
+    x = torch.randn(3, 16, 96, device=ch.dev)
+    for method, backend in (("cholqr2", "torch"), ("polar", "triton")):
+        if ch.dry and backend == "triton":
+            continue
+
+        def orth(method=method, backend=backend):
+            qm = orthogonalize(x, method, backend=backend)
+            err = (qm @ qm.mT - torch.eye(16, device=ch.dev)).abs().max().item()
+            return err <= 1e-5, f"max|QQ^T-I|={err:.1e}"
+        ch.check(f"orthogonalize {method} [{backend}] (3, 16, 96)", orth)
+    backends = ("cpp-cpu", "torch") if ch.dry else ("triton", "cuda")
+    tiny = (1, 2, 1, 33, 33, 64, True)
+    for backend in backends:
+        for dtype in (torch.bfloat16, torch.float32):
+            ch.check(f"attention {backend} {str(dtype)[6:]} {tiny} fwd/jvp/bwd", attention_case, ch.dev, backend,
+                     dtype, tiny, 1)
 
 
-@guarded("timing")
-def time_init_70b(quick):
+def section_init(ch):
     import torch
-    from condinit.init import conditioned_init_layers_
-    L, D, H, Hkv, d = (8 if quick else 80), 8192, 64, 8, 128
-    if DRY:
-        L, D, H, Hkv = 1, 1024, 8, 2
-    layers = [dict(q=torch.empty(H * d, D, device=DEV), k=torch.empty(Hkv * d, D, device=DEV),
-                   v=torch.empty(Hkv * d, D, device=DEV)) for _ in range(L)]
-    ms = cuda_time(lambda: conditioned_init_layers_(layers, num_heads=H, num_kv_heads=Hkv, seed=0),
-                   warmup=1, iters=3)
-    nblocks = L * (H + Hkv)
+    from condinit.init import conditioned_init_layers_, orthogonalize
+    from condinit.init.philox import block_randn
+    randn_backend = "cpp-cpu" if ch.dry else "cuda"
 
-    # batched QR: cuSOLVER loops over the batch (pytorch#143281), so time 640 blocks, extrapolate
-    qr_blocks = min(nblocks, 640)
-
-    def batched_qr():
-        g = torch.randn(qr_blocks, D, d, device=DEV)
-        q, r = torch.linalg.qr(g)
-        q.mul_(torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2))
-    ms_qr = cuda_time(batched_qr, warmup=1, iters=3) * nblocks / qr_blocks
-    # per-head orthogonal_ loop: time 64 heads, extrapolate (the full loop takes minutes)
-    w = torch.empty(d, D, device=DEV)
-    ms_loop64 = cuda_time(lambda: [torch.nn.init.orthogonal_(w) for _ in range(64)], warmup=1, iters=3)
-    ms_loop = ms_loop64 * nblocks / 64
-    tag = f"Llama-3-70B Q/K/V ({L} layers, {nblocks} blocks 128x8192)"
-    TIMINGS.append((tag, ms, f"batched torch.linalg.qr (extrapolated from {qr_blocks})", ms_qr, f"{ms_qr / ms:.1f}x"))
-    TIMINGS.append((tag, ms, "per-head orthogonal_ loop (extrapolated from 64)", ms_loop, f"{ms_loop / ms:.0f}x"))
-    # fp32 writes of Q/K/V once: the bandwidth floor
-    nbytes = 4 * L * (H + 2 * Hkv) * d * D
-    log(f"   init writes {nbytes / 1e9:.1f} GB: floor at 4.8 TB/s = {nbytes / 4.8e12 * 1e3:.1f} ms")
-
-
-@guarded("timing")
-def time_attention_jvp(quick):
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import condinit
-    B, H, N, d = 1, 16, (4096 if quick else 8192), 128
-    dtype = torch.bfloat16
-    if DRY:
-        H, N, dtype = 2, 256, torch.float32
-    rate = globals().get("BF16_RATE")
-
-    def reset_peak():
-        if DEV == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated()
-        return 0
-
-    def peak(base):
-        return torch.cuda.max_memory_allocated() - base if DEV == "cuda" else float("nan")
-    for causal in (False, True):
-        q, k, v, tq, tk, tv = (torch.randn(B, H, N, d, device=DEV, dtype=dtype) for _ in range(6))
-        fwd_flops = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
-
-        def math_jvp():
-            with sdpa_kernel(SDPBackend.MATH):
-                return torch.func.jvp(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
-                                      (q, k, v), (tq, tk, tv))
-        base = reset_peak()
-        ms_math = cuda_time(math_jvp, warmup=1, iters=3)
-        mem_math = peak(base)
-        for backend in GPU_BACKENDS:
-            try:
-                fn = lambda: condinit.attention_jvp(q, k, v, tq, tk, tv, causal=causal, backend=backend)
-                base = reset_peak()
-                ms = cuda_time(fn, warmup=2, iters=5)
-                mem = peak(base)
-            except Exception as exc:
-                record("timing", f"attention_jvp {backend} causal={causal}", "ERROR", str(exc))
+    def randn():
+        ids = [0, 5, 123456789, 2**33 + 7]
+        gpu = block_randn(1234, 7, ids, (64, 1000), device=ch.dev, backend=randn_backend).cpu()
+        cpu = block_randn(1234, 7, ids, (64, 1000), device="cpu")
+        return torch.equal(gpu, cpu), f"max|diff|={(gpu - cpu).abs().max().item():.2e}"
+    ch.check(f"randn [{randn_backend}] == cpu bit for bit", randn)
+    g = torch.Generator(device=ch.dev).manual_seed(0)
+    shapes = [(64, 1, 1), (96, 64, 2048), (2, 17, 123), (2, 300, 40), (8, 128, 8192), (4, 256, 16384)]
+    for shape in (shapes[:4] if ch.dry else shapes):
+        x = torch.randn(shape, device=ch.dev, generator=g)
+        for method, backend in (("householder", "torch"), ("cholqr2", "torch"), ("polar", "torch"),
+                                ("polar", "triton"), ("svd", "torch")):
+            if ch.dry and backend == "triton":
                 continue
-            tflops = 3 * fwd_flops / ms / 1e9
-            extra = f"{ms_math / ms:.1f}x faster, {tflops:.0f} TFLOP/s"
-            if rate:
-                extra += f" = {100 * tflops / rate:.0f}% of bf16 matmul"
-            extra += f", mem {mem / 2**20:.0f} MiB vs {mem_math / 2**20:.0f} MiB"
-            TIMINGS.append((f"attention_jvp {backend} {str(dtype)[6:]} B{B} H{H} N{N} d{d} causal={causal}", ms,
-                            "torch.func.jvp(SDPA MATH)", ms_math, extra))
-        # forward and multi-probe, best backend
-        fwd_ms = cuda_time(lambda: condinit.attention(q, k, v, causal=causal), warmup=2, iters=5)
-        with sdpa_kernel(SDPBackend.MATH if DRY else SDPBackend.FLASH_ATTENTION):
-            sdpa_ms = cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), warmup=2, iters=5)
-        TIMINGS.append((f"attention fwd {str(dtype)[6:]} N{N} causal={causal}", fwd_ms, "SDPA flash", sdpa_ms,
-                        f"{fwd_flops / fwd_ms / 1e9:.0f} TFLOP/s"))
-        P = 8
-        tqs, tks, tvs = (torch.randn(P, B, H, N // 2, d, device=DEV, dtype=dtype) for _ in range(3))
-        qh, kh, vh = q[:, :, : N // 2].contiguous(), k[:, :, : N // 2].contiguous(), v[:, :, : N // 2].contiguous()
-        ms_multi = cuda_time(lambda: condinit.attention_jvp(qh, kh, vh, tqs, tks, tvs, causal=causal), 1, 3)
-        ms_sep = cuda_time(lambda: [condinit.attention_jvp(qh, kh, vh, tqs[p], tks[p], tvs[p], causal=causal)
-                                    for p in range(P)], 1, 3)
-        TIMINGS.append((f"attention_jvp P={P} probes, N{N // 2} causal={causal}", ms_multi,
-                        f"{P} separate attention_jvp calls", ms_sep, f"{ms_sep / ms_multi:.2f}x"))
-        del q, k, v, tq, tk, tv
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
+
+            def orth(x=x, method=method, backend=backend):
+                q = orthogonalize(x, method=method, backend=backend)
+                m, n = x.shape[-2:]
+                gram = q @ q.mT if m <= n else q.mT @ q
+                err = (gram - torch.eye(min(m, n), device=ch.dev)).abs().max().item()
+                return err <= 1e-5, f"max|WW^T-I|={err:.1e}"
+            ch.check(f"orthogonalize {method} [{backend}] {shape}", orth)
+
+    def same_q():
+        x = torch.randn(16, 64, 4096, device=ch.dev, generator=g)
+        d = (orthogonalize(x, method="cholqr2") - orthogonalize(x, method="householder")).abs().max().item()
+        return d <= 1e-5, f"max|diff|={d:.1e}"
+    ch.check("cholqr2 Q == householder Q (sign-fixed)", same_q)
+
+    def gpu_equals_cpu():
+        L, D, H, Hkv, d = 3, 512, 8, 2, 64
+        make = lambda device: [dict(q=torch.empty(H * d, D, device=device), k=torch.empty(Hkv * d, D, device=device),  # noqa: E731
+                                    v=torch.empty(Hkv * d, D, device=device)) for _ in range(L)]
+        cpu, gpu = make("cpu"), make(ch.dev)
+        conditioned_init_layers_(cpu, num_heads=H, num_kv_heads=Hkv, seed=11)
+        conditioned_init_layers_(gpu, num_heads=H, num_kv_heads=Hkv, seed=11)
+        err = max((a[n] - b[n].cpu()).abs().max().item() for a, b in zip(cpu, gpu) for n in "qkv")
+        return err <= 1e-5, f"max|diff|={err:.1e}"
+    ch.check(f"conditioned_init_layers_ {ch.dev} == cpu", gpu_equals_cpu)
 
 
-# --------------------------------------------------------------------------------------------- main
-def main():
-    global LOG
+def section_attention(ch, backend):
+    import torch
+    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "0"   # many shapes: each autotune config would compile
+    cases = ATTENTION_CASES[:2] if ch.dry else ATTENTION_CASES
+    # bf16 / fp16 first (what the GPU runs for speed), every case; fp32 on the first, small case only
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for case in (cases[:1] if (dtype == torch.float32 and backend == "triton") else cases):
+            ch.check(f"{backend} {str(dtype)[6:]} {case} fwd/jvp(P=2)/bwd vs float64", attention_case, ch.dev,
+                     backend, dtype, case)
+
+
+def section_timing(ch, what, quick, autotune):
+    """The ``condinit bench`` rows, backends forced; ceilings measured in the same process."""
+    import torch
+    from condinit import bench
+    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "1" if autotune else "0"
+    cfg = bench.default_config(ch.dev, quick=quick or ch.dry)
+    if ch.dry:
+        cfg.init_shape = bench.InitShape(1, 512, 4, 2, 64)
+        cfg.attention_shape = bench.AttentionShape(1, 2, 2, 64, 32)
+        cfg.repeats, cfg.baseline_blocks = 1, 4
+    if what == "init":
+        cfg.sections, cfg.backend = ("ceilings", "init"), "torch"
+        cfg.dtype = torch.float32 if ch.dry else torch.bfloat16
+    else:
+        cfg.sections = ("ceilings", "attention")
+        cfg.backend = what
+        if what == "cuda":   # the SDPA MATH baselines are the same as in the Triton section
+            cfg.skip = ("math_jvp", "math_jvp_bwd")
+    progress = lambda s: print(f"  ... {s}", flush=True)  # noqa: E731
+    keep = lambda r: r.section != "ceilings" or what == "init"  # noqa: E731
+    # each row is recorded as soon as it is measured (a timeout keeps it), and again with its rates
+    rows = bench.run(cfg, progress, on_row=lambda r: ch.row(r) if keep(r) else None)
+    for r in rows:
+        if keep(r):
+            ch.row(r)
+    for r in rows:
+        if not r.ok:
+            ch.record(f"{r.name} [{r.backend}]", "ERROR", r.error)
+
+
+def child_main(args):
+    ch = Child(args.section, args.results, args.cpu_dry_run, args.quick, args.tag)
+    fault = os.environ.get(FAULT_ENV, "")
+    import torch
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))   # fresh inputs each run
+    if args.section == "tiny":
+        section_tiny(ch)
+    elif args.section == "init":
+        section_init(ch)
+    elif args.section.startswith("attention-"):
+        backend = args.section.split("-", 1)[1]
+        section_attention(ch, ("cpp-cpu" if backend == "triton" else "torch") if ch.dry else backend)
+    elif args.section.startswith("timing-"):
+        what = args.section.split("-", 1)[1]
+        if what.startswith("attention-"):
+            what = what.split("-", 1)[1]
+            what = ("cpp-cpu" if what == "triton" else "torch") if ch.dry else what
+        section_timing(ch, what, args.quick, args.autotune)
+    else:
+        raise SystemExit(f"unknown section {args.section!r}")
+    faults = fault.split(",")
+    if f"{args.section}:crash" in faults:
+        os.abort()
+    if f"{args.section}:hang" in faults:
+        time.sleep(3600)
+    return 0
+
+
+# ============================================================================================= main
+
+def _section_timeouts(text):
+    out = {}
+    for item in text.split(","):
+        name, sep, value = item.rpartition("=")
+        out[name.strip() if sep else "*"] = float(value)
+    return out
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default_log = os.path.join(os.environ["OUT"], "gpu_check.log") if os.environ.get("OUT") else "gpu_check.log"
-    parser.add_argument("--log", default=default_log)
+    out_dir = os.environ.get("OUT")
+    parser.add_argument("--log", default=os.path.join(out_dir, "gpu_check.log") if out_dir else "gpu_check.log")
+    parser.add_argument("--json", default=None, help="every record (default: the log's path with .json)")
     parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--build-timeout", type=float, default=240.0)
+    parser.add_argument("--budget", type=float, default=470.0, help="seconds for the whole run")
+    parser.add_argument("--section-timeout", type=_section_timeouts, default={},
+                        help="cap section timeouts: SECONDS (every section) or NAME=SECONDS,NAME=SECONDS")
     parser.add_argument("--quick", action="store_true", help="smaller timing shapes")
     parser.add_argument("--autotune", action="store_true",
-                        help="let the Triton attention kernels autotune for the timings (adds ~1-2 min); "
-                             "default: their first, pre-screened config")
+                        help="let the Triton attention kernels autotune for the timings (default: their "
+                             "first config)")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated subset of " + ",".join(s for s, _, _ in SECTIONS))
     parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run the script's logic on the CPU at toy sizes with the CPU backends (no build)")
-    args = parser.parse_args()
-    global DRY, DEV, GPU_BACKENDS, RANDN_BACKEND
-    if args.cpu_dry_run:
-        DRY, DEV, GPU_BACKENDS, RANDN_BACKEND = True, "cpu", ("cpp-cpu", "torch"), "cpp-cpu"
-        args.skip_build = True
-    LOG = open(args.log, "w")
-    t_start = time.perf_counter()
-    import torch
-    log(f"condinit gpu_check {time.strftime('%Y-%m-%d %H:%M:%S')}; python {sys.version.split()[0]}, "
-        f"torch {torch.__version__}")
-    if not DRY and not torch.cuda.is_available():
-        log("no CUDA GPU visible: nothing to check")
-        return 1
-    device_name = "CPU dry run" if DRY else torch.cuda.get_device_name(0)
-    if not DRY:
-        log(f"GPU: {device_name}, capability {torch.cuda.get_device_capability(0)}")
-    if not args.skip_build:
-        if not build():
-            log("build failed: the checks run with whatever backends load")
-        # the freshly built extension must be imported by a new interpreter
-        cmd = [sys.executable, os.path.abspath(__file__), "--skip-build", "--log", args.log + ".checks"]
-        cmd += ["--quick"] * args.quick + ["--autotune"] * args.autotune
-        rc = subprocess.call(cmd)
-        LOG.write(open(args.log + ".checks").read())
-        LOG.close()
-        os.remove(args.log + ".checks")
-        return rc
-    from condinit.commands.info import collect
-    info = collect()
-    log(f"native extension: {info['native_extension']}")
-    for row in info["backends"]:
-        if row["device"] == DEV:
-            log(f"   {row['op']:<24} {row['backend']:<8} {'yes' if row['available'] else 'no '} {row['reason']}")
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
-    check_randn()
-    check_orthogonalize()
-    check_conditioned_init_gpu_equals_cpu()
-    # correctness checks run many shapes: no autotuning there (each config would compile)
-    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "0"
-    for backend in GPU_BACKENDS:
-        check_attention(backend)
-    os.environ["CONDINIT_ATTN_AUTOTUNE"] = "1" if args.autotune else "0"
-    time_matmul_rate()
-    time_init_70b(args.quick)
-    time_attention_jvp(args.quick)
-
-    log("")
-    log(f"=== condinit gpu_check summary ({device_name}, torch {torch.__version__}, "
-        f"{time.perf_counter() - t_start:.0f} s) ===")
-    failed = [r for r in RESULTS if r[2] != "PASS"]
-    log(f"checks: {len(RESULTS) - len(failed)} passed, {len(failed)} failed")
-    for sec, name, status, detail in failed:
-        log(f"  {status} {sec}: {name} {detail}")
-    log(f"{'what':<62} {'condinit ms':>11}  {'baseline':<44} {'ms':>9}  note")
-    for what, ms, base, base_ms, extra in TIMINGS:
-        bms = "" if math.isnan(base_ms) else f"{base_ms:9.2f}"
-        log(f"{what:<62} {ms:11.2f}  {base:<44} {bms:>9}  {extra}")
-    return 0 if not failed else 1
+                        help="run the script's logic on the CPU at toy sizes with the CPU backends (no build, "
+                             "no sanitizer)")
+    parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.section:
+        sys.path.insert(0, ROOT)
+        return child_main(args)
+    if args.json is None:
+        args.json = os.path.splitext(args.log)[0] + ".json"
+    log = Log(args.log)
+    return Parent(args, log).run()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ fails because triton or the native extension is missing):
   :func:`rect_identity_`, :func:`conditioned_init_`, :func:`conditioned_init_layers_`,
   :func:`spectrum`, :func:`recondition_`;
 * fused attention with forward- and reverse-mode AD (``condinit.attention``):
-  :func:`attention`, :func:`attention_jvp`;
+  :func:`attention`, :func:`attention_jvp`, :func:`attention_varlen`, :func:`attention_jvp_varlen`;
 * forward-mode AD through existing models (``condinit.ops.attention.sdpa``,
   ``condinit.integrations``): :func:`sdpa` (``F.scaled_dot_product_attention`` on the fused op),
   :func:`patch_sdpa` (route ``F.scaled_dot_product_attention`` to it), :func:`register_hf_attention`
@@ -42,6 +42,8 @@ _LAZY = {
     "recondition_": "condinit.init",
     "attention": "condinit.ops.attention",
     "attention_jvp": "condinit.ops.attention",
+    "attention_varlen": "condinit.ops.attention",
+    "attention_jvp_varlen": "condinit.ops.attention",
     "sdpa": "condinit.ops.attention.sdpa",
     "patch_sdpa": "condinit.ops.attention.sdpa",
     "register_hf_attention": "condinit.integrations.hf",

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `condinit --help` lists them.
-COMMANDS = ("init", "inspect", "probe", "plot", "demo", "info")
+COMMANDS = ("init", "inspect", "probe", "plot", "demo", "info", "bench")
 
 
 class CLIError(Exception):

@@ -23,7 +23,11 @@ zero) with respect to each weight matrix of the module is ``u x^T``: ``x`` the p
 ``u`` how the element depends on the projection's output channels. The matrix whose gradients have
 that form, with ``u`` supported on one head's rows, is the Q projection, stored either way round
 (``nn.Linear`` ``[out, in]`` or GPT-2 ``Conv1D`` ``[in, out]``; 1x1 convolutions and 3-D weights are
-read as matrices). The rows that feed head ``h`` are the union of the supports of its elements:
+read as matrices; of two readings of one parameter, the one with more distinct heads). A matrix
+whose rows are indexed by several dimensions (a stack of expert projections) is read at every
+token and the heads united: a token reads only the experts it is routed to. A grouped
+convolution's rows are checked over all its input channels, zeros outside their group (torch's
+semantics of ``groups``). The rows that feed head ``h`` are the union of the supports of its elements:
 exact for plain reshapes, for rotary embeddings (a rotation inside each head) and for per-head q/k
 norms. When q/k norms span all heads, each element's dominant row is used instead. Fused and
 interleaved layouts (``[q | k | v]``, per-head ``[q_h, k_h, v_h]``, grouped queries) need no special
@@ -437,7 +441,12 @@ def _read_role(role: str, grads: dict, H: int, d: int, norm_params: set) -> Role
                 if heads is not None:
                     found["dominant row"].append((name, split, transposed, heads))
     for rule in ("support", "dominant row"):
-        hits = {n: (sp, t, h) for n, sp, t, h in found[rule]}
+        hits = {}
+        for n, sp, t, h in found[rule]:
+            # one parameter may read as a matrix in two ways (XLNet's [D, H, d] as [D, H*d] and as
+            # [D*H, d]); the wrong one puts every head on the same rows, so the most heads wins
+            if n not in hits or len(h) > len(hits[n][2]):
+                hits[n] = (sp, t, h)
         if len(hits) == 1:
             name, (split, transposed, heads) = next(iter(hits.items()))
             break
@@ -490,11 +499,24 @@ def _read_role_at_some_token(role: str, t: torch.Tensor, params: list, prefix: s
         grads = _jacobian(part.reshape(-1), [p for _, p in params])
         per = {prefix + pn: g for (pn, _), g in zip(params, grads)}
         try:
-            return _read_role(role, per, part.shape[0], part.shape[1], norm_params)
+            found = _read_role(role, per, part.shape[0], part.shape[1], norm_params)
         except Unreadable as e:
             err = e
             if "no weight matrix" not in str(e):
                 raise
+            continue
+        if found.split >= 2:
+            # rows indexed by several dimensions: a stack of expert matrices, of which a token reads
+            # those it is routed to (JetMoE's query experts); every token is read, the heads united
+            for other in range(n):
+                grads = _jacobian(t[0, :, other, :].reshape(-1), [p for _, p in params])
+                per = {prefix + pn: g for (pn, _), g in zip(params, grads)}
+                more = _read_role(role, per, part.shape[0], part.shape[1], norm_params)
+                if (more.weight, more.split, more.transposed) != (found.weight, found.split, found.transposed):
+                    raise Unreadable(f"{role}: token {other} reads as {more.weight}, token {tok} as {found.weight}")
+                found.heads += [h for h in more.heads if sorted(h) not in [sorted(o) for o in found.heads]]
+                found.biases += [b for b in more.biases if b not in found.biases]
+        return found
     raise err
 
 
@@ -600,9 +622,29 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _param_rows(p: torch.Tensor, rows: list, split: int, transposed: bool) -> torch.Tensor:
+def _conv_groups(model: nn.Module, pname: str) -> int:
+    """``groups`` of the convolution whose weight ``pname`` is (1 for anything else)."""
+    owner, _, attr = pname.rpartition(".")
+    mod = model.get_submodule(owner) if owner else model
+    if attr == "weight" and isinstance(mod, nn.modules.conv._ConvNd):
+        return mod.groups
+    return 1
+
+
+def _param_rows(p: torch.Tensor, rows: list, split: int, transposed: bool, groups: int = 1) -> torch.Tensor:
+    """The matrix rows ``rows`` of ``p``, over all the input channels: for a grouped convolution
+    (torch's semantics: output channel ``r`` of ``groups`` equal groups reads the input channels of
+    group ``r // (out / groups)`` only) the row is widened to ``[in]`` with zeros outside them."""
     m = _matrix_view(p.detach(), split).float()
-    return (m[:, rows].T if transposed else m[rows]).double()
+    m = (m[:, rows].T if transposed else m[rows]).double()
+    if groups == 1:
+        return m
+    out, width = p.shape[0], m.shape[1]
+    full = m.new_zeros(m.shape[0], width * groups)
+    for i, r in enumerate(rows):
+        g = r // (out // groups)
+        full[i, g * width:(g + 1) * width] = m[i]
+    return full
 
 
 def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> list:
@@ -629,7 +671,7 @@ def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> 
                     failures.append(f"{r.name}: {role} bias {bname} not zero (max |b| {b.abs().max().item():.3g})")
             if role in "QK":
                 for h, rows in enumerate(rr.heads):
-                    w = _param_rows(p, rows, rr.split, rr.transposed)
+                    w = _param_rows(p, rows, rr.split, rr.transposed, _conv_groups(model, rr.weight))
                     # semi-orthogonal: every singular value 1 (orthonormal columns if the head is wider than its input)
                     gram = w @ w.T if w.shape[0] <= w.shape[1] else w.T @ w
                     err = (gram - torch.eye(gram.shape[0], dtype=w.dtype)).abs().max().item()
@@ -645,7 +687,7 @@ def check_conditioned(model: nn.Module, reading: ModelReading, before: dict) -> 
             heads = v_heads.setdefault((r.name, r.v.weight, r.v.split, r.v.transposed), [])
             heads += [h for h in r.v.heads if h not in heads]
     for (name, weight, split, transposed), heads in v_heads.items():
-        w = _param_rows(params[weight], [x for h in heads for x in h], split, transposed)
+        w = _param_rows(params[weight], [x for h in heads for x in h], split, transposed, _conv_groups(model, weight))
         eye = torch.eye(*w.shape, dtype=w.dtype)
         if not torch.equal(w, eye):
             failures.append(f"{name}: V ({weight}, {w.shape[0]} rows in attention order) is not the "
@@ -1047,6 +1089,7 @@ def _set(**values):
 CONFIG_FIXES = {
     "codegen": _set(n_head=4),                       # its fused qkv is split in 4 model-parallel groups
     "mamba2": _set(num_heads=4),                     # num_heads * head_dim == expand * hidden_size
+    "squeezebert": _set(num_attention_heads=8),      # two heads in each of the 4 conv groups, as in its default
 }
 
 

@@ -122,7 +122,7 @@ def test_lse_and_rows_that_see_no_key(backend, rng, nan_poison):
     empty = Nq - Nk
     for dtype in (dt for dt in (FP32, torch.bfloat16, F64) if accepts(backend, dt, d)):
         q, k, v = make_qkv(B, H, Hkv, Nq, Nk, d, dtype, rng, device)
-        out, lse = torch.ops.condinit.attention_fwd(q, k, v, True, 0.25, backend)
+        out, lse = torch.ops.condinit.attention_fwd(q, k, v, True, 0.25, -1, -1, None, None, backend)
         ref = naive_lse(*f64(q, k), True, 0.25)
         lse_dtype = F64 if dtype == F64 else FP32
         assert lse.dtype == lse_dtype and lse.shape == (B, H, Nq), f"{dtype} inputs: lse {lse.dtype}"

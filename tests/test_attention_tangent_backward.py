@@ -210,8 +210,8 @@ def test_cpp_kernel_is_deterministic(rng):
     2 threads."""
     require("cpp-cpu")
     inputs, gout, gtout = make_inputs((1, 4, 2, 150, 260, 16, True), 2, FP32, rng)
-    out, tout, lse = torch.ops.condinit_C.attention_jvp(*inputs, True, 0.25)
-    args = (gout, gtout, *inputs, out, tout, lse, True, 0.25)
+    out, tout, lse = torch.ops.condinit_C.attention_jvp(*inputs, True, 0.25, -1, -1, None, None)
+    args = (gout, gtout, *inputs, out, tout, lse, True, 0.25, -1, -1, None, None)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -167,18 +167,21 @@ def test_init_bad_inputs_leave_nothing_behind(tmp_path, capsys):
 
 
 def test_init_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import safetensors.torch as st
+    from condinit.models import stream
 
-    def broken(model, filename, metadata=None, force_contiguous=False):
-        with open(filename, "wb") as fh:
-            fh.write(b"partial")
-        raise ValueError("disk full (simulated)")
+    real, calls = stream._Materializer.unit, [0]
 
-    monkeypatch.setattr(st, "save_model", broken)
+    def broken(self, unit):
+        calls[0] += 1
+        if calls[0] == 6:      # the file is half written by now
+            raise ValueError("disk full (simulated)")
+        return real(self, unit)
+
+    monkeypatch.setattr(stream._Materializer, "unit", broken)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(GPT2_CONFIG))
     rc, _, err = _run(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
-    assert rc == 2 and "disk full" in err
+    assert rc == 2 and "disk full" in err and calls[0] == 6
     assert _listing(tmp_path) == ["config.json"]
 
 
@@ -218,3 +221,111 @@ def test_inspect_bad_inputs(tmp_path, tiny_llama, capsys):
     rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--num-heads", "3")
     assert rc == 2 and "3 heads" in err
     assert _listing(tmp_path) == listing
+
+
+# ------------------------------------------------------------------------------------------------
+# directories, the single file, dry runs, refusals, bad arguments
+
+def test_file_and_directory_hold_the_same_tensors_and_inspect_alike(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(GPT2_CONFIG))
+    one, d = tmp_path / "one.safetensors", tmp_path / "dir"
+    assert main(["init", "--config", str(cfg), "--seed", "4", "--out", str(one), "--quiet"]) == 0
+    rc, out, err = _run(capsys, "init", "--config", str(cfg), "--seed", "4", "--out", str(d) + os.sep,
+                        "--max-shard-size", "30kB")
+    assert rc == 0, err
+    assert "wrote" in out and "transformer.h.1.attn" in out
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3
+    flat = load_file(str(one))
+    merged = {}
+    for name in shards:
+        merged.update(load_file(str(d / name)))
+    assert merged.keys() == flat.keys() and all(torch.equal(merged[k], flat[k]) for k in flat)
+    rc, a, err = _run(capsys, "inspect", str(one), "--json")
+    assert rc == 0, err
+    rc, b, err = _run(capsys, "inspect", str(d), "--json")
+    assert rc == 0, err
+    la, lb = json.loads(a)["layers"], json.loads(b)["layers"]
+    assert len(la) == 2 and la == lb          # per layer and head, read through the index
+    # a directory that does not hold a complete model: one-line errors naming what is missing
+    os.unlink(d / shards[-1])
+    rc, _, err = _run(capsys, "inspect", str(d))
+    assert rc == 2 and shards[-1] in err and "missing" in err and len(err.strip().splitlines()) == 1
+    os.unlink(d / "model.safetensors.index.json")
+    rc, _, err = _run(capsys, "inspect", str(d))
+    assert rc == 2 and "model.safetensors.index.json" in err
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    rc, out, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", str(tmp_path / "d") + os.sep,
+                        "--max-shard-size", "2MB", "--dtype", "bf16", "--dry-run")
+    assert rc == 0, err
+    assert "dry run, nothing written" in out and "model-00001-of-" in out
+    assert "peak memory about" in out and "expected time on this machine" in out and "elements/s" in out
+    assert _listing(tmp_path) == []
+    rc, out, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", str(tmp_path / "x.safetensors"),
+                        "--dry-run", "--quiet")
+    assert rc == 0 and "x.safetensors" in out and _listing(tmp_path) == []
+
+
+def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys):
+    d = str(tmp_path / "d") + os.sep
+    assert main(["init", "--preset", "tiny-llama", "--out", d, "--quiet", "--seed", "1"]) == 0
+    capsys.readouterr()
+    before = {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")}
+    rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2")
+    assert rc == 2 and "another model" in err and "--overwrite" in err and "seed" in err
+    rc, _, err = _run(capsys, "init", "--config", str(_gpt2_config(tmp_path)), "--out", d)
+    assert rc == 2 and "config.json differs" in err
+    assert {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")} == before
+    rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--overwrite", "--quiet")
+    assert rc == 0, err
+
+
+def _gpt2_config(tmp_path):
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text(json.dumps(GPT2_CONFIG))
+    return cfg
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"n_head": 5}, "n_head (5) must divide n_embd (48)"),
+    ({"n_embd": -48}, "n_embd must be an int in [1, inf], got -48"),
+    ({"n_embd": "48"}, "n_embd must be an int, got the string '48'"),
+    ({"n_layer": 1.5}, "n_layer must be an int, got float 1.5"),
+    ({"n_layer": True}, "n_layer must be an int, got bool True"),
+])
+def test_bad_config_values_are_one_line_errors(tmp_path, capsys, change, needle):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(GPT2_CONFIG, **change)))
+    rc, _, err = _run(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
+    assert rc == 2 and needle in err and f"--config {cfg}" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert _listing(tmp_path) == ["config.json"]
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 50}
+    cfg = tmp_path / "llama.json"
+    cfg.write_text(json.dumps(llama))
+    d = str(tmp_path / "d") + os.sep
+    f = str(tmp_path / "x.safetensors")
+    cases = [
+        (["--config", str(cfg), "--out", f], "num_key_value_heads (3) must divide num_attention_heads (4)"),
+        (["--out", d, "--max-shard-size", "-5"], "--max-shard-size must be a size such as 5GB"),
+        (["--out", d, "--max-shard-size", "lots"], "--max-shard-size must be a size such as 5GB"),
+        (["--out", d, "--max-shard-size", "0"], "--max-shard-size must be at least 1 byte"),
+        (["--out", f, "--max-shard-size", "5GB"], "--max-shard-size: only with a directory --out"),
+        (["--out", f, "--resume"], "--resume: only with a directory --out"),
+        (["--out", f, "--overwrite"], "--overwrite: only with a directory --out"),
+        (["--out", f, "--qk-gain", "-1"], "qk_gain"),
+        (["--out", f, "--max-rows", "-1"], "--max-rows must be an int in [0"),
+    ]
+    for argv, needle in cases:
+        rc, _, err = _run(capsys, "init", *argv)
+        assert rc == 2 and needle in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and "invalid literal" not in err, (argv, err)
+    assert _listing(tmp_path) == ["llama.json"]

@@ -132,6 +132,36 @@ def _gated_query(H, Hkv):
     return read
 
 
+def _xlnet(H):
+    """XLNet: ``einsum("ibh,hnd->ibnd", x, W)`` with ``W`` ``[D, H, d]``: head ``h``'s ``W_Q`` is
+    ``W[:, h, :]^T``; no biases (``r_w_bias`` and its kin belong to the relative terms)."""
+    def read(m):
+        return {p: [getattr(m, p)[:, h, :].T for h in range(H)] for p in "qkv"} | {"bias": []}
+    return read
+
+
+def _jetmoe(E, Hkv):
+    """JetMoE: expert ``e`` of ``experts.input_linear`` (``F.linear(x, weight[e])``, ``[E, Hkv d, D]``)
+    projects ``Hkv`` query heads; ``kv_proj(x).chunk(2)`` gives K and V."""
+    def read(m):
+        w = m.experts.input_linear.weight
+        k, v = m.kv_proj.weight.chunk(2)
+        return {"q": [h for e in range(E) for h in _heads(w[e], Hkv)], "k": _heads(k, Hkv), "v": _heads(v, Hkv),
+                "bias": []}
+    return read
+
+
+def _aimv2(H):
+    """AIMv2: encoder layers ``q_proj/k_proj/v_proj``; the pooling head's query is its learned
+    ``cls_token`` (no projection: it must stay as it is), keys and values ``k_proj`` / ``v_proj``."""
+    def read(m):
+        if type(m).__name__ == "Aimv2AttentionPoolingHead":
+            return {"q": [], "k": _heads(m.k_proj.weight, H), "v": _heads(m.v_proj.weight, H),
+                    "bias": [b for b in (m.k_proj.bias, m.v_proj.bias) if b is not None]}
+        return _separate(*QKV_PROJ, H, H)(m)
+    return read
+
+
 QKV_PROJ = ("q_proj", "k_proj", "v_proj")
 # name: (build, attention class names, oracle, number of attention modules)
 ARCHS = {
@@ -202,6 +232,12 @@ ARCHS = {
     "clip_vision": (lambda: _tiny("clip_vision_model", base=VISION), {"CLIPAttention"}, _separate(*QKV_PROJ, 4, 4)),
     "swin": (lambda: _tiny("swin", base={}, image_size=16, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
                            window_size=2), {"SwinSelfAttention", "SwinAttention"}, _separate(*QKV_PROJ, 2, 2)),
+    "xlnet": (lambda: _tiny("xlnet", base={}, vocab_size=99, d_model=32, n_head=4, d_inner=64, n_layer=2),
+              {"XLNetRelativeAttention"}, _xlnet(4)),
+    "jetmoe": (lambda: _tiny("jetmoe", num_key_value_heads=2, kv_channels=8, num_local_experts=4,
+                             num_experts_per_tok=2), {"JetMoeAttention"}, _jetmoe(4, 2)),
+    "aimv2": (lambda: _tiny("aimv2_vision_model", base=VISION, use_head=True),
+              {"Aimv2Attention", "Aimv2AttentionPoolingHead"}, _aimv2(4)),
 }
 
 
@@ -209,7 +245,7 @@ def _attention_modules(model, classes):
     return [m for m in model.modules() if type(m).__name__ in classes and
             any(n in dict(m.named_children()) or hasattr(m, n) for n in ("q_proj", "query", "q", "q_lin", "query_proj",
                                                                         "query_key_value", "c_attn", "qkv_proj", "Wqkv",
-                                                                        "in_proj"))]
+                                                                        "in_proj", "kv_proj", "k_proj"))]
 
 
 def _assert_orthonormal_rows(w, what):
@@ -257,6 +293,9 @@ def test_architecture_conditioned_as_its_forward_reads_it(arch):
         assert torch.equal(b, b0), f"{arch}: buffer {n} changed"
     for l in rep:
         for p in "qk":
+            if l.after[p] is None:     # a learned query, left as it is: nothing was written
+                assert p == "q" and l.adapter == "hf.Aimv2AttentionPoolingHead", l.adapter
+                continue
             assert abs(l.after[p].cond - 1) < 1e-4 and abs(l.after[p].sigma_min - 1) < 1e-4
 
 
@@ -354,6 +393,114 @@ def test_fused_layouts_through_the_models_own_forward(arch):
             g = h // rep_kv
             assert torch.equal(wv[h], torch.eye(l.num_kv_heads * d, D)[g * d:(g + 1) * d]), f"{arch} V head {h}"
         assert bv.abs().max() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped convolutions (SqueezeBERT) and parameters read as matrices
+
+def _conv_matrix(conv):
+    """The ``[out, in]`` matrix a kernel-size-1 ``Conv1d`` applies, read through the conv itself:
+    column ``j`` is its output at position ``j`` of an identity input, minus the bias."""
+    c = conv.in_channels
+    with torch.no_grad():
+        out = conv(torch.eye(c)[None])[0]
+    return out - (conv.bias[:, None] if conv.bias is not None else 0)
+
+
+def test_squeezebert_grouped_convolutions_are_conditioned_per_head_and_block():
+    torch.manual_seed(0)
+    model = _tiny("squeezebert", num_attention_heads=8, embedding_size=32)    # 4 groups of 8 channels, heads of 4
+    before = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncoveredAttentionWarning)
+        rep = apply(model, seed=5, strict=True)
+    mods = [m for m in model.modules() if type(m).__name__ == "SqueezeBertSelfAttention"]
+    assert len(rep) == len(mods) == 2 and {l.shapes["q"] for l in rep} == {(32, 32)}
+    for m in mods:
+        for name in ("query", "key"):
+            w = _conv_matrix(getattr(m, name))
+            for h in range(8):
+                # a head reads the 8 input channels of its group only, and is semi-orthogonal there
+                _assert_orthonormal_rows(w[h * 4:(h + 1) * 4], f"{name} head {h}")
+        assert torch.equal(_conv_matrix(m.value), torch.eye(32))     # the identity, block by block
+        assert all(torch.count_nonzero(getattr(m, n).bias) == 0 for n in ("query", "key", "value"))
+    qkv = {id(getattr(m, n).weight) for m in mods for n in ("query", "key", "value")} | \
+          {id(getattr(m, n).bias) for m in mods for n in ("query", "key", "value")}
+    for (n, p), p0 in zip(model.named_parameters(), before.parameters()):
+        if id(p) not in qkv:
+            assert torch.equal(p, p0), n
+    # the reduced [32, 8] matrix's own rectangular identity would be only the first group's block
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in bad.modules():
+            if type(m).__name__ == "SqueezeBertSelfAttention":
+                m.value.weight[:, :, 0] = torch.eye(32, 8)
+    assert not torch.equal(_conv_matrix(bad.encoder.layers[0].attention.value), torch.eye(32))
+
+
+def test_squeezebert_heads_across_groups_and_per_head_identity_are_refused():
+    torch.manual_seed(0)
+    model = _tiny("squeezebert", num_attention_heads=2, embedding_size=32)    # heads of 16 over groups of 8
+    found = discover(model)
+    assert not found.layers and len(found.uncovered) == 2
+    assert all("span several groups" in u.reason for u in found.uncovered), found.uncovered
+    with pytest.raises(UncoveredAttentionError):
+        apply(model, seed=0)
+    model = _tiny("squeezebert", num_attention_heads=8, embedding_size=32)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="identity_per_head.*outside the input channels"):
+        apply(model, seed=0, v_mode="identity_per_head")
+    assert all(torch.equal(t, state[k]) for k, t in model.state_dict().items())
+
+
+def test_projection_reshape_and_groups_are_validated():
+    w3 = nn.Parameter(torch.randn(8, 2, 4))
+    with pytest.raises(TypeError, match="matrix_shape"):
+        Projection(w3, 0, 8)
+    with pytest.raises(ValueError, match="does not hold"):
+        Projection(w3, 0, 8, matrix_shape=(8, 7))
+    with pytest.raises(ValueError, match="cannot be viewed"):
+        Projection(w3.detach().transpose(0, 2), 0, 4, matrix_shape=(4, 16))
+    p = Projection(w3, 0, 8, transposed=True, matrix_shape=(8, 8))
+    assert p.shape == (8, 8) and torch.equal(p.view(), w3.detach().reshape(8, 8).T)
+    conv = nn.Conv1d(12, 12, 1, groups=3)
+    with pytest.raises(ValueError, match="transposed"):
+        Projection(conv.weight, 0, 12, transposed=True, matrix_shape=(12, 4), in_groups=3)
+    with pytest.raises(ValueError, match="equal blocks"):
+        Projection(conv.weight, 0, 12, matrix_shape=(12, 4), in_groups=5)
+    g = Projection(conv.weight, 0, 12, matrix_shape=(12, 4), in_groups=3)
+    assert g.shape == (12, 12) and torch.equal(g.view(), _conv_matrix(conv).detach())
+    with pytest.raises(ValueError, match="no bias"):
+        Projection(w3, 0, 8, matrix_shape=(8, 8), fixed=True, bias=torch.zeros(8))
+    lin = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="only q"):
+        AttentionSpec(Projection(lin.weight, 0, 8), Projection(w3, 0, 8, matrix_shape=(8, 8), fixed=True),
+                      Projection(lin.weight, 0, 8), num_heads=2, num_kv_heads=2, head_dim=4)
+
+
+def test_reshaped_weights_round_trip_through_checkpoint_metadata(tmp_path):
+    pytest.importorskip("safetensors")
+    from condinit.commands.inspect import analyze
+    from condinit.models.checkpoint import condinit_metadata, save_model_atomic
+
+    torch.manual_seed(0)
+    model = _tiny("xlnet", base={}, vocab_size=99, d_model=32, n_head=4, d_inner=64, n_layer=1)
+    rep = apply(model, seed=1)
+    path = tmp_path / "xlnet.safetensors"
+    save_model_atomic(model, str(path), condinit_metadata(model, rep, "xlnet"))
+    meta, rows = analyze(str(path))
+    assert meta["layers"][0]["q"]["matrix_shape"] == [32, 32] and meta["layers"][0]["q"]["transposed"] is True
+    [row] = rows
+    for p in "qkv":
+        assert max(abs(c - 1) for c in row[p]["cond_per_head"]) < 1e-4, p
+    # the per-head blocks read from the file are the model's own heads: give head h of Q kappa h + 2
+    with torch.no_grad():
+        q = model.transformer.layer[0].rel_attn.q
+        for h in range(4):
+            q[:, h, :] = q[:, h, :] * torch.linspace(1.0, h + 2.0, 8)[None, :]
+    save_model_atomic(model, str(path), condinit_metadata(model, rep, "xlnet"))
+    _, [row] = analyze(str(path))
+    assert row["q"]["cond_per_head"] == pytest.approx([2.0, 3.0, 4.0, 5.0], rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -655,8 +802,28 @@ def test_meta_mha_gets_its_own_init_everywhere():
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("arch", ["jetmoe", "aimv2"])
+def test_meta_path_with_reshaped_weights_and_a_learned_query(arch):
+    """On meta, the Q/K/V that are written whole (an expert stack read through matrix_shape) are
+    skipped by the own init and then conditioned as on the CPU; a learned query is not written, so
+    the model's own init fills it."""
+    build, classes, oracle = ARCHS[arch]
+    torch.manual_seed(0)
+    cpu = build()
+    apply(cpu, seed=4)
+    with torch.device("meta"):
+        meta = build()
+    apply(meta, seed=4, device="cpu")
+    for m, m0 in zip(_attention_modules(meta, classes), _attention_modules(cpu, classes)):
+        got, want = oracle(m), oracle(m0)
+        for p in "qkv":
+            assert all(torch.equal(a, b) for a, b in zip(got[p], want[p])), f"{arch} {p}"
+    for n, t in meta.named_parameters():
+        assert not t.is_meta and bool(torch.isfinite(t).all()), n
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("arch", ["gpt_neox", "falcon_new", "qwen3_next", "llama"])
+@pytest.mark.parametrize("arch", ["gpt_neox", "falcon_new", "qwen3_next", "llama", "xlnet", "jetmoe"])
 def test_low_precision_is_the_fp32_result_rounded_once(arch, dtype):
     torch.manual_seed(0)
     m32 = ARCHS[arch][0]()

@@ -290,8 +290,10 @@ def test_cli_gain_not_a_number_and_directory_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["init", "--preset", "tiny-llama", "--out", str(tmp_path / "f.safetensors"), "--v-gain", "a"])
     assert "--v-gain" in capsys.readouterr().err
-    # the streamed directory writer has no gains: refused rather than written with gain 1
-    out_dir = tmp_path / "d"
-    assert main(["init", "--preset", "tiny-llama", "--out", str(out_dir) + "/", "--v-gain", "0.1", "--quiet"]) == 2
-    assert "--v-gain" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+    # the streamed directory writer writes the gains too
+    out_dir = tmp_path / "d"
+    assert main(["init", "--preset", "tiny-llama", "--out", str(out_dir) + "/", "--v-gain", "0.1", "--quiet"]) == 0
+    from condinit.models.checkpoint import open_checkpoint, read_metadata
+    with open_checkpoint(out_dir) as fh:
+        assert read_metadata(fh)["v_gain"] == 0.1

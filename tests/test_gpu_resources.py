@@ -7,21 +7,26 @@ own binder specializes those arguments (dtypes, 16-divisibility) as the JIT does
 compiled kernel must fit its target: shared memory (dynamic + static) within the per-block
 opt-in limit, registers x threads within the register file, and a stack frame (spilled
 registers, bytes per thread) within ``_spill_limit`` of kernels/attention.py. Compiles run in
-subprocesses without ``TRITON_INTERPRET`` and with an empty triton cache (nothing is reused
-between runs). A deliberately oversized config must be rejected by the same check.
+subprocesses without ``TRITON_INTERPRET`` and with an empty triton cache; their records are
+cached by a hash of kernels/attention.py, this file, the triton version and the job
+(``RESULT_CACHE``; ``CONDINIT_RESOURCE_CACHE=0`` turns it off), so a rerun without an edit of
+either file compiles nothing. A deliberately oversized config must be rejected by the same check.
 
-By default (CI: about 1.5 minutes on 2 idle cores, 3 under load) the first config of a list, the
-one ``CONDINIT_ATTN_AUTOTUNE=0`` launches, is compiled for the lists most at risk
-(``CI_CASES``: every kernel at d = 256, the JVP at d = 128 and 256 and with two probes per
-program, on sm_90 and mostly sm_80; bf16 at d = 128 on sm_90), bf16 and fp32.
+By default (CI: about 2.5 minutes on 2 idle cores, 4-5 under load, without cached records) the
+first config of a list, the one ``CONDINIT_ATTN_AUTOTUNE=0`` launches, is compiled for the lists
+most at risk (``CI_CASES``: every kernel at d = 256, the JVP at d = 128 and 256 and with two
+probes per program, on sm_90 and mostly sm_80; bf16 at d = 128 on sm_90; the three kernels of
+the backward through the tangent output), bf16 and fp32, and for two lists with the masks
+(``CI_MASKED_CASES``: per-sequence lengths and a window).
 ``CONDINIT_FULL_RESOURCE_CHECK=1`` compiles every config of every list for fp16, bf16 and fp32,
 every supported head dim, causal and not, on both targets (about 1000 compiles: 1-3 hours on 2
 cores; ``CONDINIT_RESOURCE_CHECK_JOBS`` sets the number of compiling processes, default 2).
 
 **CUDA** (csrc/attention/attention_kernels.cu). ``nvcc --resource-usage`` for sm_80 and sm_90
 gives registers, spills and static shared memory per kernel; a small host program built from the
-same source prints the tile and dynamic shared memory the launchers pick for every head dim,
-dtype and mode at each target's opt-in limit, and the launch must fit (under a minute).
+same source prints what the launchers pick (``launch_plan``: warps per block, dynamic shared
+memory) for every kernel, head dim and dtype at each target's opt-in limit. The launch must fit,
+and hold two or more blocks per SM where the design says so (under a minute).
 
 ``python tests/test_gpu_resources.py --table [--full] [--json PATH]`` prints the tables of
 BENCHMARKS.md, "Static resource model of the GPU kernels". Tests are skipped, with the reason,
@@ -55,6 +60,9 @@ CUDA_SPILL_LIMIT = 512
 DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4}
 FULL = os.environ.get("CONDINIT_FULL_RESOURCE_CHECK", "0") == "1"
 N_PROCS = int(os.environ.get("CONDINIT_RESOURCE_CHECK_JOBS", "2"))
+# Compile records of earlier runs (see compile_jobs); CONDINIT_RESOURCE_CACHE=0: none.
+_CACHE_SETTING = os.environ.get("CONDINIT_RESOURCE_CACHE", str(Path.home() / ".cache" / "condinit" / "gpu-resources"))
+RESULT_CACHE = None if _CACHE_SETTING == "0" else Path(_CACHE_SETTING)
 
 # A config the check must reject: 8 pipeline stages of 128-row K and V tiles need about 273 KiB of
 # shared memory (bf16, d = 64; compiles in seconds, unlike 256 x 256 tiles at d = 256).
@@ -66,9 +74,10 @@ OVERSIZED = dict(kind="fwd", dtype="bf16", head_dim=64, causal=True, n_probes=1,
 # Compile worker (runs in a subprocess: no TRITON_INTERPRET, a fresh triton cache)
 # ------------------------------------------------------------------------------------------------
 
-def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes):
+def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes, masked=False):
     """The launches the host function of ``kind`` makes on CPU tensors, recorded instead of run:
-    ``[(kind, positional args, compile-time meta), ...]`` (``"pre"``: the backward's rowsum)."""
+    ``[(kind, positional args, compile-time meta), ...]`` (``"pre"``: the backward's rowsum).
+    ``masked``: with a sliding window and per-sequence lengths (the HAS_LENS kernels)."""
     calls = []
     saved = attn._launch, attn._attn_bwd_preprocess_kernel
 
@@ -83,14 +92,20 @@ def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes):
         B, H, Hkv, N = 2, 4, 2, 1024  # GQA, N a multiple of 16 as in real models
         q = torch.empty(B, H, N, head_dim, dtype=t)
         k = torch.empty(B, Hkv, N, head_dim, dtype=t)
+        lens = torch.full((B,), N, dtype=torch.int32)
+        mask = (255, -1, lens, lens) if masked else ()
+        tq, tk = (q, k) if n_probes == 1 else (q.expand(n_probes, *q.shape), k.expand(n_probes, *k.shape))
+        tq, tk = tq.contiguous(), tk.contiguous()
+        lse = torch.empty(B, H, N, dtype=torch.float32)
         if kind == "fwd":
-            attn.attention_fwd(q, k, k, causal, 0.125)
+            attn.attention_fwd(q, k, k, causal, 0.125, *mask)
         elif kind == "jvp":
-            tq, tk = (q, k) if n_probes == 1 else (q.expand(n_probes, *q.shape), k.expand(n_probes, *k.shape))
-            attn.attention_jvp(q, k, k, tq.contiguous(), tk.contiguous(), tk.contiguous(), causal, 0.125)
+            attn.attention_jvp(q, k, k, tq, tk, tk, causal, 0.125, *mask)
+        elif kind.startswith("jvp_bwd"):
+            tq5, tk5 = (tq[None], tk[None]) if n_probes == 1 else (tq, tk)
+            attn.attention_jvp_bwd(q, tq5, q, k, k, tq5, tk5, tk5, q, tq5, lse, causal, 0.125, *mask)
         else:
-            lse = torch.empty(B, H, N, dtype=torch.float32)
-            attn.attention_bwd(q, q, k, k, q, lse, causal, 0.125)
+            attn.attention_bwd(q, q, k, k, q, lse, causal, 0.125, *mask)
     finally:
         attn._launch, attn._attn_bwd_preprocess_kernel = saved
     return calls
@@ -121,7 +136,8 @@ def _compile_one(attn, job: dict) -> dict:
 
     kind = job["kind"]
     launches = [c for c in _host_launches(attn, torch, kind if kind != "pre" else "dkdv", job["dtype"],
-                                          job["head_dim"], job["causal"], job["n_probes"]) if c[0] == kind]
+                                          job["head_dim"], job["causal"], job["n_probes"],
+                                          job.get("masked", False)) if c[0] == kind]
     (_, args, meta), = launches
     fn = attn._attn_bwd_preprocess_kernel if kind == "pre" else attn._KERNELS[kind]
     kwargs = dict(meta)
@@ -177,12 +193,35 @@ def _worker_main():
         shutil.rmtree(os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
 
+def _cache_key(job: dict) -> str:
+    """What a compile record depends on: the kernel source, this file's compile procedure, the
+    triton version and the job."""
+    import hashlib
+    import triton
+    h = hashlib.sha256()
+    for path in (ROOT / "kernels" / "attention.py", Path(__file__)):
+        h.update(path.read_bytes())
+    h.update(triton.__version__.encode())
+    h.update(json.dumps(job, sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
 def compile_jobs(jobs: list, n_procs: int = None) -> list:
-    """Run the compile worker over ``jobs`` in ``n_procs`` subprocesses; results in job order."""
+    """Run the compile worker over ``jobs`` in ``n_procs`` subprocesses; results in job order.
+
+    Records are cached in ``RESULT_CACHE`` under a hash of the kernel source, this file, the
+    triton version and the job (so an edit of either file recompiles everything); an error is
+    never cached. ``CONDINIT_RESOURCE_CACHE=0`` turns the cache off."""
     n_procs = n_procs or N_PROCS
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    chunks = [jobs[i::n_procs] for i in range(n_procs) if jobs[i::n_procs]]
     results = {}
+    if RESULT_CACHE is not None:
+        for job in jobs:
+            cached = RESULT_CACHE / f"{_cache_key(job)}.json"
+            if cached.is_file():
+                results[_job_id(job)] = json.loads(cached.read_text())
+    todo = [j for j in jobs if _job_id(j) not in results]
+    chunks = [todo[i::n_procs] for i in range(n_procs) if todo[i::n_procs]]
     with tempfile.TemporaryDirectory(prefix="condinit-resources-") as tmp:
         procs = []
         for i, chunk in enumerate(chunks):
@@ -198,6 +237,12 @@ def compile_jobs(jobs: list, n_procs: int = None) -> list:
             for line in (Path(tmp) / f"out{i}").read_text().splitlines():
                 rec = json.loads(line)
                 results[_job_id(rec)] = rec
+    if RESULT_CACHE is not None:
+        RESULT_CACHE.mkdir(parents=True, exist_ok=True)
+        for job in todo:
+            rec = results[_job_id(job)]
+            if "error" not in rec:
+                (RESULT_CACHE / f"{_cache_key(job)}.json").write_text(json.dumps(rec))
     return [results[_job_id(j)] for j in jobs]
 
 
@@ -205,7 +250,7 @@ def _job_id(job: dict) -> str:
     c = job["config"]
     cfg = f"cfg{c}" if isinstance(c, int) else "x".join(map(str, c))
     return (f"{job['kind']}-{job['dtype']}-d{job['head_dim']}-p{job['n_probes']}-"
-            f"{'causal' if job['causal'] else 'full'}-sm{job['arch']}-{cfg}")
+            f"{'causal' if job['causal'] else 'full'}{'-masked' if job.get('masked') else ''}-sm{job['arch']}-{cfg}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,6 +308,8 @@ def _kernel_cases(head_dims, dtypes):
             yield "jvp", dtype, d, 2
             yield "dkdv", dtype, d, 1
             yield "dq", dtype, d, 1
+            for kind in ("jvp_bwd_rows", "jvp_bwd_dq", "jvp_bwd_dkdv"):
+                yield kind, dtype, d, 1
 
 
 def _probes_per_program(kind, dtype, head_dim, n_probes):
@@ -293,11 +340,20 @@ CI_CASES = [("fwd", "bf16", 128, 1, SM90), ("fwd", "bf16", 256, 1, BOTH), ("fwd"
             ("jvp", "fp32", 64, 2, BOTH),
             ("dkdv", "bf16", 128, 1, SM90), ("dkdv", "bf16", 256, 1, BOTH), ("dkdv", "fp32", 256, 1, SM90),
             ("dq", "bf16", 128, 1, SM90), ("dq", "bf16", 256, 1, SM90), ("dq", "fp32", 256, 1, SM90)]
+# The backward through the tangent output (its widest lists and the fp32 dK/dV kernel, the one
+# closest to its spill limit at d = 128), and the masked (HAS_LENS) variants of two lists: a
+# sliding window with per-sequence lengths.
+CI_CASES += [("jvp_bwd_rows", "bf16", 256, 1, SM90), ("jvp_bwd_dq", "bf16", 128, 1, BOTH),
+             ("jvp_bwd_dkdv", "bf16", 128, 1, SM90), ("jvp_bwd_dkdv", "fp32", 128, 1, SM90)]
+CI_MASKED_CASES = [("jvp", "bf16", 128, 2, (80,)), ("jvp_bwd_dkdv", "bf16", 128, 1, SM90)]
 
 
 def ci_jobs() -> list:
     jobs = [dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes, arch=arch, config=0)
             for kind, dtype, d, n_probes, archs in CI_CASES for arch in archs]
+    jobs += [dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes, arch=arch, config=0,
+                  masked=True)
+             for kind, dtype, d, n_probes, archs in CI_MASKED_CASES for arch in archs]
     jobs.append(dict(kind="pre", dtype="fp32", head_dim=256, causal=True, n_probes=1, arch=90, config=0))
     return jobs
 
@@ -395,13 +451,13 @@ def test_config_lists_cover_every_launch():
     hold tl.dot-sized power-of-two tiles; two probes per program only where a list exists."""
     attn = _kernels()
     for (kind, elem_bytes, bucket, ppp), cfgs in attn._CONFIGS.items():
-        assert kind in ("fwd", "jvp", "dkdv", "dq") and elem_bytes in (2, 4) and bucket in (64, 128, 256)
+        assert kind in attn._KERNELS and elem_bytes in (2, 4) and bucket in (64, 128, 256)
         assert ppp == 1 or (kind == "jvp" and ppp == 2)
         assert cfgs and len(set(cfgs)) == len(cfgs)
         for m, n, w, s in cfgs:
             assert m >= 16 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0
             assert w in (4, 8) and 1 <= s <= 4
-    for kind in ("fwd", "jvp", "dkdv", "dq"):
+    for kind in attn._KERNELS:
         for elem_bytes in (2, 4):
             for block_d in (16, 32, 64, 128, 256):
                 assert attn._configs(kind, elem_bytes, block_d, 1)
@@ -439,8 +495,12 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
     attn.attention_fwd(q, k, k, True, 0.1)
     attn.attention_jvp(q, k, k, *tangents, True, 0.1)
     attn.attention_bwd(q, q, k, k, q, torch.empty(1, 2, 64), True, 0.1)
+    attn.attention_jvp_bwd(q, tangents[0], q, k, k, *tangents, q, tangents[0], torch.empty(1, 2, 64), True, 0.1,
+                           7, -1, None, torch.full((1,), 60, dtype=torch.int32))
     launched = [(name, size, kw) for name, size, kw in seen if name != "pre"]
-    assert [name for name, _, _ in launched] == ["fwd", "jvp", "dkdv", "dq"]
+    assert [name for name, _, _ in launched] == ["fwd", "jvp", "dkdv", "dq", "jvp_bwd_rows", "jvp_bwd_dq",
+                                                  "jvp_bwd_dkdv"]
+    assert [kw["HAS_LENS"] for _, _, kw in launched] == [False] * 4 + [True] * 3
     for name, size, kw in launched:
         assert size == q.element_size() and kw["BLOCK_D"] == 128 and kw["HEAD_DIM"] == 80
         ppp = kw.get("PROBES_PER_PROGRAM", 1)
@@ -453,10 +513,10 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
 @pytest.mark.triton
 def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
     attn = _kernels()
-    for kind in ("fwd", "jvp", "dkdv", "dq"):
+    for kind in attn._KERNELS:
         for elem_bytes in (2, 4):
             tuner = attn._tuned(kind, elem_bytes, 128, 1)
-            assert {"tune_q", "tune_k", "BLOCK_D", "CAUSAL"} <= set(tuner.keys)
+            assert {"tune_q", "tune_k", "BLOCK_D", "CAUSAL", "HAS_LENS"} <= set(tuner.keys)
             if kind in ("fwd", "jvp"):
                 assert {"JVP", "PROBES_PER_PROGRAM"} <= set(tuner.keys)
             assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuner.configs] == [
@@ -469,11 +529,25 @@ def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
 
 # The nvcc flags setup.py builds the extension with.
 NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
-CUDA_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+# Head dims the table and the checks cover (the kernels take 1..256, padded to a multiple of 16).
+CUDA_HEAD_DIMS = (16, 32, 64, 72, 80, 96, 128, 192, 256)
+# launch_plan's kinds 0..6, in order (the last three: the tangent backward's r, query side, key side).
+CUDA_KERNELS = ("fwd", "jvp", "dq", "dkdv", "jvp_r", "jvp_bwd_q", "jvp_bwd_kv")
 
-# Prints, for the opt-in limit given as argv[1], the tile and dynamic shared memory that
-# launch_fwd_jvp / launch_bwd pick (their rule: the first kTiles entry whose layout fits) and the
-# threads per block they launch, for every head dim, dtype size and mode.
+
+def _two_blocks_designed(kernel, arch, elem_bytes, d):
+    """Where the design promises two or more resident blocks per SM: up to d = 128, 16-bit dtypes
+    on both targets and fp32 on sm_90 (A100's 164 KiB holds one fp32 JVP / backward block); the
+    tangent backward's gradient kernels (eight tiles each) 16-bit on sm_90 only."""
+    if d > 128:
+        return False
+    if kernel in ("jvp_bwd_q", "jvp_bwd_kv"):
+        return elem_bytes == 2 and arch == 90
+    return elem_bytes == 2 or arch == 90
+
+
+# Prints, for the opt-in limit given as argv[1], what launch_plan (the launchers' choice) picks for
+# every kernel, head dim and element size: kind d elem warps smem_bytes dpad cols loop_tile.
 _CUDA_LAUNCH_PROBE = r"""
 #include "attention/attention_kernels.cu"
 #include <cstdio>
@@ -482,21 +556,13 @@ using namespace condinit::attention_cuda;
 int main(int argc, char** argv) {
   const size_t limit = (size_t)atol(argv[1]);
   const int dims[] = {%(dims)s};
-  for (int d : dims) {
-    for (int sz : {4, 2}) {
-      for (int mode = 0; mode < 3; ++mode) {  // 0 fwd, 1 jvp, 2 bwd
-        int a = 0, b = 0;
-        size_t need = 0;
-        for (const auto& t : kTiles) {
-          need = mode == 2 ? bwd_layout(t[1], t[0], d, sz).total : fwd_layout(t[0], t[1], d, sz, mode == 1).total;
-          if (need <= limit) { a = t[0]; b = t[1]; break; }
-        }
-        // fwd/jvp: BM = a, BN = b, threads 32 * BM / 16; bwd: BN = a, BM = b, threads 32 * BN / 16.
-        printf("%%s %%d %%d %%d %%d %%zu %%d\n", mode == 0 ? "fwd" : mode == 1 ? "jvp" : "bwd", d, sz,
-               mode == 2 ? b : a, mode == 2 ? a : b, a ? need : 0, 32 * (a / 16));
+  for (int kind = 0; kind < 7; ++kind)
+    for (int d : dims)
+      for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+        const LaunchPlan p = launch_plan(kind, dt, d, limit);
+        printf("%%d %%d %%d %%d %%zu %%d %%d %%d\n", kind, d, dt == DType::kFloat32 ? 4 : 2, p.warps, p.smem_bytes,
+               p.dpad, p.cols_per_block, p.loop_tile);
       }
-    }
-  }
   return 0;
 }
 """
@@ -512,13 +578,24 @@ def _nvcc():
 
 def parse_nvcc_resource_usage(text: str) -> dict:
     """``{(kernel, dtype): dict(regs, stack, spill_stores, static_shared)}`` from ``nvcc
-    --resource-usage`` (ptxas -v) output."""
-    dtypes = {"I13__nv_bfloat16E": "bf16", "I6__halfE": "fp16", "IfE": "fp32"}
+    --resource-usage`` (ptxas -v) output; kernel in CUDA_KERNELS."""
+    dtypes = {"I13__nv_bfloat16": "bf16", "I6__half": "fp16", "IfL": "fp32", "IfE": "fp32"}
     out = {}
     for block in re.split(r"ptxas info\s+: Compiling entry function ", text)[1:]:
         name = re.match(r"'([^']+)'", block).group(1)
-        kernel = "fwd_jvp" if "attention_fwd_jvp_kernel" in name else "bwd" if "attention_bwd_kernel" in name else None
-        if kernel is None:
+        if "attention_fwd_kernel" in name:
+            kernel = "jvp" if "Lb1E" in name else "fwd"
+        elif "attention_dq_kernel" in name:
+            kernel = "dq"
+        elif "attention_dkdv_kernel" in name:
+            kernel = "dkdv"
+        elif "attention_jvp_r_kernel" in name:
+            kernel = "jvp_r"
+        elif "attention_jvp_bwd_q_kernel" in name:
+            kernel = "jvp_bwd_q"
+        elif "attention_jvp_bwd_kv_kernel" in name:
+            kernel = "jvp_bwd_kv"
+        else:
             continue
         dtype = next(v for k, v in dtypes.items() if k in name)
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", block)
@@ -530,8 +607,8 @@ def parse_nvcc_resource_usage(text: str) -> dict:
 
 
 def cuda_resources(workdir: Path) -> tuple:
-    """nvcc resource usage per (arch, kernel, dtype), and the launch choices per arch:
-    ``[dict(arch, mode, d, elem_bytes, bm, bn, dynamic_shared, threads)]``."""
+    """nvcc resource usage per (arch, kernel, dtype), and the launch plans per arch:
+    ``[dict(arch, kernel, d, elem_bytes, warps, dynamic_shared, dpad, cols, loop_tile)]``."""
     nvcc = _nvcc()
     probe = workdir / "launch_probe.cu"
     probe.write_text(_CUDA_LAUNCH_PROBE % dict(dims=", ".join(map(str, CUDA_HEAD_DIMS))))
@@ -551,33 +628,44 @@ def cuda_resources(workdir: Path) -> tuple:
     launches = []
     for arch, t in TARGETS.items():
         lines = subprocess.run([str(workdir / "launch_probe"), str(t["smem_block"])], capture_output=True,
-                               text=True, check=True).stdout.split()
-        for i in range(0, len(lines), 7):
-            mode, d, sz, bm, bn, smem, threads = lines[i:i + 7]
-            launches.append(dict(arch=arch, mode=mode, d=int(d), elem_bytes=int(sz), bm=int(bm), bn=int(bn),
-                                 dynamic_shared=int(smem), threads=int(threads)))
+                               text=True, check=True).stdout.split("\n")
+        for line in filter(None, lines):
+            kind, d, sz, warps, smem, dpad, cols, tile = map(int, line.split())
+            launches.append(dict(arch=arch, kernel=CUDA_KERNELS[kind], d=d, elem_bytes=sz, warps=warps,
+                                 dynamic_shared=smem, dpad=dpad, cols=cols, loop_tile=tile))
     return usage, launches
 
 
+def cuda_blocks_per_sm(usage: dict, launch: dict, dtype: str) -> tuple:
+    """Resident blocks per SM of a CUDA launch (the rules of blocks_per_sm) and the binding limit."""
+    rec = usage[(launch["arch"], launch["kernel"], dtype)]
+    return blocks_per_sm(dict(rec, arch=launch["arch"], warps=launch["warps"], shared=launch["dynamic_shared"]))
+
+
 def cuda_launch_problems(usage: dict, launch: dict) -> list:
-    """Why a CUDA launch the host code makes would fail, or spill heavily, on its target."""
+    """Why a CUDA launch the host code makes would fail, spill heavily, or hold fewer blocks per SM
+    than designed, on its target."""
     t = TARGETS[launch["arch"]]
-    if launch["bm"] == 0:
-        return [f"no tile fits {t['smem_block']} B of shared memory"]
+    if launch["warps"] == 0:
+        return [f"no block fits {t['smem_block']} B of shared memory"]
     out = []
+    threads = 32 * launch["warps"]
     for dtype, size in DTYPES.items():
         if size != launch["elem_bytes"]:
             continue
-        rec = usage[(launch["arch"], "bwd" if launch["mode"] == "bwd" else "fwd_jvp", dtype)]
+        rec = usage[(launch["arch"], launch["kernel"], dtype)]
         smem = rec["static_shared"] + launch["dynamic_shared"]
         if smem > t["smem_block"]:
             out.append(f"{dtype}: shared memory {smem} B > {t['smem_block']}")
-        if rec["regs"] * launch["threads"] > t["regs_sm"]:
-            out.append(f"{dtype}: {rec['regs']} registers x {launch['threads']} threads > {t['regs_sm']}")
-        if launch["threads"] > 128:
-            out.append(f"{dtype}: {launch['threads']} threads > __launch_bounds__(128)")
+        if rec["regs"] * threads > t["regs_sm"]:
+            out.append(f"{dtype}: {rec['regs']} registers x {threads} threads > {t['regs_sm']}")
+        if threads > 128:
+            out.append(f"{dtype}: {threads} threads > __launch_bounds__(128)")
         if rec["stack"] > CUDA_SPILL_LIMIT:
             out.append(f"{dtype}: {rec['stack']} B/thread of spills > {CUDA_SPILL_LIMIT}")
+        n, why = cuda_blocks_per_sm(usage, launch, dtype)
+        if _two_blocks_designed(launch["kernel"], launch["arch"], size, launch["d"]) and n < 2:
+            out.append(f"{dtype}: {n} block per SM ({why}) where the design needs 2")
     return out
 
 
@@ -590,11 +678,11 @@ def cuda_usage(tmp_path_factory):
 def test_cuda_kernels_fit_every_launch(cuda_usage):
     usage, launches = cuda_usage
     for arch in TARGETS:
-        for kernel in ("fwd_jvp", "bwd"):
+        for kernel in CUDA_KERNELS:
             for dtype in DTYPES:
                 assert (arch, kernel, dtype) in usage, f"no ptxas report for {kernel}<{dtype}> on sm_{arch}"
-    assert len(launches) == len(TARGETS) * len(CUDA_HEAD_DIMS) * 2 * 3
-    bad = {f"sm_{x['arch']} {x['mode']} d={x['d']} {x['elem_bytes']}B": cuda_launch_problems(usage, x)
+    assert len(launches) == len(TARGETS) * len(CUDA_KERNELS) * len(CUDA_HEAD_DIMS) * 2
+    bad = {f"sm_{x['arch']} {x['kernel']} d={x['d']} {x['elem_bytes']}B": cuda_launch_problems(usage, x)
            for x in launches}
     assert not {k: v for k, v in bad.items() if v}
 
@@ -604,6 +692,10 @@ def test_cuda_check_rejects_a_launch_over_the_limit(cuda_usage):
     usage, launches = cuda_usage
     over = dict(launches[0], dynamic_shared=TARGETS[launches[0]["arch"]]["smem_block"] + 1)
     assert any("shared memory" in p for p in cuda_launch_problems(usage, over))
+    # Half the SM's shared memory plus one byte leaves one block per SM where the design needs two.
+    x = next(x for x in launches if _two_blocks_designed(x["kernel"], x["arch"], x["elem_bytes"], x["d"]))
+    crowded = dict(x, dynamic_shared=TARGETS[x["arch"]]["smem_sm"] // 2 + 1)
+    assert any("block per SM" in p for p in cuda_launch_problems(usage, crowded))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -642,10 +734,12 @@ def print_tables(recs: list, cuda=None) -> None:
         if "error" in r:
             print(f"ERROR {_job_id(r)}: {r['error'][:300]}")
             continue
-        key = (r["kind"], r["dtype"], r["head_dim"], r["probes_per_program"], r["config"], r["causal"])
+        key = (r["kind"], r["dtype"], r["head_dim"], r["probes_per_program"], r["config"], r["causal"],
+               bool(r.get("masked")))
         by_key.setdefault(key, {})[r["arch"]] = r
     titles = {"fwd": "Forward", "jvp": "Forward + JVP", "dkdv": "Backward dK/dV", "dq": "Backward dQ",
-              "pre": "Backward rowsum(dO o O)"}
+              "pre": "Backward rowsum(dO o O)", "jvp_bwd_rows": "Tangent backward: row statistics",
+              "jvp_bwd_dq": "Tangent backward: dQ, dtQ", "jvp_bwd_dkdv": "Tangent backward: dK, dV, dtK, dtV"}
     for kind, title in titles.items():
         rows = sorted((k, v) for k, v in by_key.items() if k[0] == kind)
         if not rows:
@@ -654,7 +748,7 @@ def print_tables(recs: list, cuda=None) -> None:
         print("| dtype | d | probes/program | list entry | BLOCK_M x BLOCK_N | warps | stages | "
               "sm_90 smem [KiB] | regs | spills [B] | blocks/SM (limit) | sm_80 smem [KiB] | regs | spills [B] |")
         print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-        for (_, dtype, d, ppp, cfg, causal), per_arch in rows:
+        for (_, dtype, d, ppp, cfg, causal, masked), per_arch in rows:
             any_rec = next(iter(per_arch.values()))
             tile = (f"{any_rec['block_m']} x {any_rec['block_n']}" if "block_m" in any_rec else "-")
             cells = []
@@ -671,35 +765,35 @@ def print_tables(recs: list, cuda=None) -> None:
                     n, lim = blocks_per_sm(r)
                     cells.append(f"{n} ({lim})")
             entry = str(cfg + 1) if kind != "pre" else "-"
-            print(f"| {dtype} | {d} | {ppp} | {entry} | {tile} | {any_rec['warps']} | {any_rec['stages']} | "
+            print(f"| {dtype}{' (masked)' if masked else ''} | {d} | {ppp} | {entry} | {tile} | {any_rec['warps']} | "
+                  f"{any_rec['stages']} | "
                   + " | ".join(cells) + " |")
     if cuda is not None:
         usage, launches = cuda
         print("\n**CUDA kernels** (`nvcc --resource-usage`, per template instance)\n")
         print("| kernel | dtype | sm_90 regs | spills [B] | static smem [B] | sm_80 regs | spills [B] | static smem [B] |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for kernel in ("fwd_jvp", "bwd"):
+        for kernel in CUDA_KERNELS:
             for dtype in DTYPES:
                 a, b = usage[(90, kernel, dtype)], usage[(80, kernel, dtype)]
-                print(f"| attention_{kernel}_kernel | {dtype} | {a['regs']} | {a['stack']} | {a['static_shared']} | "
+                print(f"| {kernel} | {dtype} | {a['regs']} | {a['stack']} | {a['static_shared']} | "
                       f"{b['regs']} | {b['stack']} | {b['static_shared']} |")
-        print("\n**CUDA launches** (the tile the launcher picks at each target's opt-in limit)\n")
-        print("| mode | bytes/elem | d | sm_90 BM x BN | threads | dyn. smem [KiB] | blocks/SM (limit) | "
-              "sm_80 BM x BN | threads | dyn. smem [KiB] |")
-        print("| --- | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: |")
-        index = {(x["arch"], x["mode"], x["elem_bytes"], x["d"]): x for x in launches}
-        for mode in ("fwd", "jvp", "bwd"):
-            for sz in (2, 4):
+        print("\n**CUDA launches** (what the launcher picks at each target's opt-in limit; bf16 stands for "
+              "fp16 too)\n")
+        print("| kernel | dtype | d | padded d | cols/block | loop tile | sm_90 warps | smem [KiB] | "
+              "blocks/SM (limit) | sm_80 warps | smem [KiB] | blocks/SM (limit) |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
+        index = {(x["arch"], x["kernel"], x["elem_bytes"], x["d"]): x for x in launches}
+        for kernel in CUDA_KERNELS:
+            for dtype, sz in (("bf16", 2), ("fp32", 4)):
                 for d in CUDA_HEAD_DIMS:
-                    a, b = index[(90, mode, sz, d)], index[(80, mode, sz, d)]
-                    dt = next(k for k, v in DTYPES.items() if v == sz and k != "fp16")
-                    rec = dict(usage[(90, "bwd" if mode == "bwd" else "fwd_jvp", dt)], arch=90,
-                               warps=a["threads"] // 32, shared=a["dynamic_shared"], local=0)
-                    n, lim = blocks_per_sm(rec)
-                    print(f"| {mode} | {sz} | {d} | {a['bm']} x {a['bn']} | {a['threads']} | "
-                          f"{a['dynamic_shared'] / 1024:.1f} | {n} ({lim}) | {b['bm']} x {b['bn']} | "
-                          f"{b['threads']} | {b['dynamic_shared'] / 1024:.1f} |")
-
+                    a, b = index[(90, kernel, sz, d)], index[(80, kernel, sz, d)]
+                    cells = []
+                    for x in (a, b):
+                        n, lim = cuda_blocks_per_sm(usage, x, dtype) if x["warps"] else (0, "-")
+                        cells += [str(x["warps"]), f"{x['dynamic_shared'] / 1024:.1f}", f"{n} ({lim})"]
+                    print(f"| {kernel} | {dtype} | {d} | {a['dpad']} | {a['cols']} | {a['loop_tile']} | "
+                          + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:

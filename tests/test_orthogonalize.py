@@ -413,3 +413,90 @@ def test_no_deadlock_after_the_caller_changes_thread_counts():
             "print('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# LAPACK factorizations: bits independent of the thread count; the CPU workspace
+
+_LAPACK_THREADS = """
+import hashlib, sys, torch
+from condinit.init import orthogonalize
+g = torch.Generator().manual_seed(5)
+blocks = [torch.randn(6, 64, 192, generator=g), torch.randn(1, 256, 256, generator=g),
+          torch.randn(5, 300, 40, generator=g)]
+for threads in [int(t) for t in sys.argv[1:]]:
+    torch.set_num_threads(threads)      # the script sets it, not the library
+    digest = hashlib.sha256()
+    for W in blocks:
+        for method in ("householder", "svd"):
+            digest.update(orthogonalize(W, method).numpy().tobytes())
+    print(threads, digest.hexdigest())
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the per-thread LAPACK setting is MKL's")
+def test_lapack_bits_do_not_depend_on_thread_count():
+    """A fresh process each time, its first factorization under 2 threads (the OpenMP team is then
+    created inside the call, which drops MKL's per-thread setting unless it is re-established)."""
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "2"}
+    lines = []
+    for order in (["2", "1"], ["1", "2"]):
+        res = subprocess.run([sys.executable, "-c", _LAPACK_THREADS, *order], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines += res.stdout.split("\n")
+    digests = {line.split()[1] for line in lines if line.strip()}
+    assert len(digests) == 1, lines
+
+
+def test_lapack_split_over_threads_matches_one_batch(rng):
+    """The batch split over worker threads gives each block the bits of a one-thread batch call."""
+    W = torch.randn(7, 48, 100, generator=rng)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = {m: orthogonalize(W, m) for m in ("householder", "svd")}
+        torch.set_num_threads(3)                           # 3 workers: uneven parts 2, 2, 3
+        for m, ref in one.items():
+            assert torch.equal(orthogonalize(W, m), ref), m
+            assert torch.equal(orthogonalize(W[3:4], m)[0], ref[3]), m
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_workspace_contents_never_reach_the_result(rng):
+    """Chunk buffers are reused between calls without clearing: poisoned with NaN, they change
+    nothing (every element a chunk reads is written first, padding columns included)."""
+    for shape in ((5, 16, 200), (4, 24, 96), (3, 40, 40)):   # 200: padded columns; 40 x 40: Householder
+        W = torch.randn(*shape, generator=rng)
+        ref = {m: orthogonalize(W, m) for m in ("cholqr2", "polar", "householder")}
+        with orth_mod._WORKSPACE._lock:
+            for t in orth_mod._WORKSPACE._free:
+                t.fill_(float("nan"))
+        for m, r in ref.items():
+            assert torch.equal(orthogonalize(W, m), r), (shape, m)
+
+
+def test_workspace_reused_and_bounded(rng):
+    W = torch.randn(8, 32, 512, generator=rng)
+    orthogonalize(W, "cholqr2")
+    kept = {t.data_ptr() for t in orth_mod._WORKSPACE._free}
+    assert kept and len(orth_mod._WORKSPACE._free) <= orth_mod._Workspace.KEEP
+    taken = []
+    original = orth_mod._WORKSPACE.take
+
+    def spy(numel, device):
+        t = original(numel, device)
+        taken.append(t.data_ptr())
+        return t
+    orth_mod._WORKSPACE.take = spy
+    try:
+        orthogonalize(W, "cholqr2")
+    finally:
+        orth_mod._WORKSPACE.take = original
+    assert taken and set(taken) <= kept                   # the second call allocated nothing
+    big = orth_mod._Workspace.MAX_KEPT_BYTES
+    orthogonalize(torch.randn(2, 64, big // (4 * 64) // 2 + 16, generator=rng), "cholqr2", memory_budget=4 * big)
+    assert all(4 * t.numel() <= big for t in orth_mod._WORKSPACE._free)

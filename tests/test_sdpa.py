@@ -43,6 +43,18 @@ def causal_bool(nq, nk, top_left=False):
     return cols <= rows + (0 if top_left else nk - nq)
 
 
+def real_keys(nk, starts, ends):
+    """[B, 1, 1, Nk] bool: batch b's real keys are [starts[b], ends[b]) (left / right padding)."""
+    j = torch.arange(nk)
+    return ((j >= torch.tensor(starts)[:, None]) & (j < torch.tensor(ends)[:, None]))[:, None, None, :]
+
+
+def sliding(n, window):
+    """[N, N] bool: Hugging Face's sliding-window causal mask (key j visible iff i - window < j <= i)."""
+    rows, cols = torch.arange(n).unsqueeze(-1), torch.arange(n)
+    return (cols <= rows) & (cols > rows - window)
+
+
 @pytest.fixture
 def paths(monkeypatch):
     """Counts the calls of the fused op and of the dense path inside condinit.sdpa."""
@@ -85,8 +97,26 @@ CASES = [
      "fused"),
     ("all-visible mask", (2, 2, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8),
      lambda r: {"attn_mask": torch.ones(2, 1, 1, 6, dtype=torch.bool)}, "fused"),
-    ("key padding mask", (2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8),
+    ("key padding mask (random keys)", (2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8),
      lambda r: {"attn_mask": key_padding_mask(r, 2, 6), "enable_gqa": True}, "dense"),
+    # Masks the kernels run (causal, sliding window, real keys an interval per batch entry)
+    ("right padding", (3, 4, 5, 8), (3, 2, 9, 8), (3, 2, 9, 8),
+     lambda r: {"attn_mask": real_keys(9, [0, 0, 0], [9, 4, 1]), "enable_gqa": True}, "fused"),
+    ("left and right padding", (3, 2, 5, 8), (3, 2, 9, 8), (3, 2, 9, 8),
+     lambda r: {"attn_mask": real_keys(9, [2, 0, 5], [9, 6, 7])}, "fused"),
+    ("causal + left padding (HF decoder)", (3, 2, 9, 8), (3, 2, 9, 8), (3, 2, 9, 8),
+     lambda r: {"attn_mask": causal_bool(9, 9) & real_keys(9, [0, 3, 8], [9, 9, 9])}, "fused"),
+    ("causal + right padding", (2, 2, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8),
+     lambda r: {"attn_mask": causal_bool(9, 9) & real_keys(9, [0, 2], [6, 9])}, "fused"),
+    ("sliding window", (2, 4, 11, 8), (2, 2, 11, 8), (2, 2, 11, 8),
+     lambda r: {"attn_mask": sliding(11, 4), "enable_gqa": True}, "fused"),
+    ("sliding window + left padding, float mask", (2, 2, 11, 8), (2, 2, 11, 8), (2, 2, 11, 8),
+     lambda r: {"attn_mask": torch.zeros(2, 1, 11, 11, dtype=F64).masked_fill(
+         ~(sliding(11, 3) & real_keys(11, [0, 4], [11, 11])), float("-inf"))}, "fused"),
+    ("sliding window + right padding (rows after the keys)", (2, 2, 11, 8), (2, 2, 11, 8), (2, 2, 11, 8),
+     lambda r: {"attn_mask": sliding(11, 3) & real_keys(11, [0, 0], [11, 7])}, "dense"),
+    ("heads with different masks", (1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8),
+     lambda r: {"attn_mask": torch.stack([causal_bool(6, 6), sliding(6, 2)])}, "dense"),
     ("rows with no key", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8),
      lambda r: {"attn_mask": torch.rand((5, 6), generator=r) > torch.tensor([0.3, 0.3, 2, 0.3, 2]).unsqueeze(-1)},
      "dense"),

@@ -30,7 +30,7 @@ def sweep(progress: bool = True) -> list:
     sys.path.insert(0, str(ROOT / "tests"))
     import torch
     from coverage_models import architectures, verify
-    from test_coverage import NOT_CHECKED, REFUSED, apply_condinit
+    from test_coverage import NOT_CHECKED, PARTLY_REFUSED, REFUSED, apply_condinit
     torch.set_num_threads(1)
     rows = []
     archs = architectures()
@@ -42,7 +42,11 @@ def sweep(progress: bool = True) -> list:
             rows.append((arch.name, "not checked", [NOT_CHECKED[arch.name]], 0))
             continue
         out = verify(arch, apply_condinit)
-        rows.append((arch.name, out.status, out.details, out.layers))
+        details = out.details
+        if out.status == "conditioned" and arch.name in PARTLY_REFUSED:
+            cls, why = PARTLY_REFUSED[arch.name]
+            details = [f"{cls}: {why}"]
+        rows.append((arch.name, out.status, details, out.layers))
         if progress:
             print(f"[{i + 1}/{len(archs)}] {arch.name}: {out.status} ({out.seconds:.2f} s)", file=sys.stderr)
     return rows
@@ -93,6 +97,8 @@ def section(rows: list, seconds: float, when: str) -> str:
     for name, status, details, layers in rows:
         if status == "conditioned":
             outcome = f"conditioned ({layers} attention layer{'s' if layers != 1 else ''})"
+            if details:    # layers outside the method, refused and reported
+                outcome += f"; refused: {_cell(details[0])}"
         elif status == "no attention":
             outcome = "no attention (refused by `apply`)"
         elif status == "refused":

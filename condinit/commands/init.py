@@ -4,17 +4,30 @@
     condinit init --config config.json --dtype bf16 --seed 7 --out model.safetensors
     condinit init --config config.json --strict --out model.safetensors
     condinit init --config config.json --adapter mypkg.adapters:my_attention --out model.safetensors
+    condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --max-shard-size 5GB
+    condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --resume      # after an interruption
+    condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --dry-run     # the plan, nothing written
 
 The model (a preset of :mod:`condinit.models.presets`, or a Hugging Face ``config.json`` of any
 ``model_type`` that ``transformers.AutoConfig`` knows; decoder language models are built as
 ``AutoModelForCausalLM``, everything else as ``AutoModel``, see
-:func:`condinit.models.presets.model_class_for`) is built on the meta device, materialized on ``--device`` with its own init for everything but Q/K/V, and
-conditioned by :func:`condinit.apply` (no second full-size copy). The output is written atomically
-(nothing is left behind on error) with a ``condinit`` header entry (family, head counts, where each
-layer's Q/K/V live, their row layout, the modules left unconditioned) that ``condinit inspect``
-reads. ``--seed`` (default 0, not drawn: the same command writes the same file) seeds both
-condinit's counter-based generator and torch's (the model's own init of the other weights), so the
-whole file is reproducible.
+:func:`condinit.models.presets.model_class_for`) is built on the meta device and written streamed
+(:mod:`condinit.models.stream`): tensor by tensor, computed on ``--device`` (Q/K/V conditioned as by
+:func:`condinit.apply`, everything else by the model's own init rule) and written by a second
+thread, in memory bounded by about one layer, whatever the model's size. ``--out FILE.safetensors``
+writes one file; ``--out DIR/`` (ending in a separator, or an existing directory) a
+``from_pretrained``-ready directory: ``config.json``, shards of ``--max-shard-size`` and their index.
+Both hold the same tensors bit for bit. Files are written atomically (nothing partial is left
+behind on error, Ctrl-C or SIGTERM) with a ``condinit`` header entry (family, head counts, where
+each layer's Q/K/V live, their row layout, the modules left unconditioned) that ``condinit
+inspect`` reads. ``--seed`` (default 0, not drawn: the same command writes the same bytes) seeds
+every random draw, so the whole checkpoint is reproducible.
+
+A directory that holds another model is refused unless ``--overwrite``; ``--resume`` keeps the
+shards of an interrupted run that are complete and writes the rest; the free disk space is checked
+first. ``--dry-run`` prints the plan (files, sizes, peak memory, the generation time estimated from
+a short measurement on this machine) and writes nothing. A progress bar (bytes written, rate, ETA)
+is shown on a terminal, never with ``--quiet`` or when stderr is not a terminal.
 
 Attention-like modules that nothing covers are printed after the table (and warned about);
 ``--strict`` refuses such a model before anything is written. A model with no attention layer
@@ -27,7 +40,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 NAME = "init"
 HELP = "build a model (preset or HF config.json) on meta, apply conditioned init, write .safetensors"
@@ -55,8 +67,14 @@ def add_arguments(p):
                    help="W_V = G times the rectangular identity (default 1, the paper's method)")
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="output file (written atomically); a "
                    "directory (ending in / or existing) gets a from_pretrained-ready sharded checkpoint, streamed")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="with a directory --out: bytes per weights file, e.g. 500MB (default 5GB)")
+    p.add_argument("--resume", action="store_true",
+                   help="with a directory --out: keep the complete shards of an interrupted run, write the rest")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with a directory --out: replace a model that is already there (refused otherwise)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (files, sizes, peak memory, expected time) and write nothing")
     p.add_argument("--strict", action="store_true",
                    help="fail (and write nothing) if any attention-like module cannot be conditioned")
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:FUNCTION",
@@ -71,9 +89,9 @@ def run(args) -> int:
 
     from condinit._validate import check_int, check_seed
     from condinit.cli import CLIError
-    from condinit.models import apply
-    from condinit.models.checkpoint import check_output_path, condinit_metadata, save_model_atomic
-    from condinit.models.presets import DTYPES, PRESETS, build_model, load_config_dict
+    from condinit.models.checkpoint import check_output_path
+    from condinit.models.presets import PRESETS, load_config_dict
+    from condinit.models.stream import parse_shard_size
 
     # every check on the input happens before any work
     to_directory = args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)
@@ -84,38 +102,16 @@ def run(args) -> int:
     check_int("--max-rows", args.max_rows, min=0, allow_none=True)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available")
+    if not to_directory:
+        for flag, given in (("--max-shard-size", args.max_shard_size is not None), ("--resume", args.resume),
+                            ("--overwrite", args.overwrite)):
+            if given:
+                raise CLIError(f"{flag}: only with a directory --out (ending in {os.sep}); {args.out} is a file")
+    shard = parse_shard_size(args.max_shard_size if args.max_shard_size is not None else "5GB", "--max-shard-size")
     config = load_config_dict(args.config) if args.config else None
     preset = None if config is not None else (args.preset or "tiny-llama")
     adapters = [_load_adapter(ref) for ref in args.adapter]
-    if to_directory:
-        return _write_directory(args, preset, config, adapters)
-
-    t0 = time.perf_counter()
-    # --seed also seeds torch's generator, which the model's own init of the other weights draws
-    # from: the whole file is reproducible, not only the attention weights.
-    torch.manual_seed(args.seed % 2 ** 63)
-    model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta")
-    with _adapters_registered(adapters):
-        report = apply(model, seed=args.seed, method=args.method, v_mode=args.v_mode, qk_gain=args.qk_gain,
-                       v_gain=args.v_gain, device=args.device,
-                       progress=not args.quiet and sys.stderr.isatty(), strict=args.strict)
-        meta = condinit_metadata(model, report, family, extra={"preset": preset, "dtype": args.dtype})
-    save_model_atomic(model, out, meta)
-    dt = time.perf_counter() - t0
-    if args.quiet:
-        print(out)
-        return 0
-    from condinit.models.apply import wide_console
-
-    con = wide_console()
-    report.print(con, max_rows=args.max_rows)
-    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    con.print(f"wrote {out}: {preset or os.path.basename(args.config)} ({family}), {n / 1e6:.1f}M parameters, "
-              f"{args.dtype}, {os.path.getsize(out) / 2 ** 20:.1f} MiB, seed {report.seed}, {dt:.2f} s "
-              f"(own init {report.init_time_s:.2f} s, conditioned init {report.total_time_s - report.init_time_s:.2f} s)"
-              + (f"; {len(report.uncovered)} attention-like module(s) not conditioned (listed above)"
-                 if report.uncovered else ""))
-    return 0
+    return _write(args, preset, config, adapters, args.out if to_directory else out, to_directory, shard)
 
 
 def _load_adapter(ref: str):
@@ -179,37 +175,61 @@ class _adapters_registered:
         return False
 
 
-def _write_directory(args, preset, config, adapters) -> int:
-    """``--out DIR/``: the streamed, sharded writer (:func:`condinit.models.stream.write_pretrained`)."""
-    from condinit.cli import CLIError
+def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) -> int:
+    """The streamed writer: :func:`condinit.models.stream.write_pretrained` for ``--out DIR/``,
+    :func:`condinit.models.stream.write_checkpoint` for one file."""
     from condinit.models.presets import DTYPES, build_model
-    from condinit.models.stream import parse_shard_size, write_pretrained
+    from condinit.models.stream import write_checkpoint, write_pretrained
 
-    if args.device != "cpu":
-        raise CLIError("--device: a directory --out is written from the CPU, one shard at a time")
-    if args.qk_gain != 1.0 or args.v_gain != 1.0:   # the streamed writer writes gain 1 only: refuse, never drop
-        raise CLIError("--qk-gain/--v-gain: a directory --out is written with the default gains only; "
-                       "write a single .safetensors file instead")
-    try:
-        shard = parse_shard_size(args.max_shard_size)
-    except ValueError as exc:
-        raise CLIError(f"--max-shard-size: {exc}") from None
-    model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta")
+    source = f"--config {args.config}" if args.config else f"--preset {preset}"
+    model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta", source=source)
+    common = dict(seed=args.seed, method=args.method, v_mode=args.v_mode, qk_gain=args.qk_gain, v_gain=args.v_gain,
+                  strict=args.strict, family=family, extra_metadata={"preset": preset, "dtype": args.dtype},
+                  progress=not args.quiet and sys.stderr.isatty(), device=args.device, dry_run=args.dry_run)
     with _adapters_registered(adapters):
-        rep = write_pretrained(model, args.out, seed=args.seed, method=args.method, v_mode=args.v_mode,
-                               max_shard_size=shard, strict=args.strict, family=family,
-                               extra_metadata={"preset": preset, "dtype": args.dtype},
-                               progress=not args.quiet and sys.stderr.isatty())
+        if to_directory:
+            rep = write_pretrained(model, out, max_shard_size=shard, resume=args.resume, overwrite=args.overwrite,
+                                   **common)
+        else:
+            rep = write_checkpoint(model, out, **common)
+    where = rep.out_dir if to_directory else rep.files[0]
+    if args.dry_run:
+        _print_plan(rep, where, args.quiet)
+        return 0
     if args.quiet:
-        print(rep.out_dir)
+        print(where)
         return 0
     from condinit.models.apply import wide_console
 
     con = wide_console()
     rep.apply.print(con, max_rows=args.max_rows)
-    con.print(f"wrote {rep.out_dir}: {preset or os.path.basename(args.config)} ({family}), "
-              f"{rep.num_parameters / 1e6:.1f}M parameters, {args.dtype}, {len(rep.files)} file(s), "
+    kept = f", {len(rep.kept)} complete shard(s) kept" if rep.kept else ""
+    con.print(f"wrote {where}: {preset or os.path.basename(args.config)} ({family}), "
+              f"{rep.num_parameters / 1e6:.1f}M parameters, {args.dtype}, {len(rep.files)} file(s){kept}, "
               f"{rep.total_size / 2 ** 20:.1f} MiB, seed {rep.seed}, {rep.time_s:.2f} s"
               + (f"; {len(rep.uncovered)} attention-like module(s) not conditioned (listed above)"
                  if rep.uncovered else ""))
     return 0
+
+
+def _print_plan(rep, where: str, quiet: bool) -> None:
+    """``--dry-run``: what the write would do."""
+    from condinit.models.stream import _fmt_bytes
+
+    plan = rep.plan
+    lines = [f"dry run, nothing written: {where}"]
+    if not quiet:
+        keep = {os.path.basename(f) for f in rep.kept}
+        for name, size, count in plan.files:
+            lines.append(f"  {name}  {_fmt_bytes(size)}  {count} tensors" + ("  (complete: kept)" if name in keep else ""))
+    lines.append(f"{len(plan.files)} file(s), {_fmt_bytes(plan.total_size)} of tensors, {rep.num_parameters / 1e6:.1f}M "
+                 f"parameters; to write {_fmt_bytes(plan.write_bytes)}, {_fmt_bytes(plan.free_bytes)} free")
+    lines.append(f"peak memory about {_fmt_bytes(plan.peak_memory_bytes)} (largest unit {plan.largest_unit[0]}, "
+                 f"{_fmt_bytes(plan.largest_unit[1])})")
+    if plan.rates is not None:
+        r = plan.rates
+        lines.append(f"expected time on this machine: about {plan.estimated_seconds:.0f} s to generate (own init "
+                     f"{r['own_elements_per_s'] / 1e6:.0f}M {r['dtype']} elements/s, {r['layer_s']:.2f} s per "
+                     f"attention layer, measured now); writing overlaps it, so the run takes the longer of that and "
+                     f"{_fmt_bytes(plan.write_bytes)} at this disk's write speed (not measured: nothing is written)")
+    print("\n".join(lines))

@@ -1,10 +1,14 @@
 """``condinit inspect``: per-head condition numbers of the attention weights in a safetensors file.
 
     condinit inspect model.safetensors [--plot cond.png]
+    condinit inspect llama-8b/            # a model directory: its shards, through the index
     condinit inspect other.safetensors --num-heads 12 [--head-dim 64] [--num-kv-heads 4]
     condinit inspect neox.safetensors --num-heads 16 --layout per_head
 
-Reads with safetensors only (never unpickles: a ``torch.save`` / pickle file is refused). Attention
+Reads with safetensors only (never unpickles: a ``torch.save`` / pickle file is refused). A
+directory is read as a Hugging Face model directory, through ``model.safetensors.index.json`` (or its
+one ``model.safetensors``), tensor by tensor, so memory stays at one tensor whatever the model's
+size (:class:`condinit.models.checkpoint.ShardedCheckpoint`). Attention
 weights are located from the ``condinit`` header entry that ``condinit init`` writes (tensors, row
 ranges and, for interleaved fused weights such as GPT-NeoX's ``[H, 3, d]``, their groups: each head
 is read from its own rows), or else by the parameter names of the supported families
@@ -24,11 +28,12 @@ from __future__ import annotations
 import os
 
 NAME = "inspect"
-HELP = "per-layer / per-head condition numbers of Q/K/V in a .safetensors file (optionally a plot)"
+HELP = "per-layer / per-head condition numbers of Q/K/V in a .safetensors file or model directory"
 
 
 def add_arguments(p):
-    p.add_argument("file", metavar="FILE.safetensors", help="checkpoint to read (safetensors only)")
+    p.add_argument("file", metavar="FILE.safetensors|DIR", help="checkpoint to read (safetensors only): a file, or "
+                   "a model directory (sharded through model.safetensors.index.json, or one model.safetensors)")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="write a figure of kappa per layer")
     p.add_argument("--num-heads", type=int, default=None, help="heads of Q (needed without condinit metadata)")
     p.add_argument("--num-kv-heads", type=int, default=None, help="heads of K/V (default: inferred)")
@@ -172,7 +177,7 @@ def run(args) -> int:
     meta, rows = analyze(args.file, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                          layout=args.layout)
     if args.plot is not None:
-        plot(rows, args.plot, os.path.basename(args.file))
+        plot(rows, args.plot, os.path.basename(os.path.normpath(args.file)))
     if args.json:
         import json
 

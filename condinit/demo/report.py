@@ -1,14 +1,24 @@
-"""Summary, table, JSON, CSV and plots of a ``condinit demo`` run.
+"""Summary, tables, JSON, CSV and plots of a ``condinit demo`` run.
 
-**Final value** of an init: its test accuracy (and loss) at the last step, mean and sample standard
-deviation over seeds. **Target**: the default init's final mean accuracy. **Steps to target**: the
-first evaluation step at which an init's seed-mean test accuracy reaches the target (``None`` if it
-never does); **ratio** = steps to target / the step budget, so the default's budget is 1.0 and the
-paper's "300 -> 211 epochs" reads as 0.70. **kappa(J)**: per layer, the geometric mean over seeds
-of each probe's condition number (see :mod:`condinit.demo.train`); the table shows the geometric
-mean over layers at step 0, the median over layers and probes after step 0, and how often (over
-those probes and layers) an init's kappa is below the default's. A rank-deficient probe (``sigma_min
-<= 1e-10 sigma_max``) counts as ``kappa = inf``; the plots draw it at ``KAPPA_CAP``.
+Per task and init:
+
+* **LR sweep**: the final validation metric (accuracy for MQAR and vision, higher is better; loss
+  in nats per character for the LMs, lower is better), mean over seeds, at each learning-rate
+  multiplier. **Best LR** (:func:`select_best_lr`): the multiplier with the best mean final
+  metric, ties broken by the lower mean final loss, then by the smaller multiplier. Everything
+  else below is at the init's own best LR, so no init is judged at another's tuned setting.
+* **Final value**: mean and sample standard deviation over seeds at the last step.
+* **Target**: the default init's final mean metric (at its best LR). **Steps to target**: the
+  first evaluation step at which the init's seed-mean curve reaches it (``None`` if never).
+* LMs: the validation loss at 25 % and 50 % of the budget. MQAR: the final accuracy per query,
+  beside the shortcut baseline (:func:`condinit.demo.tasks.mqar_shortcut_baseline`).
+* **kappa**: per layer at step 0 and at the end, the geometric mean over seeds of ``kappa(J)``,
+  ``sigma_min(J)`` and ``sigma_min(P X)``, and the mean ``value_share`` (see
+  :mod:`condinit.demo.train`); the table shows geometric means over layers (``value_share``: the
+  smallest over layers), "value path" when every layer's share is at least ``VALUE_PATH_SHARE``.
+* **kappa vs result**: per task, the Spearman rank correlation over inits between ``kappa(J)`` at
+  init and the final metric (as "goodness": accuracy, or minus the loss). If a lower kappa meant
+  faster training it would be near -1.
 
 Files are rendered in memory first and each is then written to a temporary file in the output
 directory and renamed over its final name, so a reader never sees a half-written file and a failure
@@ -24,10 +34,15 @@ import os
 import statistics
 import tempfile
 
-__all__ = ["summarize", "format_table", "render_files", "write_outputs", "check_output_dir", "INIT_COLORS"]
+from .inits import INIT_LABELS
 
-KAPPA_CAP = 1e10   # where the plots draw a rank-deficient (kappa = inf) probe
-INIT_COLORS = {"default": "#7f7f7f", "mimetic": "#1f77b4", "conditioned": "#d62728", "spectral": "#2ca02c"}
+__all__ = ["summarize", "select_best_lr", "spearman", "format_table", "table_rows", "render_files",
+           "write_outputs", "check_output_dir", "INIT_COLORS", "VALUE_PATH_SHARE"]
+
+VALUE_PATH_SHARE = 0.9
+BUDGET_FRACTIONS = (0.25, 0.5)
+INIT_COLORS = {"default": "#7f7f7f", "mimetic": "#1f77b4", "conditioned": "#d62728", "spectral": "#2ca02c",
+               "conditioned-qk": "#ff7f0e", "conditioned-v0.1": "#9467bd"}
 
 
 def _stats(xs):
@@ -38,8 +53,10 @@ def _stats(xs):
 
 def _geomean(xs):
     xs = [float(x) for x in xs]
+    if any(math.isnan(x) for x in xs):
+        return math.nan                 # a diverged run has no Jacobian
     if any(not math.isfinite(x) or x <= 0 for x in xs):
-        return math.inf
+        return math.inf if any(x == math.inf for x in xs) else 0.0
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
@@ -51,132 +68,263 @@ def _mean_curve(runs, step_key, value_key):
     return steps, [statistics.fmean(r[value_key][i] for r in runs) for i in range(len(steps))]
 
 
+def select_best_lr(sweep: dict, *, higher_is_better: bool):
+    """The best learning-rate multiplier of ``sweep`` = ``{mult: (metric_mean, loss_mean)}``: best
+    metric, then lower loss, then smaller multiplier. NaN metrics (diverged runs) never win unless
+    every entry is NaN.
+
+    Examples:
+        >>> select_best_lr({0.3: (0.55, 0.9), 1.0: (0.99, 0.05), 3.0: (0.99, 0.03)}, higher_is_better=True)
+        3.0
+    """
+    if not sweep:
+        raise ValueError("sweep must hold at least one learning rate")
+
+    def key(item):
+        mult, (metric, loss) = item
+        bad = not math.isfinite(metric)
+        m = 0.0 if bad else (-metric if higher_is_better else metric)
+        return (bad, m, loss if math.isfinite(loss) else math.inf, mult)
+
+    return min(sweep.items(), key=key)[0]
+
+
+def _ranks(xs):
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(xs, ys):
+    """Spearman rank correlation (average ranks for ties); None for fewer than 3 points or no spread."""
+    if len(xs) != len(ys):
+        raise ValueError("xs and ys must have the same length")
+    if len(xs) < 3:
+        return None
+    rx, ry = _ranks(list(xs)), _ranks(list(ys))
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def _kappa_spearman(pairs):
+    """Spearman over the inits whose kappa and result are numbers (a diverged run has neither)."""
+    pairs = [(k, g) for k, g in pairs if not math.isnan(k) and math.isfinite(g)]
+    return spearman([k for k, _ in pairs], [g for _, g in pairs])
+
+
+def _final_metric(run, metric):
+    return run["eval_acc"][-1] if metric == "accuracy" else run["eval_loss"][-1]
+
+
+def _probe_summary(rs, idx):
+    """Per-layer seed-geomeans of the probe at index ``idx`` (0: init, -1: end)."""
+    n_layers = len(rs[0]["kappa"][0])
+    per_layer = []
+    for lay in range(n_layers):
+        per_layer.append({key: _geomean(r[key][idx][lay] for r in rs)
+                          for key in ("kappa", "sigma_max", "sigma_min", "sigma_min_px")})
+        per_layer[-1]["value_share"] = statistics.fmean(r["value_share"][idx][lay] for r in rs)
+    return {"per_layer": per_layer,
+            "kappa": _geomean(p["kappa"] for p in per_layer),
+            "sigma_min": _geomean(p["sigma_min"] for p in per_layer),
+            "sigma_min_px": _geomean(p["sigma_min_px"] for p in per_layer),
+            "value_share_min": min(p["value_share"] for p in per_layer),
+            "value_path": all(p["value_share"] >= VALUE_PATH_SHARE for p in per_layer)}
+
+
 def summarize(results: dict) -> dict:
     """The per-task, per-init summary (see module doc) of :func:`condinit.demo.train.run_demo`'s output."""
     out = {"meta": results.get("meta", {}), "tasks": {}}
     for task, block in results["tasks"].items():
-        runs = block["runs"]
+        runs, metric = block["runs"], block.get("metric", "accuracy")
+        higher = metric == "accuracy"
+        cfg = block["config"]
+        budget = cfg["steps"]
         inits = list(dict.fromkeys(r["init"] for r in runs))
-        by_init = {i: [r for r in runs if r["init"] == i] for i in inits}
-        budget = block["config"]["steps"]
-        ref = "default" if "default" in by_init else inits[0]
-        target = statistics.fmean(r["eval_acc"][-1] for r in by_init[ref])
-        kappa_curves = {}
-        for init, rs in by_init.items():
-            steps = rs[0]["probe_step"]
-            n_layers = len(rs[0]["kappa"][0])
-            kappa_curves[init] = [[_geomean(r["kappa"][p][lay] for r in rs) for p in range(len(steps))]
-                                  for lay in range(n_layers)]
-        t_out = {"config": block["config"], "metric": "accuracy", "reference_init": ref, "target_accuracy": target,
-                 "budget_steps": budget, "inits": {}}
-        for init, rs in by_init.items():
-            eval_steps, acc_curve = _mean_curve(rs, "eval_step", "eval_acc")
-            reach = next((s for s, a in zip(eval_steps, acc_curve) if a >= target), None)
-            kc = kappa_curves[init]
-            probe_steps = rs[0]["probe_step"]
-            below = None
-            if init != ref:
-                pairs = [(kc[lay][p], kappa_curves[ref][lay][p]) for lay in range(len(kc))
-                         for p in range(1, len(probe_steps))]
-                below = sum(a < b for a, b in pairs) / len(pairs) if pairs else None
-            t_out["inits"][init] = {
+        mults = list(dict.fromkeys(r["lr_mult"] for r in runs))
+        group = {(i, m): [r for r in runs if r["init"] == i and r["lr_mult"] == m] for i in inits for m in mults}
+        t_out = {"config": cfg, "info": block.get("info", {}), "metric": metric, "higher_is_better": higher,
+                 "budget_steps": budget, "lr_multipliers": mults, "inits": {}}
+        best = {}
+        for init in inits:
+            sweep = {m: (statistics.fmean(_final_metric(r, metric) for r in group[(init, m)]),
+                         statistics.fmean(r["eval_loss"][-1] for r in group[(init, m)])) for m in mults}
+            best[init] = (select_best_lr(sweep, higher_is_better=higher), sweep)
+        ref = "default" if "default" in inits else inits[0]
+        target = best[ref][1][best[ref][0]][0]
+        t_out.update({"reference_init": ref, "target": target})
+        good_key = []
+        for init in inits:
+            mult, sweep = best[init]
+            rs = group[(init, mult)]
+            key = "eval_acc" if higher else "eval_loss"
+            eval_steps, curve = _mean_curve(rs, "eval_step", key)
+            reach = next((s for s, v in zip(eval_steps, curve) if (v >= target if higher else v <= target)), None)
+            at_budget = {}
+            for frac in BUDGET_FRACTIONS:
+                idx = next(i for i, s in enumerate(eval_steps) if s >= frac * budget)
+                at_budget[str(frac)] = {"step": eval_steps[idx], "mean": curve[idx]}
+            s = {
+                "label": INIT_LABELS.get(init, init),
                 "seeds": [r["seed"] for r in rs],
-                "final_accuracy": _stats(r["eval_acc"][-1] for r in rs),
+                "best_lr_mult": mult, "best_lr": rs[0]["lr"],
+                "sweep": {str(m): {"metric_mean": v[0], "loss_mean": v[1],
+                                   "metric_per_seed": [_final_metric(r, metric) for r in group[(init, m)]]}
+                          for m, v in sweep.items()},
+                "final_metric": _stats(_final_metric(r, metric) for r in rs),
                 "final_loss": _stats(r["eval_loss"][-1] for r in rs),
-                "best_accuracy": _stats(max(r["eval_acc"]) for r in rs),
+                "final_accuracy": _stats(r["eval_acc"][-1] for r in rs),
                 "steps_to_target": reach,
                 "steps_ratio": None if reach is None else reach / budget,
-                "kappa_probe_steps": probe_steps,
-                "kappa_per_layer": kc,
-                "kappa_initial": _geomean(kc[lay][0] for lay in range(len(kc))),
-                "kappa_final": _geomean(kc[lay][-1] for lay in range(len(kc))),
-                "kappa_median_training": statistics.median(kc[lay][p] for lay in range(len(kc))
-                                                           for p in range(1, len(probe_steps)))
-                if len(probe_steps) > 1 else None,
-                "kappa_rank_deficient_probes": sum(not math.isfinite(r["kappa"][p][lay]) for r in rs
-                                                   for p in range(len(probe_steps)) for lay in range(len(kc))),
-                "kappa_below_default_fraction": below,
+                "metric_at_budget": at_budget,
+                "kappa_init": _probe_summary(rs, 0),
+                "kappa_final": _probe_summary(rs, -1),
                 "seconds": _stats(r["seconds"] for r in rs),
             }
+            if rs[0].get("eval_query_acc"):
+                nq = len(rs[0]["eval_query_acc"][-1])
+                s["final_query_accuracy"] = [statistics.fmean(r["eval_query_acc"][-1][q] for r in rs) for q in range(nq)]
+            t_out["inits"][init] = s
+            good_key.append((init, s["kappa_init"]["kappa"], s["kappa_final"]["kappa"],
+                             s["final_metric"]["mean"] if higher else -s["final_metric"]["mean"]))
+        t_out["kappa_vs_result"] = {
+            "spearman_kappa_init_vs_goodness": _kappa_spearman([(k, g) for _, k, _, g in good_key]),
+            "spearman_kappa_final_vs_goodness": _kappa_spearman([(k, g) for _, _, k, g in good_key]),
+            "inits": len(good_key)}
         out["tasks"][task] = t_out
     return out
 
 
-def _fmt_kappa(k):
-    return "inf (rank-deficient)" if not math.isfinite(k) else f"{k:.3g}"
+# ------------------------------------------------------------------------------------------------
+# tables
+
+def _fmt_g(x):
+    if x is None:
+        return "-"
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x:.3g}"
 
 
-def table_rows(summary: dict):
-    """Header and rows of the paper-style table (strings)."""
-    header = ["task", "init", "final acc (mean ± std)", "final loss", "steps to default's final acc",
-              "ratio", "κ(J) at init", "κ(J) median, training", "κ(J) < default's"]
+def _fmt_metric(v, metric):
+    return f"{100 * v:.1f}" if metric == "accuracy" else f"{v:.3f}"
+
+
+def _fmt_mult(m):
+    return f"{m:g}x"
+
+
+def table_rows(summary: dict, task: str):
+    """Header and rows (strings) of ``task``'s table."""
+    t = summary["tasks"][task]
+    metric, mults = t["metric"], t["lr_multipliers"]
+    unit = "acc %" if metric == "accuracy" else "val loss"
+    header = ["init", f"LR sweep ({unit}): " + " / ".join(_fmt_mult(m) for m in mults), "best LR",
+              f"final {unit} (mean ± std)", f"steps to default's final ({t['budget_steps']})"]
+    if metric == "loss":
+        header.append("val loss @ " + " / ".join(f"{int(100 * f)} %" for f in BUDGET_FRACTIONS))
+    is_mqar = any("final_query_accuracy" in s for s in t["inits"].values())
+    if is_mqar:
+        sc = t["info"].get("shortcut_per_query", [])
+        header.append("acc per query (shortcut " + " ".join(f"{v:.2f}" for v in sc) + ")")
+    header += ["κ(J) init", "σ_min(J) / σ_min(PX) init", "V share (init)", "κ(J) end"]
     rows = []
-    for task, t in summary["tasks"].items():
-        for init, s in t["inits"].items():
-            fa, fl = s["final_accuracy"], s["final_loss"]
-            reach = "not reached" if s["steps_to_target"] is None else str(s["steps_to_target"])
-            ratio = "-" if s["steps_ratio"] is None else f"{s['steps_ratio']:.2f}"
-            below = "-" if s["kappa_below_default_fraction"] is None else f"{100 * s['kappa_below_default_fraction']:.0f} %"
-            rows.append([task, init, f"{100 * fa['mean']:.1f} ± {100 * fa['std']:.1f} %", f"{fl['mean']:.3f}",
-                         f"{reach} / {t['budget_steps']}", ratio, _fmt_kappa(s["kappa_initial"]),
-                         "-" if s["kappa_median_training"] is None else _fmt_kappa(s["kappa_median_training"]), below])
+    for init, s in t["inits"].items():
+        sweep = " / ".join(("*" if float(m) == s["best_lr_mult"] else "") + _fmt_metric(v["metric_mean"], metric)
+                           for m, v in s["sweep"].items())
+        fm = s["final_metric"]
+        mean_std = (f"{100 * fm['mean']:.1f} ± {100 * fm['std']:.1f}" if metric == "accuracy"
+                    else f"{fm['mean']:.3f} ± {fm['std']:.3f}")
+        row = [s["label"], sweep, f"{_fmt_mult(s['best_lr_mult'])} ({s['best_lr']:.2g})", mean_std,
+               "not reached" if s["steps_to_target"] is None else str(s["steps_to_target"])]
+        if metric == "loss":
+            row.append(" / ".join(f"{s['metric_at_budget'][str(f)]['mean']:.3f}" for f in BUDGET_FRACTIONS))
+        if is_mqar:
+            row.append(" ".join(f"{v:.2f}" for v in s.get("final_query_accuracy", [])))
+        ki, kf = s["kappa_init"], s["kappa_final"]
+        share = f"{100 * ki['value_share_min']:.0f} %" + (" (value path)" if ki["value_path"] else "")
+        row += [_fmt_g(ki["kappa"]), f"{_fmt_g(ki['sigma_min'])} / {_fmt_g(ki['sigma_min_px'])}", share,
+                _fmt_g(kf["kappa"])]
+        rows.append(row)
     return header, rows
 
 
-def format_table(summary: dict) -> str:
-    """The table as GitHub markdown."""
-    header, rows = table_rows(summary)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+def _task_caption(task: str, t: dict) -> str:
+    cfg, info = t["config"], t["info"]
+    m = cfg["model"]
+    parts = [f"width {m['dim']}, {m.get('depth', 2)} layers, {m['num_heads']} heads, {cfg['steps']} steps, "
+             f"batch {cfg['batch_size']}, base LR {cfg['lr']:g}"]
+    if "sha256" in info:
+        parts.append(f"corpus: Python {info['python']} stdlib, {info['files']} files, {info['train_chars']:,} train / "
+                     f"{info['valid_chars']:,} validation characters, sha256 {info['sha256'][:12]}")
+    if "shortcut_mean" in info:
+        parts.append(f"shortcut baseline {100 * info['shortcut_mean']:.1f} %, chance {100 * info['chance']:.1f} %")
+    kv = t["kappa_vs_result"]
+    rho = kv["spearman_kappa_init_vs_goodness"]
+    parts.append("Spearman(κ(J) at init, result) over inits = " + ("-" if rho is None else f"{rho:+.2f}"))
+    return "; ".join(parts)
 
+
+def format_table(summary: dict) -> str:
+    """Every task's table as GitHub markdown, each under a caption line."""
+    out = []
+    for task, t in summary["tasks"].items():
+        header, rows = table_rows(summary, task)
+        out.append(f"**{task}** ({_task_caption(task, t)})\n")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" for _ in header) + "|")
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        out.append("")
+    out.append("`*`: the best LR of the sweep. Everything after the sweep column is at each init's best LR.")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# files
 
 def curves_csv(results: dict) -> str:
-    """Long format: ``task,init,seed,step,series,layer,value`` (``layer`` empty except for kappa)."""
+    """Long format: ``task,init,lr_mult,seed,step,series,index,value`` (``index``: layer for probe
+    series, query for ``eval_query_acc``, else empty)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["task", "init", "seed", "step", "series", "layer", "value"])
+    w.writerow(["task", "init", "lr_mult", "seed", "step", "series", "index", "value"])
     for task, block in results["tasks"].items():
         for r in block["runs"]:
-            key = (task, r["init"], r["seed"])
-            for series, steps in (("train_loss", "train_step"), ("train_acc", "train_step"),
-                                  ("eval_loss", "eval_step"), ("eval_acc", "eval_step")):
+            key = (task, r["init"], r["lr_mult"], r["seed"])
+            for series, steps in (("train_loss", "train_step"), ("eval_loss", "eval_step"), ("eval_acc", "eval_step")):
                 for s, v in zip(r[steps], r[series]):
                     w.writerow([*key, s, series, "", repr(float(v))])
-            for series in ("kappa", "sigma_max", "sigma_min"):
+            for s, per_q in zip(r["eval_step"], r.get("eval_query_acc") or []):
+                for q, v in enumerate(per_q):
+                    w.writerow([*key, s, "eval_query_acc", q, repr(float(v))])
+            for series in ("kappa", "sigma_max", "sigma_min", "sigma_min_px", "value_share"):
                 for s, per_layer in zip(r["probe_step"], r[series]):
                     for lay, v in enumerate(per_layer):
                         w.writerow([*key, s, series, lay, repr(float(v))])
     return buf.getvalue()
 
 
-def _running_mean(xs, k):
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= k:
-            acc -= xs[i - k]
-        out.append(acc / min(i + 1, k))
-    return out
-
-
-def _band(runs, step_key, key, smooth=1):
-    steps = runs[0][step_key]
-    curves = [_running_mean(r[key], smooth) if smooth > 1 else list(r[key]) for r in runs]
-    mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
-    lo = [min(c[i] for c in curves) for i in range(len(steps))]
-    hi = [max(c[i] for c in curves) for i in range(len(steps))]
-    return steps, mean, lo, hi
-
-
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=72, bbox_inches="tight")
     return buf.getvalue()
 
 
 def render_plots(results: dict, summary: dict) -> dict:
-    """``{filename: png bytes}``: per task, loss/accuracy curves and kappa(J) per layer.
+    """``{<task>.png: bytes}``: curves at each init's best LR, the LR sweep, kappa(J) at init and at
+    the end with sigma_min(PX), and for MQAR the accuracy per query against the shortcut baseline.
 
     Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend change).
     """
@@ -185,52 +333,86 @@ def render_plots(results: dict, summary: dict) -> dict:
 
     files = {}
     for task, block in results["tasks"].items():
+        t = summary["tasks"][task]
+        metric, higher = t["metric"], t["higher_is_better"]
         runs = block["runs"]
-        inits = list(dict.fromkeys(r["init"] for r in runs))
-        n_seeds = len({r["seed"] for r in runs})
-        fig = Figure(figsize=(11, 4))
+        inits = list(t["inits"])
+        is_mqar = "shortcut_per_query" in t["info"]
+        n_panels = 4 if is_mqar else 3
+        fig = Figure(figsize=(4.2 * n_panels, 3.4))
         FigureCanvasAgg(fig)
-        ax_l, ax_a = fig.subplots(1, 2)
-        smooth = max(1, block["config"]["steps"] // 40)
+        axes = fig.subplots(1, n_panels)
+        scale = 100 if higher else 1
+        ylabel = "validation accuracy (%)" if higher else "validation loss (nats/char)"
+        ax = axes[0]
         for init in inits:
-            rs = [r for r in runs if r["init"] == init]
+            s = t["inits"][init]
+            rs = [r for r in runs if r["init"] == init and r["lr_mult"] == s["best_lr_mult"]]
+            key = "eval_acc" if higher else "eval_loss"
+            steps, mean = _mean_curve(rs, "eval_step", key)
             c = INIT_COLORS.get(init)
-            s, m, lo, hi = _band(rs, "train_step", "train_loss", smooth)
-            ax_l.plot(s, m, color=c, label=init)
-            ax_l.fill_between(s, lo, hi, color=c, alpha=0.2, linewidth=0)
-            s, m, lo, hi = _band(rs, "eval_step", "eval_acc")
-            ax_a.plot(s, [100 * v for v in m], color=c, label=init)
-            ax_a.fill_between(s, [100 * v for v in lo], [100 * v for v in hi], color=c, alpha=0.2, linewidth=0)
-        tgt = 100 * summary["tasks"][task]["target_accuracy"]
-        ax_a.axhline(tgt, color="black", linestyle=":", linewidth=1, label="default's final")
-        ax_l.set(xlabel="step", ylabel=f"training loss (running mean of {smooth})", yscale="log",
-                 title=f"{task}: training loss")
-        ax_a.set(xlabel="step", ylabel="test accuracy (%)", title=f"{task}: test accuracy")
-        ax_a.legend(fontsize=8)
-        fig.suptitle(f"condinit demo, {task}: mean over {n_seeds} seed(s), band = min..max over seeds", fontsize=10)
-        files[f"{task}_curves.png"] = _png(fig)
+            ax.plot(steps, [scale * v for v in mean], color=c, label=f"{init} ({_fmt_mult(s['best_lr_mult'])})")
+            lo = [scale * min(r[key][i] for r in rs) for i in range(len(steps))]
+            hi = [scale * max(r[key][i] for r in rs) for i in range(len(steps))]
+            ax.fill_between(steps, lo, hi, color=c, alpha=0.15, linewidth=0)
+        ax.axhline(scale * t["target"], color="black", linestyle=":", linewidth=1, label="default's final")
+        if is_mqar:
+            ax.axhline(100 * t["info"]["shortcut_mean"], color="black", linestyle="--", linewidth=1,
+                       label="shortcut baseline")
+        if not higher:
+            finals = [t["inits"][i]["final_metric"]["min"] for i in inits]
+            ax.set_ylim(min(finals) - 0.1, max(finals) + 1.0)
+        ax.set(xlabel="step", ylabel=ylabel, title=f"{task}: at each init's best LR")
+        ax.legend(fontsize=6)
 
-        n_layers = len(runs[0]["kappa"][0])
-        fig = Figure(figsize=(5.5 * n_layers, 4))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(1, n_layers, squeeze=False)[0]
-        for lay, ax in enumerate(axes):
-            for init in inits:
-                rs = [r for r in runs if r["init"] == init]
-                c = INIT_COLORS.get(init)
-                steps = rs[0]["probe_step"]
-                vals = [[min(r["kappa"][p][lay], KAPPA_CAP) for r in rs] for p in range(len(steps))]
-                ax.plot(steps, [_geomean(v) for v in vals], color=c, marker=".", label=init)
-                ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=c, alpha=0.2,
-                                linewidth=0)
-            if any(not math.isfinite(r["kappa"][p][lay]) for r in runs for p in range(len(r["probe_step"]))):
-                ax.axhline(KAPPA_CAP, color="black", linestyle="--", linewidth=0.8, label="rank-deficient (κ = ∞)")
-            ax.set(xlabel="step", ylabel="κ(J) = σ_max / σ_min", yscale="log",
-                   title=f"{task}: attention layer {lay}")
-            ax.legend(fontsize=8)
-        fig.suptitle(f"condinit demo, {task}: κ of the attention Jacobian wrt W_Q, W_K, W_V "
-                     f"(geometric mean over {n_seeds} seed(s), band = min..max)", fontsize=10)
-        files[f"{task}_kappa.png"] = _png(fig)
+        ax = axes[1]
+        for init in inits:
+            s = t["inits"][init]
+            ms = [float(m) for m in s["sweep"]]
+            ax.plot(ms, [scale * v["metric_mean"] for v in s["sweep"].values()], marker="o",
+                    color=INIT_COLORS.get(init), label=init)
+        ax.set(xscale="log", xlabel=f"LR multiplier (base {t['config']['lr']:g})", ylabel=f"final {ylabel}",
+               title=f"{task}: LR sweep (mean over seeds)")
+        if not higher:
+            finals = [v["metric_mean"] for s in t["inits"].values() for v in s["sweep"].values()
+                      if math.isfinite(v["metric_mean"])]
+            ax.set_ylim(min(finals) - 0.05, min(max(finals), min(finals) + 1.5) + 0.05)
+
+        ax = axes[2]
+        xs = range(len(inits))
+        for which, marker in (("kappa_init", "o"), ("kappa_final", "x")):
+            ax.scatter(xs, [min(t["inits"][i][which]["kappa"], 1e12) for i in inits], marker=marker,
+                       color=[INIT_COLORS.get(i) for i in inits], label="κ(J) " + ("init" if marker == "o" else "end"))
+        ax2 = ax.twinx()
+        ax2.plot(xs, [t["inits"][i]["kappa_init"]["sigma_min"] for i in inits], "k.", label="σ_min(J) init")
+        ax2.plot(xs, [t["inits"][i]["kappa_init"]["sigma_min_px"] for i in inits], "k_", markersize=12,
+                 label="σ_min(PX) init")
+        ax2.set_yscale("log")
+        ax2.set_ylabel("σ_min (black)", fontsize=8)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(inits, rotation=30, ha="right", fontsize=7)
+        ax.set(yscale="log", ylabel="κ(J) (o: init, x: end)", title=f"{task}: κ(J) and what sets it")
+        ax2.legend(fontsize=6, loc="lower right")
+
+        if is_mqar:
+            ax = axes[3]
+            nq = len(t["info"]["shortcut_per_query"])
+            w = 0.8 / len(inits)
+            for k, init in enumerate(inits):
+                pq = t["inits"][init].get("final_query_accuracy", [])
+                ax.bar([q + (k - len(inits) / 2 + 0.5) * w for q in range(nq)], [100 * v for v in pq], width=w,
+                       color=INIT_COLORS.get(init), label=init)
+            for q, v in enumerate(t["info"]["shortcut_per_query"]):
+                ax.hlines(100 * v, q - 0.45, q + 0.45, color="black", linewidth=2,
+                          label="shortcut baseline" if q == 0 else None)
+            ax.set_xticks(range(nq))
+            ax.set_xticklabels([f"query {q + 1}" for q in range(nq)])
+            ax.set(ylabel="final accuracy (%)", title=f"{task}: per query vs shortcut")
+            ax.legend(fontsize=6)
+        n_seeds = len({r["seed"] for r in runs})
+        fig.suptitle(f"condinit demo, {task}: mean over {n_seeds} seed(s), band = min..max", fontsize=9)
+        fig.tight_layout()
+        files[f"{task}.png"] = _png(fig)
     return files
 
 

@@ -140,6 +140,12 @@ def mqar_shortcut_baseline(x: torch.Tensor, y: torch.Tensor, num_pairs: int) -> 
     result is the mean over the sequences, per query. The last query is always answered right
     (one value is left); with 4 pairs and 16 values the others average about ``0.34, 0.39, 0.52``.
     A model at these numbers has learned the shortcut, not recall.
+
+    Examples:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x, y = mqar_sequences(512, num_pairs=4, num_keys=16, num_values=16, generator=g)
+        >>> [round(v, 2) for v in mqar_shortcut_baseline(x, y, 4)][-1]
+        1.0
     """
     n_seq = x.shape[0]
     ctx_values = x[:, 1:2 * num_pairs:2]                       # [n, num_pairs]
@@ -209,6 +215,11 @@ def stdlib_corpus(*, file_chars: int = 8192, root: Optional[str] = None):
     3.11, read in well under a second, and no single large generated module dominates). ``info``
     holds the Python version, the file counts, the sizes and a SHA-256 over the file names and
     contents, since the standard library differs between Python versions.
+
+    Examples:
+        >>> train, valid, info = stdlib_corpus()
+        >>> info["python"], info["files"] == info["train_files"] + info["valid_files"]
+        ('3.11.7', True)
     """
     root = root or sysconfig.get_paths()["stdlib"]
     rel = []
@@ -293,7 +304,13 @@ def load_char_lm_task(name: str, *, context: int = 64, num_valid: int = 128, fil
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """One of :data:`TASKS` (see the module doc)."""
+    """One of :data:`TASKS` (see the module doc).
+
+    Examples:
+        >>> task = make_task("lm-masked")
+        >>> task.metric, task.causal, task.x_test.shape
+        ('loss', False, torch.Size([128, 64]))
+    """
     if name == "vision":
         return load_digits_task(**kwargs)
     if name in ("mqar-32", "mqar-128"):

@@ -38,6 +38,7 @@ deterministic algorithms, so results do not depend on ``jobs``.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -80,20 +81,20 @@ class TaskConfig:
 
 _MQAR_MODEL = dict(depth=2, mlp_ratio=2)
 DEFAULT_CONFIGS = {
-    "mqar-32": TaskConfig("mqar-32", steps=600, batch_size=64, lr=1e-3, eval_every=20,
+    "mqar-32": TaskConfig("mqar-32", steps=1000, batch_size=64, lr=1e-3, eval_every=25,
                           model=dict(dim=32, num_heads=2, **_MQAR_MODEL)),
     "mqar-128": TaskConfig("mqar-128", steps=300, batch_size=32, lr=1e-3, eval_every=15,
                            model=dict(dim=128, num_heads=4, **_MQAR_MODEL)),
-    "lm-causal": TaskConfig("lm-causal", steps=300, batch_size=16, lr=2e-3, eval_every=15, probe_len=32,
+    "lm-causal": TaskConfig("lm-causal", steps=300, batch_size=16, lr=2e-3, eval_every=15, probe_len=16,
                             model=dict(dim=64, depth=2, num_heads=4, mlp_ratio=2)),
-    "lm-masked": TaskConfig("lm-masked", steps=300, batch_size=16, lr=2e-3, eval_every=15, probe_len=32,
+    "lm-masked": TaskConfig("lm-masked", steps=300, batch_size=16, lr=2e-3, eval_every=15, probe_len=16,
                             model=dict(dim=64, depth=2, num_heads=4, mlp_ratio=2)),
     "vision": TaskConfig("vision", steps=300, batch_size=64, lr=2e-3, eval_every=15,
                          model=dict(dim=32, depth=2, num_heads=2, mlp_ratio=2)),
 }
 QUICK_CONFIGS = {t: replace(c, steps=20, eval_every=5, lr_multipliers=(1.0, 3.0), probe_len=min(c.probe_len or 16, 16))
                  for t, c in DEFAULT_CONFIGS.items()}
-QUICK_INITS = ("default", "conditioned", "conditioned-qk")
+QUICK_INITS = ("default", "conditioned")
 
 
 def task_config(task: str, *, quick: bool = False, steps: Optional[int] = None,
@@ -142,41 +143,62 @@ def _head_probs(mha: nn.MultiheadAttention, x: torch.Tensor, causal: bool) -> to
     return torch.softmax(s, dim=-1)
 
 
+def _smallest_left_vector(rmat: torch.Tensor, s: torch.Tensor, iters: int = 30) -> torch.Tensor:
+    """The smallest eigenvector of ``rmat^T rmat`` (``block block^T``; ``rmat`` upper triangular,
+    ``s`` its singular values): inverse iteration with two triangular solves per step, from a fixed
+    start (no random draws); a dense eigendecomposition when ``rmat`` is singular to working precision."""
+    if not s[-1] > 1e-12 * s[0]:
+        return torch.linalg.eigh(rmat.T @ rmat)[1][:, 0]
+    u = torch.ones(rmat.shape[0], 1, dtype=rmat.dtype)
+    for _ in range(iters):
+        y = torch.linalg.solve_triangular(rmat.T, u, upper=False)    # rmat^T y = u
+        u = torch.linalg.solve_triangular(rmat, y, upper=True)       # rmat u' = y
+        u = u / u.norm()
+    return u[:, 0]
+
+
 def head_probe(mha: nn.MultiheadAttention, x: torch.Tensor, *, causal: bool = False) -> list[dict]:
     """Per head: ``sigma_max``, ``sigma_min`` of ``J_h = [dA_h/dW_Q, dA_h/dW_K, dA_h/dW_V]`` at input
-    ``x`` (``[N, D]``), ``sigma_min_px`` (of ``P_h X``) and ``value_share`` (see module doc)."""
+    ``x`` (``[N, D]``), ``sigma_min_px`` (of ``P_h X``) and ``value_share`` (see module doc).
+
+    Examples:
+        >>> mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        >>> heads = head_probe(mha, torch.randn(6, 16), causal=True)
+        >>> all(h["sigma_min"] >= h["sigma_min_px"] for h in heads)
+        True
+    """
     check_tensor("x", x, floating=True, dim=2)
-    op = JacobianOperator(mha, x, wrt="weights", causal=causal, dtype=torch.float64)
-    H, N, d, D = op.H, op.N, op.d, op.D
+    # J wrt the weights is J_qkv (the operator wrt (Q, K, V)) composed with dW -> X dW^T. Heads are
+    # independent (J is block diagonal over heads), so each head gets its own single-head operator.
+    # A head's rows lie in R^d (x) row(X): on an orthonormal basis B of row(X) (any basis of a space
+    # containing it keeps the singular values) its block is [d r] per projection, dW B = dQ^T (X B).
     xd = x.detach().double()
-    # an orthonormal basis of row(X) (any basis of a space containing it keeps the singular values)
+    N, D = xd.shape
+    e, H, d = mha.embed_dim, mha.num_heads, mha.head_dim
+    if D != e:
+        raise ValueError(f"x must be [N, {e}] (the layer's width), got {tuple(x.shape)}")
+    w = mha.in_proj_weight.detach().double()
+    b = mha.in_proj_bias.detach().double() if mha.in_proj_bias is not None else torch.zeros(3 * e, dtype=torch.float64)
     basis = torch.linalg.qr(xd.T, mode="reduced")[0] if N < D else torch.eye(D, dtype=torch.float64)
+    xb = xd @ basis                                                 # [N, r]
     r = basis.shape[1]
-    rows_per_head = N * d
-    blocks = [[] for _ in range(H)]
-    chunk = max(1, min(op.m, 4_000_000 // op.n))
-    for i in range(0, op.m, chunk):            # rows of J (output layout [H, N, d]) by flash VJPs
-        c = min(chunk, op.m - i)
-        probes = torch.zeros(op.m, c, dtype=torch.float64)
-        probes[i:i + c].diagonal().fill_(1)
-        rows = op.rmatmat(probes).T                                 # [c, n]
-        pieces = op.split_input(rows)                               # (dW_Q, dW_K, dW_V), [c, H d, D] each
-        for h in range(i // rows_per_head, (i + c - 1) // rows_per_head + 1):
-            lo, hi = max(i, h * rows_per_head) - i, min(i + c, (h + 1) * rows_per_head) - i
-            cols = [p[lo:hi, h * d:(h + 1) * d] @ basis for p in pieces]   # head h's own columns, [rows, d, r]
-            blocks[h].append(torch.cat([cc.reshape(hi - lo, -1) for cc in cols], dim=1))
     probs = _head_probs(mha, xd, causal)
     out = []
     for h in range(H):
-        block = torch.cat(blocks[h])                                # [N d, 3 d r]
+        qkv = [(xd @ w[p * e + h * d:p * e + (h + 1) * d].T + b[p * e + h * d:p * e + (h + 1) * d])[None, None]
+               for p in range(3)]                                   # [1, 1, N, d] each
+        op = JacobianOperator(tuple(qkv), wrt="qkv", causal=causal, scale=1.0 / math.sqrt(d), dtype=torch.float64)
+        pieces = op.split_input(op.rmatmat(torch.eye(op.m, dtype=torch.float64)).T)  # rows of J_qkv: [N d, 1, 1, N, d]
+        block = torch.cat([torch.einsum("pja,js->pas", p[:, 0, 0], xb).reshape(op.m, -1) for p in pieces],
+                          dim=1)                                    # [N d, 3 d r]
         rmat = torch.linalg.qr(block.T, mode="r")[1]                # block = rmat^T Q^T: same singular values
-        u, s, _ = torch.linalg.svd(rmat.T)
-        u_min = u[:, -1]
+        s = torch.linalg.svdvals(rmat)
+        u_min = _smallest_left_vector(rmat, s)
         v_cols = block[:, 2 * d * r:]
-        share = float((v_cols.T @ u_min).square().sum() / s[-1].square()) if s[-1] > 0 else 1.0
+        share = float((v_cols.T @ u_min).square().sum() / (block.T @ u_min).square().sum())
         spx = torch.linalg.svdvals(probs[h] @ xd)
         out.append({"sigma_max": float(s[0]), "sigma_min": float(s[-1]), "sigma_min_px": float(spx.min()),
-                    "value_share": min(1.0, share)})
+                    "value_share": share})
     return out
 
 
@@ -309,8 +331,13 @@ def train_run(task: Task, cfg: TaskConfig, init: str, seed: int, *, lr_mult: flo
             rec["eval_query_acc"].append(pq)
 
     def record_probe(step):
-        layers = probe_kappa(model, x_probe, causal=task.causal, probe_len=cfg.probe_len)
         rec["probe_step"].append(step)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):   # a diverged run: no J
+            n = len(attention_modules(model))
+            for key in ("kappa", "sigma_max", "sigma_min", "sigma_min_px", "value_share"):
+                rec[key].append([math.nan] * n)
+            return
+        layers = probe_kappa(model, x_probe, causal=task.causal, probe_len=cfg.probe_len)
         for key in ("kappa", "sigma_max", "sigma_min", "sigma_min_px", "value_share"):
             rec[key].append([lay[key] for lay in layers])
 
@@ -379,12 +406,12 @@ def _one_run(cfg: TaskConfig, init: str, lr_mult: float, seed: int, count: bool 
 
 
 class _Progress:
-    """tqdm when it is installed, else a plain line every 5 %."""
+    """A tqdm bar on a terminal (when tqdm is installed), else a plain line every 5 %."""
 
     def __init__(self, total: int, enabled: bool):
         self.total, self.n, self.enabled, self._bar, self._shown = total, 0, enabled, None, -1
         self._t0 = time.perf_counter()
-        if enabled:
+        if enabled and sys.stderr.isatty():       # a log file gets the plain lines
             try:
                 from tqdm.auto import tqdm
             except ImportError:
@@ -404,7 +431,7 @@ class _Progress:
             if pct > self._shown:
                 self._shown = pct
                 print(f"condinit demo: {pct:3d} % ({n}/{self.total} steps, "
-                      f"{time.perf_counter() - self._t0:.0f} s) {note}", flush=True)
+                      f"{time.perf_counter() - self._t0:.0f} s) {note}", file=sys.stderr, flush=True)
         self.n = n
 
     def close(self):
@@ -421,6 +448,11 @@ def run_demo(tasks=TASKS, *, seeds: int = 2, steps: Optional[int] = None, quick:
     the sweep; ``inits`` defaults to all (``quick``: :data:`QUICK_INITS`). Every run is
     single-threaded (``torch.set_num_threads(1)``, deterministic algorithms), and ``jobs > 1`` runs
     that many in separate (spawned) processes, so the numbers do not depend on ``jobs``.
+
+    Examples:
+        >>> results = run_demo(("mqar-32",), seeds=1, quick=True, progress=False)
+        >>> len(results["tasks"]["mqar-32"]["runs"])      # 2 inits x 2 learning rates x 1 seed
+        4
     """
     for t in tasks:
         check_choice("task", t, TASKS)

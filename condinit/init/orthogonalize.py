@@ -54,14 +54,22 @@ padded with copies of a real block), on the CPU in chunks of at least 2 blocks (
 gives the same per-block bits for every batch size >= 2), each chunk on one thread; see
 :func:`run_chunks`.
 
+Thread count: on the CPU every Householder and SVD factorization runs on one MKL thread and a
+chunk's blocks are spread over the caller's threads, so those bits do not depend on
+``torch.get_num_threads()`` either (:func:`_lapack_per_block`); the GEMM-based methods were
+measured independent of it.
+
 Backends (the ``orthogonalize`` table of :mod:`condinit._backends`): ``torch`` runs the chunks one
 after the other on the calling thread with the caller's thread settings (no process setting is
-changed); ``triton`` runs ``polar`` with the Triton GEMMs, one chunk after the other.
+changed); ``triton`` runs ``polar`` with the Triton GEMMs, one chunk after the other. Chunk
+buffers come from a small CPU workspace kept between calls (:class:`_Workspace`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -163,7 +171,7 @@ def _gram(X: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
     return torch.bmm(Xg, Xg.transpose(1, 2))
 
 
-def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _householder_serial_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     Q, R = torch.linalg.qr(A.transpose(1, 2))          # A^T = Q R, Q [C, n, m]
     d = R.diagonal(dim1=-2, dim2=-1)
     sign = torch.where(d < 0, -1.0, 1.0).to(Q.dtype)   # sign(0) := +1
@@ -171,9 +179,124 @@ def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _svd_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
+def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return _lapack_per_block(_householder_serial_, A, out)
+
+
+def _svd_serial_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
     U, _, Vh = torch.linalg.svd(A, full_matrices=False)   # U [C, m, m], Vh [C, m, n]
     return _bmm(U, Vh, out, gemm)
+
+
+def _svd_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
+    return _lapack_per_block(lambda a, o: _svd_serial_(a, o, gemm), A, out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# LAPACK on the CPU: one thread per factorization, the batch spread over the caller's threads
+#
+# MKL's multithreaded QR and SVD reduce in an order that depends on the number of threads, so the
+# same block gets other bits with 1 and with 2 torch threads. Each factorization therefore runs on
+# one MKL thread (``mkl_set_num_threads_local``: a setting of the calling thread only, restored
+# after; no process-wide setting changes), and a chunk's blocks are split over up to
+# ``torch.get_num_threads()`` worker threads, so a batch still uses the caller's cores. LAPACK
+# factors the matrices of a batch one by one, so a block's bits do not depend on which sub-batch
+# it lands in. Where torch is not built with MKL the LAPACK call runs as torch runs it (the bits
+# may then depend on the thread count).
+
+class _MKLThreads:
+    """``MKL_Set_Num_Threads_Local`` / ``MKL_Get_Max_Threads`` of the MKL inside torch, or
+    unavailable (``self.set is None``) when torch has no MKL or does not export them."""
+
+    def __init__(self):
+        self.set = self.get = None
+        if not torch.backends.mkl.is_available():
+            return
+        import ctypes
+        import os
+        candidates = [os.path.join(os.path.dirname(torch.__file__), "lib", name)
+                      for name in ("libtorch_cpu.so", "libtorch_cpu.dylib")]
+        for path in [p for p in candidates if os.path.exists(p)] + [None]:
+            try:
+                lib = ctypes.CDLL(path)
+                set_local, get_max = lib.MKL_Set_Num_Threads_Local, lib.MKL_Get_Max_Threads
+            except (OSError, AttributeError):
+                continue
+            set_local.restype, set_local.argtypes = ctypes.c_int, [ctypes.c_int]
+            get_max.restype, get_max.argtypes = ctypes.c_int, []
+            self.set, self.get = set_local, get_max
+            return
+
+
+_MKL: Optional[_MKLThreads] = None
+_POOL = None
+_POOL_LOCK = threading.Lock()
+# elements of the warm-up fill: above ATen's parallel grain size, so it opens an OpenMP region
+_WARM_NUMEL = 1 << 16
+
+
+def _mkl() -> _MKLThreads:
+    global _MKL
+    if _MKL is None:
+        _MKL = _MKLThreads()
+    return _MKL
+
+
+def _one_mkl_thread(fn, A: torch.Tensor, out: torch.Tensor) -> None:
+    """``fn(A, out)`` with MKL on one thread (this thread's setting only, restored after).
+
+    GNU OpenMP drops the thread-local MKL setting when the calling thread's OpenMP team is first
+    created or grows inside the call (torch's own parallel copies before the LAPACK call do
+    that), which MKL reports afterwards: an OpenMP region is opened first (a warm-up fill of the
+    caller's team size), and a call that lost the setting all the same is recomputed."""
+    mkl = _mkl()
+    for _ in range(2):
+        torch.empty(_WARM_NUMEL).fill_(0.0)
+        previous = mkl.set(1)
+        try:
+            fn(A, out)
+            kept = mkl.get() == 1
+        finally:
+            mkl.set(previous)
+        if kept:
+            return
+    raise RuntimeError("MKL did not keep one thread for the LAPACK call (its bits would depend on "
+                       "the thread count)")
+
+
+def _worker_pool(workers: int):
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers != workers:
+            from concurrent.futures import ThreadPoolExecutor
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="condinit-lapack")
+        return _POOL
+
+
+def _lapack_per_block(fn, A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``fn(A, out)`` (a batched LAPACK factorization, block by block) with bits independent of the
+    thread count on the CPU: single-threaded MKL per factorization, the batch split over the
+    caller's threads (see above). Elsewhere ``fn`` runs as is."""
+    if A.device.type != "cpu" or _mkl().set is None:
+        return fn(A, out)
+    C = A.shape[0]
+    workers = min(C, torch.get_num_threads())
+    if workers <= 1:
+        _one_mkl_thread(fn, A, out)
+        return out
+    cuts = [C * i // workers for i in range(workers + 1)]
+    grad = torch.is_grad_enabled()
+
+    def part(i):
+        with torch.set_grad_enabled(grad):
+            _one_mkl_thread(fn, A[cuts[i]:cuts[i + 1]], out[cuts[i]:cuts[i + 1]])
+
+    futures = [_worker_pool(workers).submit(part, i) for i in range(workers)]
+    for f in futures:
+        f.result()   # re-raises a worker's exception here
+    return out
 
 
 def _chol_inverse(G: torch.Tensor, *, near_identity: bool):
@@ -350,6 +473,46 @@ def _triton_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Opti
 # ---------------------------------------------------------------------------------------------------
 # chunking: one job per call, run by the chosen backend
 
+class _Workspace:
+    """Chunk buffers kept between calls on the CPU.
+
+    A call that initializes one weight (``semi_orthogonal_`` per tensor, as ``torch.nn.init``
+    users and model ``init_weights`` loops call it) would otherwise allocate and first-touch two
+    fresh chunk buffers (16 MiB each by default) per call, which costs as much as a good part of
+    the factorization itself. Up to ``KEEP`` free buffers of at most ``MAX_KEPT_BYTES`` each stay
+    allocated for the next call (a few tens of MiB, like a BLAS workspace); bigger ones (a
+    ``memory_budget`` above the default) are freed. On GPUs the caching allocator already does
+    this, so buffers there are plain allocations. Thread safe: concurrent calls take different
+    buffers."""
+
+    KEEP = 3
+    MAX_KEPT_BYTES = 2 * DEFAULT_BUDGET["cpu"]
+
+    def __init__(self):
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A flat float32 tensor of at least ``numel`` elements (contents arbitrary)."""
+        if device.type == "cpu":
+            with self._lock:
+                fits = [i for i, t in enumerate(self._free) if t.numel() >= numel]
+                if fits:
+                    return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" or 4 * t.numel() > self.MAX_KEPT_BYTES:
+            return
+        with self._lock:
+            self._free.append(t)
+            if len(self._free) > self.KEEP:   # keep the largest
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+
+_WORKSPACE = _Workspace()
+
+
 @dataclasses.dataclass
 class _Job:
     """``num_blocks`` blocks of wide shape ``shape`` split into ``chunks`` ([start, stop) ranges).
@@ -380,14 +543,27 @@ class _Job:
         # QR of A^T keep them exactly zero).
         self.width = (n + 15) // 16 * 16 if self.device.type == "cpu" else n
 
+    @contextlib.contextmanager
     def buffers(self):
-        """One worker's chunk buffer and scratch (and, with padded columns, a staging buffer)."""
+        """One worker's chunk buffer and scratch (and, with padded columns, a staging buffer),
+        taken from the CPU workspace (:class:`_Workspace`) for the ``with`` block. Their contents
+        on entry are arbitrary: :meth:`run` writes every element it reads."""
         m, n = self.shape
-        A = torch.zeros((self.rows, m, self.width), dtype=torch.float32, device=self.device)
-        scratch = torch.empty_like(A) if self.method in ("cholqr2", "polar") else None
-        staging = (torch.empty((self.rows, m, n), dtype=torch.float32, device=self.device)
-                   if self.width != n else None)
-        return A, scratch, staging
+        shapes = [(self.rows, m, self.width)]
+        if self.method in ("cholqr2", "polar"):
+            shapes.append((self.rows, m, self.width))
+        if self.width != n:
+            shapes.append((self.rows, m, n))
+        taken = [_WORKSPACE.take(math.prod(shape), self.device) for shape in shapes]
+        try:
+            views = [t[:math.prod(shape)].view(shape) for t, shape in zip(taken, shapes)]
+            A = views[0]
+            scratch = views[1] if self.method in ("cholqr2", "polar") else None
+            staging = views[-1] if self.width != n else None
+            yield A, scratch, staging
+        finally:
+            for t in taken:
+                _WORKSPACE.give(t)
 
     def run(self, index: int, buffers, chunk_math: Callable) -> None:
         """Chunk ``index``, in ``buffers``, by ``chunk_math`` (:func:`_torch_chunk` or
@@ -458,7 +634,9 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     CPU parallelism: the chunks run one after the other with the caller's intra-op threads; no
     thread or precision setting of the process changes. (Running whole chunks single-threaded in
     one OpenMP region was faster on small shared machines, but MKL LAPACK calls inside such a
-    region deadlocked once torch.set_num_threads had turned MKL's dynamic threading off.)
+    region deadlocked once torch.set_num_threads had turned MKL's dynamic threading off.) The
+    LAPACK factorizations inside a chunk (Householder, SVD) run one MKL thread each on worker
+    threads of their own (:func:`_lapack_per_block`): no OpenMP region is nested.
     """
     device = torch.device(device)
     name = ORTHOGONALIZE.choose(device, backend, method=method)
@@ -475,16 +653,16 @@ ORTHOGONALIZE = _backends.Op("orthogonalize")
 
 @ORTHOGONALIZE.register("torch", devices=(_backends.ANY_DEVICE,))
 def _orthogonalize_torch(job: _Job) -> None:
-    buffers = job.buffers()
-    for index in range(len(job.chunks)):
-        job.run(index, buffers, _torch_chunk)
+    with job.buffers() as buffers:
+        for index in range(len(job.chunks)):
+            job.run(index, buffers, _torch_chunk)
 
 
 @ORTHOGONALIZE.register("triton", devices=("cuda", "cpu"), limits={"method": ("polar",)})
 def _orthogonalize_triton(job: _Job) -> None:
-    buffers = job.buffers()   # one chunk at a time: the Triton interpreter is not thread-safe
-    for index in range(len(job.chunks)):
-        job.run(index, buffers, _triton_chunk)
+    with job.buffers() as buffers:   # one chunk at a time: the Triton interpreter is not thread-safe
+        for index in range(len(job.chunks)):
+            job.run(index, buffers, _triton_chunk)
 
 
 # ---------------------------------------------------------------------------------------------------

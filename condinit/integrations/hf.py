@@ -44,11 +44,15 @@ def hf_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, va
     additive mask or None. Returns ``(out [B, Nq, H, d], None)``.
 
     As in ``sdpa_attention_forward``: ``is_causal`` (else ``module.is_causal``, default True)
-    applies only without a mask and with more than one query; sliding windows, padding and
-    packed sequences arrive inside ``attention_mask`` (the ``sliding_window`` keyword is already
-    encoded there); ``position_bias`` (T5-style) is folded into an additive mask. A mask of
-    padding or a sliding window runs :func:`condinit.sdpa`'s dense path (O(N^2) memory); no mask
-    or a causal one runs the fused op.
+    applies only without a mask and with more than one query; sliding windows and padding arrive
+    inside ``attention_mask`` (the ``sliding_window`` keyword is already encoded there);
+    ``position_bias`` (T5-style) is folded into an additive mask. :func:`condinit.sdpa`
+    recognises causal masks, sliding windows and key padding (left or right) in that mask and
+    runs them through the fused op's kernel masks (O(N) memory); other masks take its dense
+    path. Packed sequences given as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (with ``max_length_q``
+    / ``max_length_k``, batch 1, no ``attention_mask``: what ``transformers``' flattening
+    collators pass) run :func:`condinit.attention_varlen`, with the ``sliding_window`` keyword
+    as its window.
 
     Raises ``ValueError`` for what it cannot compute: ``softcap`` (logit soft-capping), ``s_aux``
     (attention sinks), ``output_attentions=True`` (no attention weights are formed);
@@ -68,6 +72,8 @@ def hf_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, va
                          "(no attention weights are formed); use attn_implementation='eager'")
     q_length = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if kwargs.get("cu_seq_lens_q") is not None and attention_mask is None and position_bias is None:
+        return _packed_attention(query, key, value, bool(is_causal), scaling, kwargs), None
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     if position_bias is not None:
         from transformers.integrations.sdpa_attention import create_position_bias_mask
@@ -76,6 +82,28 @@ def hf_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, va
     out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool,
+                      scaling: Optional[float], kwargs: dict) -> Tensor:
+    """Packed sequences ``[1, H, T, d]`` with ``cu_seq_lens_q/k``: :func:`condinit.attention_varlen`;
+    returns ``[1, T, H, d]``."""
+    from condinit.ops.attention.varlen import attention_varlen
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q describes packed sequences in a batch of 1, got a query of "
+                         f"shape {tuple(query.shape)}")
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = kwargs.get("cu_seq_lens_k")
+    cu_k = cu_q if cu_k is None else cu_k
+    lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    max_q = kwargs.get("max_length_q") or int(lens_q.max())
+    max_k = kwargs.get("max_length_k") or int(lens_k.max())
+    sliding = kwargs.get("sliding_window")
+    window = (int(sliding) - 1, -1) if sliding is not None and is_causal else None
+    out = attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                           cu_q, cu_k, int(max_q), int(max_k), causal=is_causal, window=window,
+                           scale=scaling)
+    return out.unsqueeze(0)
 
 
 def register_hf_attention() -> str:

@@ -78,8 +78,10 @@ def _build():
 
             from condinit.probe import JacobianMonitor
 
-            if trainer.global_rank != 0:
-                return
+            from condinit.integrations.trainer_common import fsdp2_sharded
+
+            if trainer.global_rank != 0 and not fsdp2_sharded(pl_module):
+                return          # FSDP2-sharded: every rank monitors (the weight gathers are collective)
             log_dir = self.log_dir
             if log_dir is None:
                 root = getattr(trainer, "log_dir", None) or trainer.default_root_dir

@@ -15,6 +15,7 @@ import os
 from transformers import TrainerCallback
 
 from condinit._validate import check_bool, check_int
+from condinit.integrations.trainer_common import fsdp2_sharded
 from condinit.probe.monitor import _logged_metrics
 
 __all__ = ["JacobianMonitorCallback"]
@@ -34,7 +35,8 @@ class JacobianMonitorCallback(TrainerCallback):
     ``logs`` and its last ``log_history`` entry (``trainer_state.json``); the reporting
     integrations (``report_to``) run before user callbacks and do not see them: the monitor's own
     JSONL / CSV / TensorBoard files hold every record. Only the main process (``state.is_world_process_zero``)
-    monitors.
+    monitors, except for an FSDP2-sharded model, where every rank does (each on its own input, the
+    weights gathered one layer at a time; rank 0 writes all records).
 
     The monitor never changes training: with the same seed, the final weights are bit-identical
     with and without this callback.
@@ -67,10 +69,10 @@ class JacobianMonitorCallback(TrainerCallback):
         self._pending: dict = {}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
         if model is None:
             raise ValueError("JacobianMonitorCallback: the Trainer passed no model to on_train_begin")
+        if not state.is_world_process_zero and not fsdp2_sharded(model):
+            return
         from condinit.probe import JacobianMonitor
 
         log_dir = self.log_dir if self.log_dir is not None else os.path.join(args.output_dir, "jacobian")

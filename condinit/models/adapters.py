@@ -3,8 +3,10 @@
 An adapter turns an attention module into an :class:`AttentionSpec`: head counts and, for each of
 Q, K and V, a :class:`Projection` saying which parameter holds it, which rows of the ``nn.Linear``
 layout ``[out, in]`` matrix it occupies, and whether the parameter is stored transposed (``[in,
-out]``, GPT-2's ``Conv1D``). Fused weights hold three projections; in some models their rows
-alternate per head or per group of heads (``layout``, see :func:`fused_layout`). From that
+out]``, GPT-2's ``Conv1D``); a parameter of another shape is read as the matrix it reshapes to
+(``matrix_shape``), a grouped convolution as a block-diagonal one (``in_groups``). Fused weights
+hold three projections; in some models their rows alternate per head or per group of heads
+(``layout``, see :func:`fused_layout`). From that
 description :func:`condinit.apply` reads ``[rows, in]`` views and writes conditioned values back in
 place, also into a shard of a DTensor (it only has to intersect row/column ranges), so an adapter
 never copies or re-registers a parameter.
@@ -55,11 +57,15 @@ Persimmon (``query_key_value``, ``[H, 3, d]``), Falcon (``[H, 3, d]``, multi-que
 the new decoder architecture's ``[H_kv, H/H_kv + 2, d]`` groups), GPTBigCode (multi-query ``[Q; K;
 V]``, multi-head ``[H, 3d]``), Phi-3 (``qkv_proj``, ``[Q; K; V]`` with GQA), DeBERTa (``in_proj``
 ``[H, 3, d]`` with separate ``q_bias`` / ``v_bias``), CodeGen (``qkv_proj`` in 4 groups ordered
-Q, V, K). Refused with a reason: multi-head latent attention (DeepSeek-V2/V3 and others:
-``q_a_proj/q_b_proj``, ``kv_a_proj_with_mqa/kv_b_proj``), linear attention (MiniMax lightning
-attention, gated delta nets, retention: no softmax), Reformer's shared ``query_key``, deformable
-attention (no query or key projections), GPTBigCode cross-attention. :func:`looks_like_attention` says which unrecognised modules
-:func:`condinit.apply` must report instead of skipping them. See ``docs/design.md``, "Model layouts".
+Q, V, K), XLNet (``[D, H, d]`` parameters, ``matrix_shape``), JetMoE (query experts ``[E, H_kv d,
+D]`` plus ``kv_proj``), SqueezeBERT (grouped kernel-size-1 ``Conv1d``, ``in_groups``), AIMv2's
+attention-pooling head (a learned query, ``fixed``). Refused with a reason: multi-head latent
+attention (DeepSeek-V2/V3 and others: ``q_a_proj/q_b_proj``, ``kv_a_proj_with_mqa/kv_b_proj``),
+linear attention (MiniMax lightning attention, gated delta nets, retention: no softmax),
+Reformer's shared ``query_key``, deformable attention (no query or key projections), GPTBigCode
+cross-attention, a grouped convolution whose heads span several groups.
+:func:`looks_like_attention` says which unrecognised modules :func:`condinit.apply` must report
+instead of skipping them. See ``docs/design.md``, "Model layouts".
 """
 from __future__ import annotations
 
@@ -73,6 +79,8 @@ import torch
 from torch import nn
 
 from condinit._validate import check_bool, check_choice, check_int, check_tensor
+
+from .sharded import is_dtensor
 
 __all__ = ["Projection", "AttentionSpec", "AttentionAdapter", "UnsupportedAttention", "Described", "LAYOUTS",
            "SEPARATE_NAMES", "Q_KV_NAMES", "QK_V_NAMES", "FUSED_NAMES", "fused_layout", "heads_of", "register_adapter",
@@ -102,6 +110,23 @@ class Projection:
     a ``[Q; K; V]`` weight. Several groups describe interleaved layouts, e.g. GPT-NeoX's
     ``[H, 3, d]``: Q is ``start=0, stop=d, groups=H, stride=3d``.
 
+    ``matrix_shape`` (optional): the parameter is not 2-D, and this 2-D shape is the matrix it is
+    read as (its row-major reshape, a view of the same storage), in which rows, ``transposed`` and
+    the groups above are counted: XLNet's ``[D, H, d]`` query (``einsum("ibh,hnd->ibnd")``) is
+    ``matrix_shape=(D, H*d), transposed=True``, a stack of expert projections ``[E, out, in]`` is
+    ``(E*out, in)``, a ``Conv1d`` with kernel size 1 ``[out, in, 1]`` is ``(out, in)``. Writes go to
+    the parameter itself.
+
+    ``in_groups`` (optional, grouped convolutions): the matrix's rows form ``in_groups`` equal
+    blocks and block ``b`` reads input channels ``b*C : (b+1)*C`` (``C`` the matrix's columns), so
+    the logical matrix is block-diagonal, ``[rows, in_groups * C]``, with zeros the parameter does
+    not store. Not with ``transposed``.
+
+    ``fixed`` (Q only): the tensor is the query itself, a learned query of attention pooling (AIMv2's
+    ``cls_token``), read as ``[H d, 1]`` (a projection of the constant 1, ``matrix_shape=(H d, 1)``).
+    It is no projection of the tokens, so the method has no ``W_Q`` there: it is left as the model
+    made it, and K and V are conditioned as in any layer.
+
     ``bias`` (optional, 1-D) holds group ``g``'s entries at ``bias_start + g*bias_stride`` onwards
     (``bias_start`` defaults to ``start``, ``bias_stride`` to ``stride``: a fused bias follows its
     weight).
@@ -111,6 +136,12 @@ class Projection:
         >>> q = Projection(w, 0, 16, groups=4, stride=48)
         >>> q.rows, q.shape
         (64, (64, 64))
+        >>> x = torch.nn.Parameter(torch.empty(64, 4, 16))    # XLNet: q_head = einsum("ibh,hnd->ibnd", h, x)
+        >>> Projection(x, 0, 64, transposed=True, matrix_shape=(64, 64)).shape
+        (64, 64)
+        >>> c = torch.nn.Conv1d(64, 64, 1, groups=4).weight   # [64, 16, 1], block-diagonal [64, 64]
+        >>> Projection(c, 0, 64, matrix_shape=(64, 16), in_groups=4).shape
+        (64, 64)
     """
 
     weight: torch.Tensor
@@ -122,24 +153,53 @@ class Projection:
     groups: int = 1
     stride: int = 0
     bias_stride: Optional[int] = None
+    matrix_shape: Optional[tuple] = None
+    in_groups: int = 1
+    fixed: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.weight, torch.Tensor) or self.weight.dim() != 2:
-            got = (f"shape {tuple(self.weight.shape)}" if isinstance(self.weight, torch.Tensor)
-                   else type(self.weight).__name__)
-            raise TypeError(f"Projection: weight must be a 2-D tensor, got {got}")
+        if not isinstance(self.weight, torch.Tensor):
+            raise TypeError(f"Projection: weight must be a tensor, got {type(self.weight).__name__}")
+        if self.matrix_shape is None:
+            if self.weight.dim() != 2:
+                raise TypeError(f"Projection: weight must be a 2-D tensor, got shape {tuple(self.weight.shape)} "
+                                f"(a parameter of another shape needs matrix_shape, the matrix it is read as)")
+        else:
+            shape = self.matrix_shape
+            if not (isinstance(shape, tuple) and len(shape) == 2):
+                raise TypeError(f"Projection: matrix_shape must be a tuple (rows, cols), got {shape!r}")
+            for name, v in zip(("rows", "cols"), shape):
+                check_int(f"Projection matrix_shape {name}", v, min=1)
+            if shape[0] * shape[1] != self.weight.numel():
+                raise ValueError(f"Projection: matrix_shape {shape} does not hold the {self.weight.numel()} "
+                                 f"elements of a weight of shape {tuple(self.weight.shape)}")
+            if not self.weight.is_meta and not is_dtensor(self.weight):
+                try:
+                    self.weight.detach().view(shape)
+                except RuntimeError:
+                    raise ValueError(f"Projection: a weight of shape {tuple(self.weight.shape)} and strides "
+                                     f"{self.weight.stride()} cannot be viewed as matrix_shape {shape}") from None
         check_int("Projection start", self.start, min=0)
         check_int("Projection stop", self.stop, min=self.start + 1)
         check_bool("Projection transposed", self.transposed)
         check_int("Projection groups", self.groups, min=1)
         check_int("Projection stride", self.stride, min=0)
+        check_int("Projection in_groups", self.in_groups, min=1)
+        check_bool("Projection fixed", self.fixed)
+        if self.fixed and self.bias is not None:
+            raise ValueError("Projection: a fixed (learned) query has no bias")
         if self.groups > 1 and self.stride < self.stop - self.start:
             raise ValueError(f"Projection: stride {self.stride} is below the {self.stop - self.start} rows of a group: "
                              f"groups would overlap")
-        size = self.weight.shape[1 if self.transposed else 0]
+        size = self.storage_rows
         if self.span_stop > size:
             raise ValueError(f"Projection: rows up to {self.span_stop} of a weight with {size} "
                              f"{'columns (transposed)' if self.transposed else 'rows'}")
+        if self.in_groups > 1:
+            if self.transposed:
+                raise ValueError("Projection: in_groups (a grouped convolution) with transposed=True")
+            if size % self.in_groups:
+                raise ValueError(f"Projection: {size} rows do not form {self.in_groups} equal blocks (in_groups)")
         if self.bias is not None:
             if not isinstance(self.bias, torch.Tensor) or self.bias.dim() != 1:
                 raise TypeError(f"Projection: bias must be a 1-D tensor or None, got {type(self.bias).__name__}")
@@ -148,6 +208,16 @@ class Projection:
             end = self.bias_offset + (self.groups - 1) * self.bias_step + self.group_rows
             if end > self.bias.shape[0]:
                 raise ValueError(f"Projection: bias entries up to {end} of a bias with {self.bias.shape[0]}")
+
+    @property
+    def storage_shape(self) -> tuple:
+        """Shape of the matrix the rows are counted in: ``matrix_shape``, or the weight's own."""
+        return tuple(self.matrix_shape) if self.matrix_shape is not None else tuple(self.weight.shape)
+
+    @property
+    def storage_rows(self) -> int:
+        """Rows of that matrix (its columns when ``transposed``): the extent ``start`` / ``stop`` index."""
+        return self.storage_shape[1 if self.transposed else 0]
 
     @property
     def group_rows(self) -> int:
@@ -171,19 +241,63 @@ class Projection:
         return self.stride if self.bias_stride is None else self.bias_stride
 
     @property
+    def block_in_features(self) -> int:
+        """Input columns one stored row reads: ``in_features`` / ``in_groups``."""
+        shape = self.storage_shape
+        return shape[0] if self.transposed else shape[1]
+
+    @property
+    def block_rows(self) -> int:
+        """Storage rows per block of a grouped convolution (all rows for ``in_groups=1``)."""
+        return self.storage_rows // self.in_groups
+
+    @property
     def in_features(self) -> int:
-        return self.weight.shape[0] if self.transposed else self.weight.shape[1]
+        return self.block_in_features * self.in_groups
 
     @property
     def shape(self) -> tuple[int, int]:
         """Logical ``[rows, in_features]`` (nn.Linear layout)."""
         return (self.rows, self.in_features)
 
+    def matrix(self, t: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The (plain, non-DTensor) weight, or ``t`` shaped like it, as the 2-D matrix of
+        ``storage_shape``: a view, writes go through. Detached."""
+        w = (self.weight if t is None else t).detach()
+        return w if self.matrix_shape is None else w.view(self.storage_shape)
+
+    def local_matrix(self, local: torch.Tensor, offset: tuple, name: str) -> tuple[torch.Tensor, tuple]:
+        """The local part of the weight (``condinit.models.sharded.local_part``) as a part of the
+        2-D matrix: ``(view, (row offset, col offset))``. A weight read through ``matrix_shape`` or
+        ``in_groups`` must be held whole (a shard of it is no block of the matrix)."""
+        if self.matrix_shape is None and self.in_groups == 1:
+            return local, offset
+        if tuple(local.shape) != tuple(self.weight.shape) or any(offset):
+            raise ValueError(f"{name}: a sharded weight of shape {tuple(self.weight.shape)} read as a "
+                             f"{self.storage_shape} matrix (matrix_shape, in_groups) is not supported; gather it on "
+                             f"each rank first")
+        return local.view(self.storage_shape), (0, 0)
+
     def segments(self) -> list[tuple[int, int, int]]:
         """``(logical_row, storage_lo, storage_hi)`` per group: storage rows ``lo:hi`` (columns when
         transposed) hold logical rows ``logical_row : logical_row + hi - lo``."""
         n = self.group_rows
         return [(g * n, self.start + g * self.stride, self.stop + g * self.stride) for g in range(self.groups)]
+
+    def blocks(self) -> list[tuple[int, int, int, int]]:
+        """``(logical_row, storage_lo, storage_hi, logical_col)``: :meth:`segments` cut at the blocks
+        of a grouped convolution; the stored rows ``lo:hi`` read logical input columns
+        ``logical_col : logical_col + block_in_features`` (``logical_col`` 0 without ``in_groups``)."""
+        if self.in_groups == 1:
+            return [(r, lo, hi, 0) for r, lo, hi in self.segments()]
+        out, n, c = [], self.block_rows, self.block_in_features
+        for r, lo, hi in self.segments():
+            at = lo
+            while at < hi:
+                end = min(hi, (at // n + 1) * n)
+                out.append((r + at - lo, at, end, (at // n) * c))
+                at = end
+        return out
 
     def bias_segments(self) -> list[tuple[int, int]]:
         """``(lo, hi)`` entries of ``bias`` per group (empty without a bias)."""
@@ -194,8 +308,15 @@ class Projection:
 
     def view(self, t: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[rows, in]`` of the (plain, non-DTensor) weight in nn.Linear layout: a view (writes go
-        through) for one group, a copy of the groups stacked for several."""
-        w = (self.weight if t is None else t).detach()
+        through) for one group, a copy of the groups stacked for several, and a block-diagonal copy
+        (zeros where a grouped convolution stores nothing) with ``in_groups``."""
+        w = self.matrix(t)
+        if self.in_groups > 1:
+            out = w.new_zeros(self.shape)
+            c = self.block_in_features
+            for r, lo, hi, col in self.blocks():
+                out[r:r + hi - lo, col:col + c] = w[lo:hi]
+            return out
         parts = [w[:, lo:hi].t() if self.transposed else w[lo:hi] for _, lo, hi in self.segments()]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -238,6 +359,8 @@ class AttentionSpec:
         for name, p in self.projections():
             if not isinstance(p, Projection):
                 raise TypeError(f"AttentionSpec: {name} must be a Projection, got {type(p).__name__}")
+        if self.k.fixed or self.v.fixed:
+            raise ValueError("AttentionSpec: only q can be fixed (a learned query)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"AttentionSpec: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.q.rows != self.num_heads * self.head_dim:
@@ -259,6 +382,38 @@ class AttentionSpec:
             for (lo0, hi0, n0), (lo1, hi1, n1) in zip(iv, iv[1:]):
                 if lo1 < hi0:
                     raise ValueError(f"AttentionSpec: {n0} and {n1} share rows {lo1}:{min(hi0, hi1)} of one weight")
+        d = self.head_dim
+        for name, p in (("q", self.q), ("k", self.k)):
+            # a head's block is semi-orthogonal only if its rows read one block of input channels
+            for r, lo, hi, _ in p.blocks() if p.in_groups > 1 else ():
+                if r % d or (hi - lo) % d:
+                    raise UnsupportedAttention(
+                        f"{name}: a grouped convolution with {p.in_groups} groups of {p.block_rows} output channels "
+                        f"and heads of head_dim {d}: a head's rows span several groups, so its block is "
+                        f"block-diagonal, which condinit's per-head draw does not produce (it conditions grouped "
+                        f"projections whose every head lies in one group)")
+        self.v_identity_problem("identity", raise_it=True)
+
+    def v_identity_problem(self, v_mode: str, raise_it: bool = False) -> Optional[str]:
+        """Why V's rectangular identity (``v_mode`` ``"identity"`` or ``"identity_per_head"``)
+        cannot be written into a block-diagonal (grouped convolution) V, or None when it can."""
+        v = self.v
+        if v.in_groups == 1:
+            return None
+        c, why = v.block_in_features, None
+        for r, lo, hi, col in v.blocks():
+            for i in range(r, r + hi - lo):
+                j = i if v_mode == "identity" else i % self.head_dim
+                if j < v.in_features and not col <= j < col + c:
+                    why = (f"v: the {'rectangular identity' if v_mode == 'identity' else 'per-head identity'} has "
+                           f"a one at row {i}, column {j}, outside the input channels {col}:{col + c} its group of "
+                           f"the grouped convolution reads")
+                    break
+            if why:
+                break
+        if why and raise_it:
+            raise UnsupportedAttention(why)
+        return why
 
     def projections(self):
         return (("q", self.q), ("k", self.k), ("v", self.v))
@@ -644,6 +799,80 @@ def _hf_codegen(m: nn.Module) -> AttentionSpec:
     query, value, key: ``mp_num`` (4) groups of ``[Q; V; K]``."""
     return _fused_linear(m, "qkv_proj", "grouped", num_heads=m.num_attention_heads, head_dim=m.head_dim,
                          order="qvk", groups=m.mp_num)
+
+
+def _hf_xlnet(m: nn.Module) -> AttentionSpec:
+    """XLNet ``XLNetRelativeAttention``: parameters ``q``, ``k``, ``v`` of shape ``[D, H, d]`` used as
+    ``einsum("ibh,hnd->ibnd", x, W)``, i.e. ``x @ W.reshape(D, H * d)``: an ``[in, out]`` matrix
+    (transposed) whose column ``h*d + i`` is channel ``i`` of head ``h``. The projections have no
+    biases; ``r_w_bias``, ``r_r_bias`` and ``r_s_bias`` are the per-head vectors of the relative
+    attention's content, position and segment terms (Transformer-XL's ``u``, ``v``), left as the
+    model made them with ``r`` and ``seg_embed``, like every relative-position parameter."""
+    H, d = m.n_head, m.d_head
+    projs = []
+    for name in ("q", "k", "v"):
+        w = getattr(m, name)
+        if tuple(w.shape) != (m.d_model, H, d):
+            raise UnsupportedAttention(f"XLNet {name} has shape {tuple(w.shape)}, not (d_model, n_head, d_head) = "
+                                       f"({m.d_model}, {H}, {d}): not the layout of transformers' "
+                                       f"XLNetRelativeAttention")
+        projs.append(Projection(w, 0, H * d, transposed=True, matrix_shape=(m.d_model, H * d)))
+    return AttentionSpec(*projs, H, H, d)
+
+
+def _hf_jetmoe(m: nn.Module) -> AttentionSpec:
+    """JetMoE's mixture of attention heads (``JetMoeAttention``): expert ``e`` of
+    ``experts.input_linear`` (``[E, H_kv d, D]``, ``F.linear(x, weight[e])``) projects the query of
+    ``H_kv`` heads; a token's ``top_k`` experts give its ``top_k * H_kv`` query heads
+    (``view(..., -1, head_dim)``), and query head ``s * H_kv + j`` attends to key/value head ``j``
+    of ``kv_proj`` (``chunk(2)``: ``[K; V]``, then ``repeat(1, top_k, 1, 1)``). Q is every
+    expert's heads, ``E * H_kv`` of them (expert ``e``'s head ``j`` is head ``e * H_kv + j``), each
+    semi-orthogonal; the router, the output experts and the layer's bias are not Q/K/V."""
+    Hkv, d = m.num_key_value_heads, m.head_dim
+    w = m.experts.input_linear.weight
+    kv = m.kv_proj
+    E, rows, D = w.shape
+    if rows != Hkv * d or kv.weight.shape[0] != 2 * Hkv * d:
+        raise UnsupportedAttention(f"JetMoE query experts of {rows} rows and kv_proj of {kv.weight.shape[0]} rows "
+                                   f"do not hold {Hkv} heads of head_dim {d} (and twice that): not the layout of "
+                                   f"transformers' JetMoeAttention")
+    q = Projection(w, 0, E * rows, matrix_shape=(E * rows, D))
+    k = Projection(kv.weight, 0, Hkv * d, bias=kv.bias)
+    v = Projection(kv.weight, Hkv * d, 2 * Hkv * d, bias=kv.bias)
+    return AttentionSpec(q, k, v, E * Hkv, Hkv, d)
+
+
+def _hf_aimv2_pooling(m: nn.Module) -> AttentionSpec:
+    """AIMv2's attention-pooling head (``Aimv2AttentionPoolingHead``): the query is the learned
+    ``cls_token`` (``[1, 1, D]`` reshaped to ``(1, H, D / H)``), the keys and values ``k_proj`` /
+    ``v_proj`` of the tokens, ``F.scaled_dot_product_attention`` per head. The query is no
+    projection (``fixed``: left as the model made it); K and V are conditioned."""
+    H, D = m.num_heads, m.hidden_size
+    if D % H or m.cls_token.numel() != D:
+        raise UnsupportedAttention(f"AIMv2 pooling head with hidden_size {D}, {H} heads and a cls_token of "
+                                   f"{m.cls_token.numel()} entries: not the layout of transformers' "
+                                   f"Aimv2AttentionPoolingHead")
+    q = Projection(m.cls_token, 0, D, matrix_shape=(D, 1), fixed=True)
+    return AttentionSpec(q, _lin_proj(m.k_proj), _lin_proj(m.v_proj), H, H, D // H)
+
+
+def _hf_squeezebert(m: nn.Module) -> AttentionSpec:
+    """SqueezeBERT ``SqueezeBertSelfAttention``: ``query``, ``key``, ``value`` are ``nn.Conv1d(C, C,
+    kernel_size=1, groups=g)`` on ``[N, C, W]`` (weight ``[C, C/g, 1]``: a block-diagonal ``[C, C]``
+    matrix, ``in_groups=g``), read per head through ``view(N, H, d, W)``. A head is conditioned in
+    the ``C/g`` input channels its group reads; a head whose rows span two groups is refused, and
+    so is a V whose identity would need entries outside its groups (see :class:`Projection`)."""
+    H, d = m.num_attention_heads, m.attention_head_size
+    projs = []
+    for name in ("query", "key", "value"):
+        conv = getattr(m, name)
+        if not (isinstance(conv, nn.Conv1d) and conv.kernel_size == (1,) and conv.stride == (1,)
+                and conv.padding in ((0,), "valid") and conv.dilation == (1,)):
+            raise UnsupportedAttention(f"SqueezeBERT {name} is not a Conv1d with kernel size 1, stride 1 and no "
+                                       f"padding ({conv!r}): it is no per-position projection")
+        out, cin, _ = conv.weight.shape
+        projs.append(Projection(conv.weight, 0, out, bias=conv.bias, matrix_shape=(out, cin), in_groups=conv.groups))
+    return AttentionSpec(*projs, H, H, d)
 
 
 _REGISTRY: dict[Union[type, str], AttentionAdapter] = {}
@@ -1145,7 +1374,11 @@ def _register_builtins():
                      ("phi3.modeling_phi3.Phi3Attention", _hf_phi3),
                      ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention", _hf_phi3),
                      ("deberta.modeling_deberta.DisentangledSelfAttention", _hf_deberta),
-                     ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen)):
+                     ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen),
+                     ("xlnet.modeling_xlnet.XLNetRelativeAttention", _hf_xlnet),
+                     ("jetmoe.modeling_jetmoe.JetMoeAttention", _hf_jetmoe),
+                     ("squeezebert.modeling_squeezebert.SqueezeBertSelfAttention", _hf_squeezebert),
+                     ("aimv2.modeling_aimv2.Aimv2AttentionPoolingHead", _hf_aimv2_pooling)):
         register_adapter(f"{tf}.{path}", fn, name=f"hf.{path.rsplit('.', 1)[1]}")
     register_adapter("timm.layers.attention.Attention", _timm_attention, name="timm.Attention")
 

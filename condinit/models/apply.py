@@ -459,8 +459,12 @@ class _Region:
 def _local_regions(proj: Projection, name: str) -> list[_Region]:
     """The local part of each group of ``proj`` (rows in the projection's logical coordinates)."""
     local, off, gshape = local_part(proj.weight, name)
+    local, off = proj.local_matrix(local, off, name)
     out = []
-    for logical, lo, hi in proj.segments():
+    for logical, lo, hi, col in proj.blocks():
+        if proj.in_groups > 1:  # a grouped convolution (held whole): the block reads input columns col:
+            out.append(_Region(logical, logical + hi - lo, col, col + local.shape[1], local[lo:hi]))
+            continue
         if proj.transposed:  # storage [in, out_total]: logical rows are storage columns
             r = overlap(off[1], off[1] + local.shape[1], lo, hi)
             c = (off[0], off[0] + local.shape[0])
@@ -480,9 +484,9 @@ def _local_regions(proj: Projection, name: str) -> list[_Region]:
 def _one_head_groups(proj: Projection, head_dim: int) -> Optional[torch.Tensor]:
     """A ``[groups, head_dim, in]`` strided view of a plain (non-DTensor) projection whose groups
     are one head each (GPT-NeoX's ``[H, 3, d]``), or None."""
-    if proj.groups == 1 or proj.group_rows != head_dim or is_dtensor(proj.weight):
+    if proj.groups == 1 or proj.group_rows != head_dim or proj.in_groups > 1 or is_dtensor(proj.weight):
         return None
-    w = proj.weight.detach()
+    w = proj.matrix()
     row, col = (w.stride(1), w.stride(0)) if proj.transposed else (w.stride(0), w.stride(1))
     return w.as_strided((proj.groups, head_dim, proj.in_features), (proj.stride * row, row, col),
                         w.storage_offset() + proj.start * row)
@@ -505,16 +509,16 @@ def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
     """Parameters that the Q/K/V weights and biases of ``layers`` overwrite entirely."""
     spans: dict[int, tuple[torch.Tensor, int, list]] = {}
 
-    def add(t, dim, lo, hi):
-        ent = spans.setdefault(id(t), (t, t.shape[dim], []))
+    def add(t, size, lo, hi):
+        ent = spans.setdefault(id(t), (t, size, []))
         ent[2].append((lo, hi))
 
     for l in layers:
         for _, p in l.spec.projections():
-            for _, lo, hi in p.segments():
-                add(p.weight, 1 if p.transposed else 0, lo, hi)
+            for _, lo, hi in ([] if p.fixed else p.segments()):
+                add(p.weight, p.storage_rows, lo, hi)
             for lo, hi in p.bias_segments():
-                add(p.bias, 0, lo, hi)
+                add(p.bias, p.bias.shape[0], lo, hi)
     out = []
     for t, size, iv in spans.values():
         at = 0
@@ -710,14 +714,21 @@ def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool
                 if measure_before else None
             rep.after[p] = None
         for p, proj, stream in (("q", s.q, sq), ("k", s.k, sk)):
+            if proj.fixed:            # a learned query: no projection, nothing to write
+                continue
             heads = _one_head_groups(proj, s.head_dim)
             if heads is not None:     # one view of every head: one run, batched like a contiguous weight
                 plan.add_heads(stream, l.index * LAYER_STRIDE, heads, s.head_dim, proj.in_features,
                                gain=qk_gain, owner=i)
                 continue
             for reg in _local_regions(proj, f"{l.name}.{p}"):
-                plan.add_heads(stream, l.index * LAYER_STRIDE, reg.view, s.head_dim, proj.in_features,
-                               row_lo=reg.r_lo, col_lo=reg.c_lo, gain=qk_gain, owner=i)
+                # a grouped convolution's head is semi-orthogonal in the block of input channels it reads
+                n = proj.block_in_features
+                plan.add_heads(stream, l.index * LAYER_STRIDE, reg.view, s.head_dim, n,
+                               row_lo=reg.r_lo, col_lo=reg.c_lo % n, gain=qk_gain, owner=i)
+        why = s.v_identity_problem(v_mode)
+        if why is not None:
+            raise ValueError(f"{l.name}: v_mode={v_mode!r} cannot be written: {why}")
         for reg in _local_regions(s.v, f"{l.name}.v"):
             plan.add_identity(reg.view, row_lo=reg.r_lo, col_lo=reg.c_lo,
                               head_dim=s.head_dim if v_mode == "identity_per_head" else None, gain=v_gain, owner=i)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -60,7 +61,8 @@ from torch import nn
 from .._validate import check_int
 
 __all__ = ["save_model_atomic", "atomic_output", "check_output_path", "condinit_metadata", "open_checkpoint",
-           "read_metadata", "locate_attention", "projection_blocks", "Checkpoint", "PICKLE_SUFFIXES"]
+           "read_metadata", "locate_attention", "projection_blocks", "Checkpoint", "ShardedCheckpoint",
+           "PICKLE_SUFFIXES"]
 
 METADATA_KEY = "condinit"
 METADATA_FORMAT = 1
@@ -380,6 +382,12 @@ def condinit_metadata(model: nn.Module, report, family: str, extra: Optional[dic
                       "transposed": proj.transposed}
             if proj.groups > 1:   # interleaved rows: group g is start + g*stride : stop + g*stride
                 ent[p].update(groups=proj.groups, stride=proj.stride)
+            if proj.matrix_shape is not None:   # a 3-D / conv weight: rows counted in this reshape of it
+                ent[p]["matrix_shape"] = list(proj.matrix_shape)
+            if proj.in_groups > 1:              # a grouped convolution: the stored blocks of a block-diagonal W
+                ent[p]["in_groups"] = proj.in_groups
+            if proj.fixed:                      # a learned query: left as the model made it
+                ent[p]["fixed"] = True
         layers.append(ent)
     first = layers[0] if layers else {}
     meta = {"format": METADATA_FORMAT, "family": family, "seed": report.seed, "method": report.method,
@@ -529,6 +537,9 @@ def open_checkpoint(path) -> Checkpoint:
     file (header length, JSON, structure, offsets): anything else is a ValueError naming the file
     and what is wrong. Use it as a context manager.
 
+    A directory is read as a Hugging Face model directory (:class:`ShardedCheckpoint`): through
+    its ``model.safetensors.index.json``, or its one ``model.safetensors``.
+
     Examples:
         >>> with open_checkpoint("tiny.safetensors") as fh:
         ...     meta = read_metadata(fh)
@@ -540,7 +551,7 @@ def open_checkpoint(path) -> Checkpoint:
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist")
     if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory, expected a .safetensors file")
+        return _open_directory(path)
     if not os.path.isfile(path):
         raise ValueError(f"{path} is not a regular file, expected a .safetensors file")
     _read_header(path)
@@ -549,6 +560,125 @@ def open_checkpoint(path) -> Checkpoint:
     except Exception as exc:  # whatever safetensors still objects to, after the checks above
         raise ValueError(f"{path} is not a readable safetensors file: {_one_line(exc)}") from None
     return Checkpoint(path, handle)
+
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_WEIGHTS_NAME = "model.safetensors"
+
+
+class ShardedCheckpoint:
+    """A Hugging Face model directory of safetensors shards, read through its index: the
+    :class:`Checkpoint` interface (``keys``, ``metadata``, ``get_slice``, ``get_tensor``, ``path``)
+    over all shards. Each shard is opened (header checked, memory-mapped) when first read, so
+    reading tensor by tensor holds one tensor at a time. ``metadata()`` gives the ``condinit``
+    entry of the index (every layer), or else the shards' entries merged. Every tensor the index
+    names is checked, at open, to be in the shard it names."""
+
+    def __init__(self, path: str, weight_map: dict, index_meta: Optional[dict]):
+        self.path = path
+        self._map = weight_map
+        self._index_meta = index_meta
+        self._handles: dict = {}
+        try:
+            for fname in dict.fromkeys(weight_map.values()):
+                keys = set(self._shard(fname).keys())
+                missing = [k for k, f in weight_map.items() if f == fname and k not in keys]
+                if missing:
+                    raise ValueError(f"{path}: {INDEX_NAME} puts tensor {missing[0]!r} in {fname}, which does not "
+                                     f"hold it ({len(missing)} such tensor(s); an unfinished or mixed directory?)")
+        except BaseException:
+            self.close()
+            raise
+
+    def _shard(self, fname: str) -> Checkpoint:
+        fh = self._handles.get(fname)
+        if fh is None:
+            fpath = os.path.join(self.path, fname)
+            if not os.path.isfile(fpath):
+                raise ValueError(f"{self.path}: {INDEX_NAME} names shard {fname}, which is missing (an unfinished "
+                                 f"write? condinit init --resume finishes it)")
+            fh = self._handles[fname] = open_checkpoint(fpath)
+        return fh
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        for fh in self._handles.values():
+            fh.__exit__(None, None, None)
+        self._handles.clear()
+
+    def keys(self):
+        return list(self._map)
+
+    def metadata(self):
+        meta = self._index_meta
+        if meta is None:
+            merged, layers = None, []
+            for fname in dict.fromkeys(self._map.values()):
+                raw = (self._shard(fname).metadata() or {}).get(METADATA_KEY)
+                if raw is None:
+                    continue
+                try:
+                    ent = json.loads(raw)
+                except ValueError:
+                    raise ValueError(f"{os.path.join(self.path, fname)}: the '{METADATA_KEY}' metadata entry is not "
+                                     f"valid JSON") from None
+                if not isinstance(ent, dict):
+                    raise ValueError(f"{os.path.join(self.path, fname)}: the '{METADATA_KEY}' metadata entry is not "
+                                     f"a JSON object")
+                merged = merged or {k: v for k, v in ent.items() if k not in ("layers", "shard")}
+                if isinstance(ent.get("layers"), list):
+                    layers += ent["layers"]
+            if merged is None:
+                return {}
+            meta = dict(merged, layers=layers)   # the shards' layers, in shard order (index order)
+        return {METADATA_KEY: _canonical_json(meta)}
+
+    def _route(self, name):
+        fname = self._map.get(name)
+        if fname is None:
+            raise ValueError(f"{self.path}: no tensor {name!r} in {INDEX_NAME}")
+        return self._shard(fname)
+
+    def get_slice(self, name):
+        return self._route(name).get_slice(name)
+
+    def get_tensor(self, name):
+        return self._route(name).get_tensor(name)
+
+
+def _open_directory(path: str):
+    """:func:`open_checkpoint` of a directory: its index, or its one weights file."""
+    index = os.path.join(path, INDEX_NAME)
+    if not os.path.isfile(index):
+        single = os.path.join(path, SINGLE_WEIGHTS_NAME)
+        if os.path.isfile(single):
+            return open_checkpoint(single)
+        raise ValueError(f"{path} is a directory without {INDEX_NAME} or {SINGLE_WEIGHTS_NAME}; expected a "
+                         f".safetensors file or a Hugging Face model directory")
+    try:
+        with open(index, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except RecursionError:
+        raise ValueError(f"{index} is JSON nested too deeply to parse") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{index} is not readable JSON: {_one_line(exc)}") from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not (isinstance(wmap, dict) and wmap and all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items())):
+        raise ValueError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file name")
+    for fname in set(wmap.values()):
+        if os.path.basename(fname) != fname or fname in (".", "..") or not fname.endswith(".safetensors"):
+            raise ValueError(f"{index}: shard {_show(fname)} must be a .safetensors file name in the directory")
+    meta = data.get("metadata")
+    cond = meta.get(METADATA_KEY) if isinstance(meta, dict) else None
+    if cond is not None and not isinstance(cond, dict):
+        raise ValueError(f"{index}: metadata.{METADATA_KEY} must be an object, got {_show(cond)}")
+    return ShardedCheckpoint(path, wmap, cond)
 
 
 _LAYER_INTS = ("num_heads", "num_kv_heads", "head_dim")
@@ -611,6 +741,10 @@ def _check_metadata(meta, where: str) -> dict:
                 fail(f"{at}.{p}.stride", f"an integer >= stop - start ({proj['stop'] - proj['start']})", proj["stride"])
             if proj.get("groups", 1) > 1 and "stride" not in proj:
                 fail(f"{at}.{p}.stride", "present with groups > 1", None)
+            shape = proj.get("matrix_shape")
+            if shape is not None and not (isinstance(shape, list) and len(shape) == 2
+                                          and all(_is_int(n) and n >= 1 for n in shape)):
+                fail(f"{at}.{p}.matrix_shape", "a list of two integers >= 1", shape)
         if "layout" in ent and not isinstance(ent["layout"], str):
             fail(f"{at}.layout", "a string", ent["layout"])
     uncovered = meta.get("uncovered")
@@ -663,6 +797,11 @@ def _check_metadata_tensors(meta: dict, shapes: dict, where: str) -> None:
                 raise ValueError(f"{where}: condinit metadata names tensor {t!r} for {ent['name']}.{p}, which is "
                                  f"not in the file")
             shape = tuple(shapes[t])
+            if "matrix_shape" in proj:   # a parameter read as this matrix (its reshape)
+                if math.prod(shape) != math.prod(proj["matrix_shape"]):
+                    raise ValueError(f"{where}: condinit metadata reads tensor {t!r} (shape {list(shape)}) for "
+                                     f"{ent['name']}.{p} as a {proj['matrix_shape']} matrix, which it does not hold")
+                shape = tuple(proj["matrix_shape"])
             if len(shape) != 2:
                 raise ValueError(f"{where}: condinit metadata names tensor {t!r} ({len(shape)}-D, shape "
                                  f"{list(shape)}) for {ent['name']}.{p}, expected a 2-D projection weight")
@@ -815,6 +954,8 @@ def projection_blocks(fh, loc: dict, p: str, cache: dict) -> torch.Tensor:
         cache["name"], cache["tensor"] = name, fh.get_tensor(name)
     w = cache["tensor"]
     what = f"tensor {name!r} ({loc['name']}.{p})"
+    if "matrix_shape" in ent and w.numel() == math.prod(ent["matrix_shape"]):
+        w = w.reshape(ent["matrix_shape"])
     if w.dim() != 2:
         raise ValueError(f"{where}: {what} is {w.dim()}-D with shape {list(w.shape)}, expected a 2-D projection "
                          f"weight")

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Preset", "PRESETS", "build_model", "load_config_dict", "model_class_for", "DTYPES"]
+__all__ = ["Preset", "PRESETS", "build_model", "check_config_values", "load_config_dict", "model_class_for",
+           "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,8 +87,56 @@ def model_class_for(model_type: str, config) -> str:
     return "AutoModel"
 
 
+# Size fields of Hugging Face configs (the names of the common families): an int >= 1 when present
+# (None where the config accepts it: derived from the others).
+_SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+                "n_inner", "n_ctx", "d_model", "num_layers", "num_heads", "d_ff", "d_kv", "ffn_dim",
+                "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+                "encoder_ffn_dim", "decoder_ffn_dim", "num_decoder_layers", "image_size", "patch_size",
+                "num_channels", "embed_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "rotary_dim")
+# (width, heads) field pairs: heads must divide the width unless the config gives head_dim
+_HEAD_PAIRS = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"), ("d_model", "num_heads"),
+               ("d_model", "encoder_attention_heads"), ("d_model", "decoder_attention_heads"))
+
+
+def check_config_values(config: dict, source: str = "config") -> dict:
+    """Check the size fields of a config dict before transformers sees it: each an int >= 1 (or
+    None), the attention heads dividing the width (unless ``head_dim`` is given), the key/value
+    heads dividing the heads. A bad value is a one-line ValueError / TypeError naming ``source``
+    and the field.
+
+    Examples:
+        >>> check_config_values({"model_type": "llama", "hidden_size": 100, "num_attention_heads": 7})
+        Traceback (most recent call last):
+        ValueError: config: num_attention_heads (7) must divide hidden_size (100), or give head_dim
+    """
+    from condinit._validate import check_int
+
+    for key in _SIZE_FIELDS:
+        if key in config and config[key] is not None:
+            v = config[key]
+            if isinstance(v, str):
+                raise TypeError(f"{source}: {key} must be an int, got the string {v!r}")
+            check_int(f"{source}: {key}", v, min=1)
+    if config.get("head_dim") is None:
+        for width, heads in _HEAD_PAIRS:
+            w, h = config.get(width), config.get(heads)
+            if isinstance(w, int) and isinstance(h, int) and w % h:
+                raise ValueError(f"{source}: {heads} ({h}) must divide {width} ({w}), or give head_dim")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ValueError(f"{source}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
+    return config
+
+
+def _one_line(exc) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, dtype=torch.float32,
-                device="meta"):
+                device="meta", source: str = "config"):
     """Build a Hugging Face model from a preset name or a config dict, on ``device`` (default meta:
     nothing allocated). Returns ``(model, family)``.
 
@@ -115,17 +164,23 @@ def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, 
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError as exc:
         raise ValueError(f"building a model needs Hugging Face transformers (pip install transformers): {exc}") from None
+    check_config_values(config, source)
     model_type = config.pop("model_type", None)
     try:
         cfg = AutoConfig.for_model(model_type, **config)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"config: cannot build a transformers config for model_type {model_type!r}: {exc}") from None
+    except Exception as exc:   # transformers' and huggingface_hub's validation errors, as one line
+        raise ValueError(f"{source}: cannot build a transformers config for model_type {model_type!r}: "
+                         f"{_one_line(exc)}") from None
     archs = getattr(cfg, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None or not hasattr(cls, "_from_config"):
         cls = AutoModelForCausalLM if model_class_for(model_type, cfg) == "AutoModelForCausalLM" else AutoModel
-    with torch.device(device):
-        model = cls.from_config(cfg) if cls in (AutoModel, AutoModelForCausalLM) else cls._from_config(cfg)
+    try:
+        with torch.device(device):
+            model = cls.from_config(cfg) if cls in (AutoModel, AutoModelForCausalLM) else cls._from_config(cfg)
+    except (ValueError, TypeError, RuntimeError, AttributeError, KeyError) as exc:   # the model's own checks
+        raise ValueError(f"{source}: transformers cannot build {getattr(cls, '__name__', cls)} from it: "
+                         f"{_one_line(exc)}") from None
     if dtype is not None:
         model = model.to(dtype)
     model.eval()

@@ -8,10 +8,13 @@ name it keeps, a new shard when the next tensor would pass ``max_shard_size``, a
 in its own shard) and ``model.safetensors.index.json``; a model that fits in one shard is the one
 file ``model.safetensors``, without an index, as ``save_pretrained`` does.
 ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` loads it with no missing or unexpected key.
+:func:`write_checkpoint` writes the same tensors as one ``.safetensors`` file (``condinit init --out
+FILE.safetensors``).
 
 **How.** The model is built on the meta device (nothing allocated). Each shard file's header is
 known from the meta tensors alone, so the file is written tensor by tensor: a tensor is computed
-when the file reaches it, written, and dropped. Tensors are computed in *units*:
+(on ``device``) when the file reaches it, handed to a writer thread, and dropped once written, so
+generation and disk writes overlap. Tensors are computed in *units*:
 
 * an attention layer that condinit conditions (every tensor of the modules holding its Q/K/V
   weights and biases): those modules' own init, then the layer's plan executed by the engine
@@ -23,28 +26,53 @@ when the file reaches it, written, and dropped. Tensors are computed in *units*:
   rule, ``_init_weights`` of the nearest ``PreTrainedModel`` above it (what ``initialize_weights``
   dispatches), called on the module and then on each of its ancestors, in the order
   ``initialize_weights`` visits them (children before parents, so a parent's rescaling of a child
-  wins); the rest of the model stays on meta, where init functions do nothing.
+  wins, e.g. GPT-2's ``c_proj``); the rest of the model stays on meta, where init functions do
+  nothing. So norms get ones / zeros, linears and embeddings ``normal(0, initializer_range)``,
+  rotary buffers their frequencies, exactly as the model's code says.
 
-Torch's generator, which the own init draws from, is seeded per unit from ``seed`` and the
-module's qualified name (and restored afterwards): a tensor's values depend on ``seed`` and its
-name only, not on the shard size, the order of writing or other tensors. The files are
-byte-identical from run to run. The own-init weights follow the same rule as ``apply`` on a
-materialized model, with other random draws.
+**Own-init random draws.** Every ``normal_`` that the model's init makes on a state-dict tensor
+(transformers' ``init.normal_``, which ``torch.nn.init.normal_`` is routed to while the init runs)
+is drawn from condinit's counter-based generator (:func:`condinit.init.philox.block_randn`) in
+the tensor's own stream: element ``e`` (row-major) of tensor ``name`` is lane ``e % 2**16`` of
+block ``(h31(name) << 32) + e // 2**16`` of stream ``s(name)``, with ``s`` and ``h31`` the first
+4 bytes and the next 31 bits of BLAKE2b(``"condinit own init\\0" + name``) (:func:`own_init_stream`),
+then ``mean + std * z`` rounded once to the tensor's dtype. A view of a tensor (e.g. one row) has a
+stream of its own named after the view. So these weights are bit-identical whatever the shard
+size, the chunking, the order of writing or the device (the generator is; ``docs/design.md``,
+"Random streams"). Any other random draw of an init (``uniform_``, ``trunc_normal_``, a tensor's own
+``.normal_()`` method as transformers 4 models call it) comes from torch's generator, seeded per
+unit from ``seed`` and the module's qualified name (and restored afterwards): still a function of
+``seed`` and the name only, but device dependent.
 
-**Memory**: one unit plus the tensors of the current shard computed ahead of their turn (with one
-storage dtype: none), whatever the model's size or ``max_shard_size``; the largest unit is usually
-the embedding matrix.
+**Memory**: one unit plus the tensors of the current shard computed ahead of their turn (at most
+another unit) plus the writer's queue (``_MAX_QUEUED_BYTES``, or one tensor when bigger), whatever
+the model's size or ``max_shard_size``; the largest unit is usually the embedding matrix.
+Written data goes to the page cache, which the kernel writes out and reclaims (it is not counted in
+the process's resident memory).
 
-**Files**: each file is written atomically (:func:`condinit.models.checkpoint.atomic_output`). A
-previous ``model.safetensors.index.json`` / ``model.safetensors`` in the directory is removed
-before the first shard is written and the index is written last, so an interrupted write never
-leaves a directory that loads; shards of an earlier write that this one does not replace
+**Files**: each file is written atomically (:func:`condinit.models.checkpoint.atomic_output`); the
+writer thread ``fsync``s a shard before its rename. SIGTERM (and Ctrl-C, and any error) removes
+the shard being written, so an interrupted write leaves only complete shards and never a partial
+file. A previous ``model.safetensors.index.json`` / ``model.safetensors`` in the directory is
+removed before the first shard is written and the index is written last, so an interrupted write
+never leaves a directory that loads; shards of an earlier write that this one does not replace
 (``model-*-of-*.safetensors``) are removed at the end, as ``save_pretrained`` does. Each shard's
 header has ``"format": "pt"`` and the ``condinit`` entry of :func:`condinit.models.checkpoint
 .condinit_metadata` restricted to the layers whose Q, K and V all lie in that shard (so
 ``condinit inspect`` can read every shard alone), plus ``"shard": [k, n]``; the index's
 ``metadata`` has ``total_size`` and ``total_parameters`` as ``save_pretrained`` writes them, and the
-whole ``condinit`` entry (every layer) under ``"condinit"``.
+whole ``condinit`` entry (every layer) under ``"condinit"``. Headers are deterministic: the same
+call writes the same bytes.
+
+**Before anything is written**: every argument is checked; a directory that holds another model
+(another ``config.json``, or weights whose ``condinit`` entry names another seed, method, dtype or
+layout, or weights without one) is refused unless ``overwrite=True``; the free space of the
+destination's filesystem (``shutil.disk_usage``) is compared with the bytes to write. ``resume=True``
+keeps every planned shard already there whose size and header (tensor names, shapes, offsets and
+metadata, all known beforehand) are exactly what this write would give, and writes the rest:
+rerunning an interrupted write with ``resume=True`` finishes it, and gives the same directory as
+an uninterrupted run. (A shard damaged after it was completely written, with an intact header, is
+not detected: ``overwrite=True`` rewrites everything.)
 
 Only Hugging Face ``PreTrainedModel`` classes: their init rule is what is reproduced here.
 Models whose in-memory state-dict names differ from their checkpoint format (transformers'
@@ -53,12 +81,16 @@ names.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import hashlib
 import json
 import os
 import re
+import shutil
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -68,19 +100,22 @@ import torch
 from torch import nn
 
 from condinit._validate import check_bool, check_choice, check_int, check_seed
-from condinit.init.functional import V_MODES, run_plan
+from condinit.init.functional import V_MODES, check_gains, run_plan
 from condinit.init.orthogonalize import METHODS
+from condinit.init.philox import block_randn
 
 from .adapters import describe
 from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionWarning, _covered,
                     _discover_for_writing, _listing, _patterns, _plan)
-from .checkpoint import METADATA_KEY, _canonical_json, atomic_output, check_output_path, condinit_metadata
+from .checkpoint import (METADATA_KEY, _canonical_json, _read_header, _removing_temps_on_sigterm, atomic_output,
+                         check_output_path, condinit_metadata)
 
-__all__ = ["write_pretrained", "plan_shards", "parse_shard_size", "PretrainedWriteReport", "WEIGHTS_NAME",
-           "WEIGHTS_INDEX_NAME"]
+__all__ = ["write_pretrained", "write_checkpoint", "plan_shards", "parse_shard_size", "own_init_stream",
+           "own_normal_", "PretrainedWriteReport", "WritePlan", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 # safetensors dtype names
@@ -88,15 +123,46 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
-_SIZE_UNITS = {"TB": 10 ** 12, "GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3,
+_SIZE_UNITS = {"TB": 10 ** 12, "GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3, "B": 1,
                "TIB": 2 ** 40, "GIB": 2 ** 30, "MIB": 2 ** 20, "KIB": 2 ** 10}
+
+# Own-init normals: elements per Philox block (the block id's low word counts blocks), and blocks
+# generated per call (4M float32 = 16 MiB of scratch).
+OWN_INIT_BLOCK = 1 << 16
+_OWN_CHUNK_BLOCKS = 64
+# Bytes of computed tensors waiting for the writer thread before the generator waits for it: enough
+# to keep the disk busy while the next unit is computed, small next to a shard.
+_MAX_QUEUED_BYTES = 64 * 2 ** 20
+# False: each tensor is written before the next one is computed (no overlap; benchmarks compare)
+_OVERLAP_WRITES = True
+
+
+@dataclass
+class WritePlan:
+    """What a write will do (``dry_run=True`` computes only this): ``files`` as ``[(name, bytes,
+    tensors)]`` in order (``keep``: the names a ``resume`` keeps), the bytes to write and on disk,
+    the free space, the peak resident-memory estimate (this process now, plus the largest unit,
+    a unit computed ahead, the writer's queue and scratch), and the generation time estimated from
+    rates measured on this machine (``rates``; ``None`` unless measured)."""
+
+    files: list
+    total_size: int
+    write_bytes: int
+    free_bytes: Optional[int]
+    peak_memory_bytes: int
+    largest_unit: tuple
+    keep: list = field(default_factory=list)
+    rates: Optional[dict] = None
+    estimated_seconds: Optional[float] = None
 
 
 @dataclass
 class PretrainedWriteReport:
     """What :func:`write_pretrained` wrote: the directory, its files (weights files in order), the
     tensor bytes (``total_size`` as in the index), the parameter count, and the conditioning as an
-    :class:`condinit.ApplyReport` (``apply``: layers, seed, uncovered modules; no singular values)."""
+    :class:`condinit.ApplyReport` (``apply``: layers, seed, uncovered modules; no singular values).
+    ``plan``: the :class:`WritePlan`; ``kept``: the shards a resume found complete; ``dry_run``:
+    nothing was written."""
 
     out_dir: str
     files: list
@@ -106,6 +172,9 @@ class PretrainedWriteReport:
     apply: ApplyReport
     time_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    plan: Optional[WritePlan] = None
+    kept: list = field(default_factory=list)
+    dry_run: bool = False
 
     @property
     def seed(self) -> int:
@@ -119,9 +188,10 @@ class PretrainedWriteReport:
 # ------------------------------------------------------------------------------------------------
 # argument checks
 
-def parse_shard_size(value) -> int:
+def parse_shard_size(value, name: str = "max_shard_size") -> int:
     """Bytes for ``max_shard_size``: an int >= 1, or a string such as ``"5GB"`` / ``"500MB"``
-    (powers of 10, as ``save_pretrained`` counts) or ``"2GiB"`` (powers of 2).
+    (powers of 10, as ``save_pretrained`` counts), ``"2GiB"`` (powers of 2) or plain digits (bytes).
+    ``name`` starts the error message.
 
     Examples:
         >>> parse_shard_size("500MB")
@@ -130,15 +200,21 @@ def parse_shard_size(value) -> int:
         1048576
     """
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]I?B)\s*", value.upper())
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]I?B|B)?\s*", value.upper())
         if m is None:
-            raise ValueError(f"max_shard_size must be an int (bytes) or a size such as '5GB', '500MB', '2GiB', "
-                             f"got {value!r}")
-        size = int(float(m[1]) * _SIZE_UNITS[m[2]])
+            raise ValueError(f"{name} must be a size such as 5GB, 500MB, 2GiB or a number of bytes, got {value!r}")
+        size = int(float(m[1]) * _SIZE_UNITS[m[2] or "B"])
         if size < 1:
-            raise ValueError(f"max_shard_size must be at least 1 byte, got {value!r}")
+            raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
         return size
-    return check_int("max_shard_size", value, min=1)
+    return check_int(name, value, min=1)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _check_out_dir(out_dir) -> str:
@@ -263,6 +339,78 @@ def _plan_files(state: dict, limit: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# own-init normals from the counter-based generator
+
+def own_init_stream(name: str) -> tuple[int, int]:
+    """``(stream, first block id)`` of the own-init normals of the state-dict tensor ``name``
+    (see the module doc): BLAKE2b of ``"condinit own init\\0" + name``, first 4 bytes the stream,
+    the next 31 bits the high word of the block id.
+
+    Examples:
+        >>> stream, first = own_init_stream("model.embed_tokens.weight")
+        >>> first % 2 ** 32, 0 <= stream < 2 ** 32
+        (0, True)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    d = hashlib.blake2b(f"condinit own init\0{name}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(d[:4], "little"), (int.from_bytes(d[4:], "little") & 0x7FFFFFFF) << 32
+
+
+def own_normal_(tensor: torch.Tensor, seed: int, name: str, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Fill ``tensor`` (floating, any device and layout) with ``mean + std * z``, ``z`` the
+    own-init normals of ``name`` under ``seed`` (see the module doc), each rounded once to the
+    tensor's dtype: the same bits on every device and for every chunking.
+
+    Examples:
+        >>> w = torch.empty(4096, 2048, dtype=torch.bfloat16)
+        >>> own_normal_(w, 0, "model.layers.0.mlp.up_proj.weight", std=0.02)
+        >>> torch.equal(w[:1], own_normal_(torch.empty(1, 2048, dtype=torch.bfloat16), 0,
+        ...                                "model.layers.0.mlp.up_proj.weight", std=0.02))
+        True
+    """
+    seed = check_seed("seed", seed)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise TypeError(f"tensor must be a floating torch.Tensor, got {getattr(tensor, 'dtype', type(tensor))}")
+    stream, first = own_init_stream(name)
+    mean, std = float(mean), float(std)
+    n = tensor.numel()
+    blocks = -(-n // OWN_INIT_BLOCK)
+    if blocks >= 1 << 32:
+        raise ValueError(f"{name}: {n} elements are more than own_normal_ draws for one tensor (2**48)")
+    if n == 0:
+        return tensor
+    with torch.no_grad():
+        dest = tensor if tensor.is_contiguous() else torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                                 device=tensor.device)
+        flat = dest.view(-1)
+        buf = torch.empty((min(blocks, _OWN_CHUNK_BLOCKS), 1, OWN_INIT_BLOCK), dtype=torch.float32,
+                          device=tensor.device)
+        for b0 in range(0, blocks, _OWN_CHUNK_BLOCKS):
+            b1 = min(blocks, b0 + _OWN_CHUNK_BLOCKS)
+            z = block_randn(seed, stream, range(first + b0, first + b1), (1, OWN_INIT_BLOCK), out=buf[:b1 - b0])
+            lo, hi = b0 * OWN_INIT_BLOCK, min(n, b1 * OWN_INIT_BLOCK)
+            z = z.view(-1)[:hi - lo]
+            z.mul_(std)
+            if mean != 0.0:
+                z.add_(mean)
+            flat[lo:hi].copy_(z)
+        if dest is not tensor:
+            tensor.copy_(dest)
+    return tensor
+
+
+def _init_function_table():
+    """transformers' table of the torch init primitives its guarded ``init.*`` functions call
+    (transformers >= 5), or None."""
+    try:
+        from transformers import initialization
+    except ImportError:
+        return None
+    return getattr(initialization, "TORCH_INIT_FUNCTIONS", None)
+
+
+# ------------------------------------------------------------------------------------------------
 # materializing units
 
 def _unit_seed(seed: int, name: str) -> int:
@@ -294,14 +442,15 @@ def _left_uninitialized(t: torch.Tensor) -> bool:
 
 
 class _Materializer:
-    """Computes the tensors of a meta ``PreTrainedModel`` unit by unit (see module doc)."""
+    """Computes the tensors of a meta ``PreTrainedModel`` unit by unit (see module doc), on ``device``."""
 
     def __init__(self, model, seed: int, method: str, v_mode: str, layers: Sequence[AttentionLayer],
-                 memory_budget: Optional[int], state: dict):
+                 memory_budget: Optional[int], state: dict, device: torch.device, qk_gain: float = 1.0,
+                 v_gain: float = 1.0):
         from transformers import PreTrainedModel
 
         self.model, self.seed, self.method, self.v_mode = model, seed, method, v_mode
-        self.memory_budget = memory_budget
+        self.memory_budget, self.device, self.qk_gain, self.v_gain = memory_budget, device, qk_gain, v_gain
         self.modules = dict(model.named_modules())
         self.state = state
         # key -> (module name, attribute)
@@ -334,17 +483,71 @@ class _Materializer:
                     if key is None:
                         raise ValueError(f"{l.name}: a Q/K/V tensor of this layer is not in the model's state dict")
                     self.layer_of_module[self.owner[key][0]] = pos
-        self.unit_modules = {}
-        for key, (mname, _) in self.owner.items():
-            self.unit_modules.setdefault(("layer", self.layer_of_module[mname]) if mname in self.layer_of_module
-                                         else ("module", mname), []).append(mname)
         self.unit_of = {key: (("layer", self.layer_of_module[m]) if m in self.layer_of_module else ("module", m))
                         for key, (m, _) in self.owner.items()}
+        self.unit_modules = {}
+        for key, (mname, _) in self.owner.items():
+            mods = self.unit_modules.setdefault(self.unit_of[key], [])
+            if mname not in mods:
+                mods.append(mname)
         try:
             from transformers.initialization import guard_torch_init_functions
         except ImportError:   # transformers 4: torch.nn.init is not patched, nothing to guard
             guard_torch_init_functions = contextlib.nullcontext
         self.guard = guard_torch_init_functions
+        self.init_table = _init_function_table()
+        self._fresh: dict = {}     # storage address -> (key, tensor) of the unit being initialized
+        self._whole: set = set()   # keys a patched normal_ filled entirely
+
+    def unit_bytes(self, unit) -> int:
+        """Bytes of the state-dict tensors of ``unit``."""
+        total = 0
+        for m in self.unit_modules[unit]:
+            prefix = f"{m}." if m else ""
+            mod = self.modules[m]
+            for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is not None and self.owner.get(prefix + attr) == (m, attr):
+                    total += _nbytes(t)
+        return total
+
+    def _name_of(self, tensor: torch.Tensor) -> Optional[str]:
+        """The stream name of a tensor handed to ``normal_``: a state-dict key of the unit being
+        initialized, a view of one (named after its geometry), or None (anything else)."""
+        if tensor.is_meta or not self._fresh:
+            return None
+        hit = self._fresh.get(tensor.untyped_storage().data_ptr())
+        if hit is None:
+            return None
+        key, base = hit
+        if (tensor.storage_offset() == base.storage_offset() and tuple(tensor.shape) == tuple(base.shape)
+                and tensor.stride() == base.stride() and tensor.dtype == base.dtype):
+            return key
+        return f"{key}@{tensor.storage_offset()}:{list(tensor.shape)}:{list(tensor.stride())}"
+
+    @contextlib.contextmanager
+    def _own_normals(self):
+        """``normal_`` of transformers' guarded init functions (and of ``torch.nn.init`` under the
+        guard), drawn by :func:`own_normal_` for the tensors of the unit being initialized."""
+        table = self.init_table
+        if table is None or "normal_" not in table:
+            yield
+            return
+        original = table["normal_"]
+
+        def normal_(tensor, mean=0.0, std=1.0, generator=None):
+            name = self._name_of(tensor) if generator is None else None
+            if name is None:   # not a state-dict tensor of this unit: the model's own code decides
+                return original(tensor, mean=mean, std=std, generator=generator)
+            own_normal_(tensor, self.seed, name, mean, std)
+            if "@" not in name:
+                self._whole.add(name)
+            return tensor
+
+        table["normal_"] = normal_
+        try:
+            yield
+        finally:
+            table["normal_"] = original
 
     def _own(self, mname: str) -> dict:
         """``{attr: real tensor}``: ``mname``'s direct state-dict tensors after the model's own init."""
@@ -355,7 +558,7 @@ class _Materializer:
             key = prefix + attr
             if t is None or self.owner.get(key) != (mname, attr):
                 continue
-            real = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            real = torch.empty(t.shape, dtype=t.dtype, device=self.device)
             if isinstance(t, nn.Parameter):
                 real = nn.Parameter(real, requires_grad=t.requires_grad)
             if id(t) in self.covered:
@@ -372,16 +575,24 @@ class _Materializer:
             fresh[attr] = real
         parts = mname.split(".") if mname else []
         chain = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]   # the module, then its ancestors
-        with _swapped(mod, fresh), torch.random.fork_rng(devices=[]), torch.no_grad(), self.guard():
-            torch.manual_seed(_unit_seed(self.seed, mname))
-            for name in chain:
-                fn = self.init_of[name]
-                if fn is not None:
-                    fn(self.modules[name])
+        self._fresh = {real.untyped_storage().data_ptr(): (prefix + attr, real.detach())
+                       for attr, real in fresh.items() if real.numel()}
+        self._whole = set()
+        try:
+            with _swapped(mod, fresh), torch.random.fork_rng(devices=[]), torch.no_grad(), self.guard(), \
+                    self._own_normals():
+                torch.manual_seed(_unit_seed(self.seed, mname))
+                for name in chain:
+                    fn = self.init_of[name]
+                    if fn is not None:
+                        fn(self.modules[name])
+        finally:
+            self._fresh = {}
         for attr, real in fresh.items():
             real.__dict__.pop("_is_hf_initialized", None)
             key = prefix + attr
-            if key in checked and _left_uninitialized(real.detach()):
+            # a tensor normal_ filled whole cannot hold a NaN of the fill: no pass over it
+            if key in checked and key not in self._whole and _left_uninitialized(real.detach()):
                 raise ValueError(f"{key}: the model's own init (_init_weights) leaves this tensor uninitialized; "
                                  f"write_pretrained cannot compute it")
         return fresh
@@ -401,7 +612,8 @@ class _Materializer:
                     raise ValueError(f"{l.name}: the layer is no longer recognised once materialized")
                 live = AttentionLayer(l.index, l.name, l.module, hit.adapter, hit.spec, l.cross)
                 with torch.no_grad():
-                    plan, _ = _plan([live], self.v_mode, measure_before=False)
+                    plan, _ = _plan([live], self.v_mode, measure_before=False, qk_gain=self.qk_gain,
+                                    v_gain=self.v_gain)
                     run_plan(plan, self.seed, self.method, memory_budget=self.memory_budget)
         out = {}
         for m in mnames:
@@ -412,13 +624,13 @@ class _Materializer:
 
 
 # ------------------------------------------------------------------------------------------------
-# writing
+# files
 
-def _write_safetensors(path: str, keys: list, state: dict, metadata: dict, compute, bar=None) -> None:
-    """Write a safetensors file of ``keys`` (headers from the meta tensors in ``state``), computing
-    each tensor with ``compute(key)`` when the file reaches it. Data is ordered by element size
-    (largest first, keeping each tensor aligned) then state-dict order; the header has sorted keys
-    in compact JSON, padded with spaces to 8 bytes as safetensors does."""
+def _shard_header(keys: list, state: dict, metadata: dict) -> tuple[bytes, list, int]:
+    """``(head, order, file size)`` of a safetensors file of ``keys`` (from the meta tensors in
+    ``state``): ``head`` is the length prefix and the header, ``order`` the tensors in data order
+    (largest element size first, keeping each tensor aligned, then state-dict order). The header has
+    sorted keys in compact JSON, padded with spaces to 8 bytes as safetensors does."""
     order = sorted(keys, key=lambda k: -state[k].element_size())
     header, at = {}, 0
     for k in order:
@@ -435,67 +647,286 @@ def _write_safetensors(path: str, keys: list, state: dict, metadata: dict, compu
         # the length's first two bytes would read as a pickle's PROTO opcode to readers that sniff
         # for one (condinit's own among them): eight more spaces of padding keep the file unambiguous
         raw += b" " * 8
-    with atomic_output(path) as tmp:
-        with open(tmp, "wb") as fh:
-            fh.write(len(raw).to_bytes(8, "little"))
-            fh.write(raw)
-            for k in order:
-                t = compute(k)
-                meta = state[k]
-                if t.dtype != meta.dtype or tuple(t.shape) != tuple(meta.shape):
-                    raise RuntimeError(f"{k}: computed {t.dtype} {tuple(t.shape)}, the header says {meta.dtype} "
-                                       f"{tuple(meta.shape)}")
-                if t.numel():
-                    fh.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-                if bar is not None:
-                    bar.update(_nbytes(t))
-                del t
+    head = len(raw).to_bytes(8, "little") + raw
+    return head, order, len(head) + at
 
 
-def _json_file(path: str, value) -> None:
+class _Aborted(Exception):
+    """The generating side gave up: the writer drops the file it is writing."""
+
+
+class _Progress:
+    """Bytes written: a tqdm bar (rate, ETA) when tqdm is installed, else a line on stderr every
+    ``every_s`` seconds. Updated from the writer thread."""
+
+    def __init__(self, total: int, desc: str, every_s: float = 10.0):
+        self.total, self.desc, self.every_s = total, desc, every_s
+        self.done, self.t0, self.last = 0, time.perf_counter(), time.perf_counter()
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, leave=False,
+                            smoothing=0.1)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            print(f"{self.desc}: {_fmt_bytes(self.done)} of {_fmt_bytes(self.total)} "
+                  f"({100 * self.done / max(self.total, 1):.0f}%), {rate / 1e6:.0f} MB/s, ETA {eta:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Writer:
+    """Writes files on a thread of its own, so the disk works while the next tensors are computed:
+    ``begin(path, head)``, ``put(tensor)`` for each tensor in order, ``end()``; then ``finish()``
+    (waits, raises the writer's error) or ``abort()`` (drops the file being written). Each file goes
+    through :func:`atomic_output` and is fsynced before its rename. ``put`` waits while more than
+    ``max_queued`` bytes are queued (one bigger tensor is let through alone)."""
+
+    def __init__(self, progress: Optional[_Progress], max_queued: int = _MAX_QUEUED_BYTES):
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._queued, self._max_queued = 0, max_queued
+        self.error: Optional[BaseException] = None
+        self.written: list = []
+        self._progress = progress
+        self._thread = threading.Thread(target=self._run, name="condinit-writer", daemon=True)
+        self._thread.start()
+
+    def _push(self, item, nbytes: int = 0) -> None:
+        with self._cond:
+            while self.error is None and self._queued > 0 and self._queued + nbytes > self._max_queued:
+                self._cond.wait()
+            if self.error is not None:
+                raise self.error
+            self._items.append(item)
+            self._queued += nbytes
+            self._cond.notify_all()
+
+    def _pop(self):
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
+
+    def begin(self, path: str, head: bytes) -> None:
+        self._push(("begin", path, head))
+
+    def put(self, tensor: torch.Tensor) -> None:
+        self._push(("data", tensor), _nbytes(tensor))
+        if not _OVERLAP_WRITES:
+            with self._cond:
+                while self.error is None and self._queued > 0:
+                    self._cond.wait()
+
+    def end(self) -> None:
+        self._push(("end",))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._pop()
+                if item[0] != "begin":
+                    return
+                _, path, head = item
+                with atomic_output(path) as tmp:
+                    with open(tmp, "wb") as fh:
+                        fh.write(head)
+                        while True:
+                            item = self._pop()
+                            if item[0] == "end":
+                                break
+                            if item[0] != "data":
+                                raise _Aborted()
+                            t = item[1]
+                            del item
+                            n = _nbytes(t)
+                            if n:
+                                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                            del t
+                            with self._cond:
+                                self._queued -= n
+                                self._cond.notify_all()
+                            if self._progress is not None:
+                                self._progress.update(n)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                self.written.append(path)
+        except BaseException as exc:   # handed to the generating thread, which raises it
+            with self._cond:
+                self.error = exc
+                self._cond.notify_all()
+
+    def finish(self) -> None:
+        self._push(("stop",))
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        with self._cond:
+            self._items.clear()
+            self._queued = 0
+            self._items.append(("abort",))
+            self._cond.notify_all()
+        self._thread.join()
+
+
+def _json_text(value) -> str:
+    return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def _write_text(path: str, text: str) -> None:
     with atomic_output(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+            fh.write(text)
 
 
-def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "auto", v_mode: str = "identity",
-                     dtype: Optional[torch.dtype] = None, max_shard_size: Union[int, str] = "5GB",
-                     model_class=None, include=None, exclude=None, strict: bool = False,
-                     memory_budget: Optional[int] = None, family: Optional[str] = None,
-                     extra_metadata: Optional[dict] = None, progress: bool = False) -> PretrainedWriteReport:
-    """Write a ``from_pretrained``-ready model directory of the conditioned model, streamed (see module doc).
+# ------------------------------------------------------------------------------------------------
+# what is already in the destination
 
-    Args:
-        model_or_config: a ``transformers.PretrainedConfig`` (the model is built from it on meta:
-            ``model_class``, else the config's ``architectures[0]``, else ``AutoModelForCausalLM`` for
-            decoder language models and ``AutoModel`` otherwise), or a ``PreTrainedModel`` whose
-            tensors are all on the meta device (left as it is, apart from ``dtype``).
-        out_dir: the directory; created (in an existing directory) when missing.
-        seed: ``0 <= seed < 2**64``, for the conditioned Q/K (as ``condinit.apply(model, seed=seed)``)
-            and the own init of everything else. Not drawn: the same call writes the same bytes.
-        method, v_mode, include, exclude, strict, memory_budget: as in :func:`condinit.apply`.
-        dtype: storage dtype (``torch.bfloat16``, ...); default: the model's, or the config's
-            ``dtype``, or float32.
-        max_shard_size: bytes per weights file, an int or ``"5GB"`` / ``"500MB"`` / ``"2GiB"`` (as
-            ``save_pretrained``; a bigger tensor gets a file of its own).
-        model_class: the transformers class to build a config with.
-        family: the ``family`` field of the ``condinit`` metadata (default: the config's ``model_type``).
-        extra_metadata: more fields for the ``condinit`` metadata (e.g. ``{"preset": ...}``).
-        progress: a tqdm progress bar over the bytes written.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
-    Returns:
-        :class:`PretrainedWriteReport`.
 
-    Raises:
-        ValueError / TypeError: a bad argument, a model that is not all on meta, no attention layer,
-            ``strict`` with uncovered modules; all before anything is written.
+def _identity(meta: dict) -> dict:
+    """The fields of a ``condinit`` entry that say which model it is (not which shard)."""
+    return {k: v for k, v in meta.items() if k not in ("shard", "layers")}
 
-    Examples:
-        >>> config = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, ...)
-        >>> rep = write_pretrained(config, "llama-8b-cond/", seed=0, dtype=torch.bfloat16, max_shard_size="5GB")
-        >>> model = transformers.AutoModelForCausalLM.from_pretrained("llama-8b-cond/")
-    """
-    t_start = time.perf_counter()
+
+def _first_difference(old: dict, new: dict) -> str:
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) != new.get(k):
+            return f"{k}: {_short(old.get(k))} there, {_short(new.get(k))} here"
+    return ""
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _other_model(out_dir: str, config_text: Optional[str], full_meta: dict, planned: set) -> Optional[str]:
+    """Why ``out_dir`` holds a model other than the one about to be written, or None (nothing
+    there, or this model: same config, same ``condinit`` identity)."""
+    if not os.path.isdir(out_dir):
+        return None
+    names = sorted(os.listdir(out_dir))
+    if config_text is not None and CONFIG_NAME in names:
+        try:
+            with open(os.path.join(out_dir, CONFIG_NAME), encoding="utf-8") as fh:
+                old = json.load(fh)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return f"its {CONFIG_NAME} is not readable JSON"
+        new = json.loads(config_text)
+        if not isinstance(old, dict):
+            return f"its {CONFIG_NAME} is not a JSON object"
+        old = {k: v for k, v in old.items() if k != "transformers_version"}
+        new = {k: v for k, v in new.items() if k != "transformers_version"}
+        if old != new:
+            return f"its {CONFIG_NAME} differs ({_first_difference(old, new)})"
+    ours = _identity(full_meta)
+    our_layers = [_canonical_json(ent) for ent in full_meta.get("layers", [])]
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if name == WEIGHTS_INDEX_NAME:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    meta = (json.load(fh).get("metadata") or {}).get(METADATA_KEY)
+            except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+                return f"its {name} is not a readable index"
+            where = name
+        elif name.endswith(".safetensors") and (name in planned or _SHARD_RE.match(name) or name == WEIGHTS_NAME):
+            try:
+                raw = (_read_header(path).get("__metadata__") or {}).get(METADATA_KEY)
+                meta = json.loads(raw) if raw is not None else None
+            except ValueError:
+                if name in planned:   # an unfinished or damaged file this write replaces anyway
+                    continue
+                return f"{name} is not a readable safetensors file"
+            where = name
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            return f"it holds weights this write does not produce ({name})"
+        else:
+            continue
+        if not isinstance(meta, dict):
+            return f"{where} was not written by condinit (no condinit metadata)"
+        if _identity(meta) != ours:
+            return f"{where} is another condinit model ({_first_difference(_identity(meta), ours)})"
+        if any(_canonical_json(ent) not in our_layers for ent in meta.get("layers") or ()):
+            return f"{where} describes other attention layers"
+    return None
+
+
+def _complete(path: str, head: bytes, size: int) -> bool:
+    """Whether ``path`` is the file this write would give: its size, and its header (every tensor's
+    name, dtype, shape and offsets, and the metadata) byte for byte."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            return False
+        with open(path, "rb") as fh:
+            return fh.read(len(head)) == head
+    except OSError:
+        return False
+
+
+def _free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _needed_bytes(paths: dict, sizes: dict, keep: set) -> int:
+    """Bytes the write needs free: every file it writes, less the files it replaces (freed at their
+    rename), but the largest of those, held until its own replacement is complete."""
+    new = sum(sizes[f] for f in paths if f not in keep)
+    replaced = [os.path.getsize(paths[f]) for f in paths if f not in keep and os.path.isfile(paths[f])]
+    return new - sum(replaced) + max(replaced, default=0)
+
+
+def _current_rss() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# the write
+
+@dataclass
+class _Job:
+    model: nn.Module
+    state: dict
+    engine: _Materializer
+    report: ApplyReport
+    full_meta: dict
+    num_parameters: int
+    total_size: int
+    device: torch.device
+
+
+def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, model_class, include, exclude,
+             strict, memory_budget, family, extra_metadata, device) -> _Job:
+    """Every check and the whole plan, nothing written."""
     from transformers import PretrainedConfig
 
     seed = check_seed("seed", seed)
@@ -503,16 +934,21 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
     check_choice("v_mode", v_mode, V_MODES)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    limit = parse_shard_size(max_shard_size)
     inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
     strict = check_bool("strict", strict)
     memory_budget = check_int("memory_budget", memory_budget, min=1, allow_none=True)
-    progress = check_bool("progress", progress)
     if family is not None and not isinstance(family, str):
         raise TypeError(f"family must be a string or None, got {type(family).__name__}")
     if extra_metadata is not None and not isinstance(extra_metadata, dict):
         raise TypeError(f"extra_metadata must be a dict or None, got {type(extra_metadata).__name__}")
-    out_dir = _check_out_dir(out_dir)
+    try:
+        device = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    if device.type == "meta":
+        raise ValueError("device must be a real device (cpu, cuda, ...), got meta")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: no CUDA device is available")
 
     if isinstance(model_or_config, PretrainedConfig):
         config = model_or_config
@@ -539,84 +975,315 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
 
     found = _discover_for_writing(model, 0, inc, exc, include, exclude, strict)
     layers, uncovered = found.layers, found.uncovered
+    qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],
+                                  [l.spec.v.weight.dtype for l in layers])
     state = _saved_state(model)
     for k, t in state.items():
         if t.dtype not in _ST_DTYPES:
             raise TypeError(f"{k}: dtype {t.dtype} cannot be stored in safetensors by write_pretrained")
-    files = _plan_files(state, limit)
-    weight_map = {k: f for f, ks in files.items() for k in ks}
-    paths = {f: check_output_path(os.path.join(out_dir, f)) if os.path.isdir(out_dir) else None for f in files}
-    engine = _Materializer(model, seed, method, v_mode, layers, memory_budget, state)
+    engine = _Materializer(model, seed, method, v_mode, layers, memory_budget, state, device, qk_gain, v_gain)
     if uncovered:
         warnings.warn(f"write_pretrained: {len(uncovered)} attention-like module(s) of {type(model).__name__} are "
                       f"not conditioned and keep the model's own init (report.uncovered lists them; strict=True "
-                      f"makes this an error): {_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=2)
-
+                      f"makes this an error): {_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=3)
     reports = [LayerReport(l.index, l.name, l.adapter, l.spec.num_heads, l.spec.num_kv_heads, l.spec.head_dim,
                            {p: tuple(proj.shape) for p, proj in l.spec.projections()}, layout=l.spec.layout,
                            cross=l.cross) for l in layers]
-    report = ApplyReport(reports, seed, method, v_mode, 0, True, False, 0.0, 0.0, list(uncovered))
+    report = ApplyReport(reports, seed, method, v_mode, 0, True, False, 0.0, 0.0, list(uncovered), qk_gain, v_gain)
     fam = family if family is not None else getattr(model.config, "model_type", None)
     full_meta = json.loads(condinit_metadata(model, report, fam, extra=extra_metadata)[METADATA_KEY])
     num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     total_size = sum(_nbytes(t) for t in state.values())
+    return _Job(model, state, engine, report, full_meta, num_parameters, total_size, device)
 
-    # writing starts here
-    os.makedirs(out_dir, exist_ok=True)
-    for f in files:
-        if paths[f] is None:
-            paths[f] = check_output_path(os.path.join(out_dir, f))
-    for stale in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):   # never a loadable mix of old and new files
-        path = os.path.join(out_dir, stale)
-        if os.path.isfile(path) and not (stale == WEIGHTS_NAME and WEIGHTS_NAME in files):
-            os.unlink(path)
 
-    config = copy.deepcopy(model.config)
-    config.dtype = str(next(iter(state.values())).dtype).split(".")[1] if state else None
-    config.architectures = [type(model).__name__]
-    with atomic_output(os.path.join(out_dir, "config.json")) as tmp:
-        config.to_json_file(tmp, use_diff=True)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
-        with atomic_output(os.path.join(out_dir, "generation_config.json")) as tmp:
-            gen.to_json_file(tmp, use_diff=True)
+@contextlib.contextmanager
+def _compute_threads(device: torch.device):
+    """torch's CPU threads while tensors are computed: all cores but one, which is the writer
+    thread's (torch's threads on every core stall one another and the writer: 2-3x slower on two
+    cores). Results do not depend on it (counter-based streams; the orthogonalization is
+    bit-identical across thread counts)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and _OVERLAP_WRITES:
+        torch.set_num_threads(max(1, threads - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=total_size, unit="B", unit_scale=True, desc="condinit write", leave=False)
-    ready: dict = {}       # computed tensors not yet written
+def _measure_rates(job: _Job) -> dict:
+    """Generation rates on this machine, from a short run: own-init elements per second (the
+    model's main dtype) and seconds per conditioned attention layer (its first one, computed)."""
+    dtypes = collections.Counter()
+    for t in job.state.values():
+        if t.is_floating_point():
+            dtypes[t.dtype] += t.numel()
+    dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
+    with _compute_threads(job.device):
+        probe = torch.empty(1 << 22, dtype=dtype, device=job.device)
+        own_normal_(probe, 0, "rate probe")   # first call: allocations and kernel set-up
+        t0 = time.perf_counter()
+        own_normal_(probe, 0, "rate probe", std=0.02)
+        if job.device.type == "cuda":
+            torch.cuda.synchronize(job.device)
+        own_rate = probe.numel() / max(time.perf_counter() - t0, 1e-9)
+        del probe
+        layer_units = [u for u in job.engine.unit_modules if u[0] == "layer"]
+        layer_s = 0.0
+        if layer_units:
+            t0 = time.perf_counter()
+            out = job.engine.unit(layer_units[0])
+            if job.device.type == "cuda":
+                torch.cuda.synchronize(job.device)
+            layer_s = time.perf_counter() - t0
+            del out
+    return {"own_elements_per_s": own_rate, "layer_s": layer_s, "dtype": str(dtype).replace("torch.", "")}
+
+
+def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, free: Optional[int],
+               write_bytes: int, measure: bool) -> WritePlan:
+    units = job.engine.unit_modules
+    unit_bytes = {u: job.engine.unit_bytes(u) for u in units}
+    largest = max(unit_bytes.items(), key=lambda kv: kv[1]) if unit_bytes else ((None, None), 0)
+    largest_layer = max((b for u, b in unit_bytes.items() if u[0] == "layer"), default=0)
+    scratch = 4 * _OWN_CHUNK_BLOCKS * OWN_INIT_BLOCK + 3 * 4 * max(
+        (t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "layer"), default=0)
+    queued = min(_MAX_QUEUED_BYTES, job.total_size)
+    on_host = job.device.type == "cpu"
+    peak = _current_rss() + queued + (largest[1] + largest_layer + scratch if on_host else 0)
+    unit_name = largest[0][1] if largest[0][0] == "module" else job.engine.layers[largest[0][1]].name
+    plan = WritePlan([(f, sizes[f], len(files[f])) for f in files], job.total_size, write_bytes, free, peak,
+                     (unit_name, largest[1]), list(keep))
+    if measure:
+        rates = _measure_rates(job)
+        own = sum(t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "module")
+        todo = {k for f in files if f not in keep for k in files[f]}
+        frac = sum(_nbytes(job.state[k]) for k in todo) / max(job.total_size, 1)
+        n_layers = sum(1 for u in units if u[0] == "layer")
+        plan.rates = rates
+        plan.estimated_seconds = frac * (own / rates["own_elements_per_s"] + n_layers * rates["layer_s"])
+    return plan
+
+
+def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
+    """Write ``jobs`` (``[(path, head, order)]``) in order: tensors computed here, written by a
+    :class:`_Writer` thread. SIGTERM in the main thread removes the file being written."""
+    engine, state = job.engine, job.state
+    todo = {k for _, _, order in jobs for k in order}
+    ready: dict = {}       # computed tensors not yet handed to the writer
+    done: set = set()
 
     def compute(key):
         if key not in ready:
             for k, t in engine.unit(engine.unit_of[key]).items():
-                if k in weight_map and k not in written:
+                if k in todo and k not in done:
                     ready[k] = t
-        written.add(key)
-        return ready.pop(key)
+        done.add(key)
+        t = ready.pop(key)
+        meta = state[key]
+        if t.dtype != meta.dtype or tuple(t.shape) != tuple(meta.shape):
+            raise RuntimeError(f"{key}: computed {t.dtype} {tuple(t.shape)}, the header says {meta.dtype} "
+                               f"{tuple(meta.shape)}")
+        return t.to("cpu").contiguous() if t.device.type != "cpu" else t.contiguous()
 
-    written: set = set()
-    try:
-        n = len(files)
-        for i, (fname, keys) in enumerate(files.items()):
-            inside = set(keys)
-            meta = dict(full_meta)
-            meta["layers"] = [ent for ent in full_meta["layers"]
-                              if all(ent[p]["tensor"] in inside for p in ("q", "k", "v"))]
-            meta["shard"] = [i + 1, n]
-            _write_safetensors(paths[fname], keys, state, {"format": "pt", METADATA_KEY: _canonical_json(meta)},
-                               compute, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    if len(files) > 1:
-        index = {"metadata": {"total_parameters": num_parameters, "total_size": total_size, "condinit": full_meta},
-                 "weight_map": weight_map}
-        _json_file(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index)
+    total = sum(_nbytes(state[k]) for k in todo)
+    bar = _Progress(total, desc) if progress and total else None
+    with _removing_temps_on_sigterm():
+        writer = _Writer(bar)
+        try:
+            with _compute_threads(job.device):
+                for path, head, order in jobs:
+                    writer.begin(path, head)
+                    for k in order:
+                        writer.put(compute(k))
+                    writer.end()
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "auto", v_mode: str = "identity",
+                     qk_gain: float = 1.0, v_gain: float = 1.0, dtype: Optional[torch.dtype] = None,
+                     max_shard_size: Union[int, str] = "5GB", model_class=None, include=None, exclude=None,
+                     strict: bool = False, memory_budget: Optional[int] = None, family: Optional[str] = None,
+                     extra_metadata: Optional[dict] = None, progress: bool = False, device=None,
+                     resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> PretrainedWriteReport:
+    """Write a ``from_pretrained``-ready model directory of the conditioned model, streamed (see module doc).
+
+    Args:
+        model_or_config: a ``transformers.PretrainedConfig`` (the model is built from it on meta:
+            ``model_class``, else the config's ``architectures[0]``, else ``AutoModelForCausalLM`` for
+            decoder language models and ``AutoModel`` otherwise), or a ``PreTrainedModel`` whose
+            tensors are all on the meta device (left as it is, apart from ``dtype``).
+        out_dir: the directory; created (in an existing directory) when missing.
+        max_shard_size: bytes per weights file, an int or ``"5GB"`` / ``"500MB"`` / ``"2GiB"`` (as
+            ``save_pretrained``; a bigger tensor gets a file of its own).
+        resume: keep the planned shards already in ``out_dir`` that are complete (size and header
+            exactly as this write gives them), write the rest.
+        overwrite: write even when ``out_dir`` holds another model (its files of the same names are
+            replaced, its other shards removed).
+        seed: ``0 <= seed < 2**64``, for the conditioned Q/K (as ``condinit.apply(model, seed=seed)``)
+            and the own init of everything else. Not drawn: the same call writes the same bytes.
+        method, v_mode, qk_gain, v_gain, include, exclude, strict, memory_budget: as in
+            :func:`condinit.apply`.
+        dtype: storage dtype (``torch.bfloat16``, ...); default: the model's, or the config's
+            ``dtype``, or float32.
+        device: where tensors are computed (``"cpu"``, ``"cuda"``); they are written from the CPU.
+        model_class: the transformers class to build a config with.
+        family: the ``family`` field of the ``condinit`` metadata (default: the config's ``model_type``).
+        extra_metadata: more fields for the ``condinit`` metadata (e.g. ``{"preset": ...}``).
+        progress: a progress bar over the bytes written (tqdm; else a line every 10 s on stderr).
+        dry_run: plan, check and measure only (``report.plan``); nothing is written.
+    Returns:
+        :class:`PretrainedWriteReport`.
+
+    Raises:
+        ValueError / TypeError: a bad argument, a model that is not all on meta, no attention layer,
+            ``strict`` with uncovered modules, another model in ``out_dir`` (without ``overwrite``),
+            too little free disk space; all before anything is written.
+
+    Examples:
+        >>> config = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, ...)
+        >>> rep = write_pretrained(config, "llama-8b-cond/", seed=0, dtype=torch.bfloat16, max_shard_size="5GB")
+        >>> model = transformers.AutoModelForCausalLM.from_pretrained("llama-8b-cond/")
+        >>> rep = write_pretrained(config, "llama-8b-cond/", dtype=torch.bfloat16, resume=True)  # after a crash
+    """
+    t_start = time.perf_counter()
+    limit = parse_shard_size(max_shard_size)
+    progress = check_bool("progress", progress)
+    resume = check_bool("resume", resume)
+    overwrite = check_bool("overwrite", overwrite)
+    dry_run = check_bool("dry_run", dry_run)
+    out_dir = _check_out_dir(out_dir)
+    job = _prepare(model_or_config, seed=seed, method=method, v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain,
+                   dtype=dtype, model_class=model_class, include=include, exclude=exclude, strict=strict,
+                   memory_budget=memory_budget, family=family, extra_metadata=extra_metadata, device=device)
+    model, state, full_meta = job.model, job.state, job.full_meta
+    files = _plan_files(state, limit)
+    weight_map = {k: f for f, ks in files.items() for k in ks}
+    paths = {f: check_output_path(os.path.join(out_dir, f)) if os.path.isdir(out_dir) else os.path.join(out_dir, f)
+             for f in files}
+
+    heads, orders, sizes = {}, {}, {}
+    n = len(files)
+    for i, (fname, keys) in enumerate(files.items()):
+        inside = set(keys)
+        meta = dict(full_meta)
+        meta["layers"] = [ent for ent in full_meta["layers"]
+                          if all(ent[p]["tensor"] in inside for p in ("q", "k", "v"))]
+        meta["shard"] = [i + 1, n]
+        heads[fname], orders[fname], sizes[fname] = _shard_header(
+            keys, state, {"format": "pt", METADATA_KEY: _canonical_json(meta)})
+
+    config = copy.deepcopy(model.config)
+    config.dtype = str(next(iter(state.values())).dtype).split(".")[1] if state else None
+    config.architectures = [type(model).__name__]
+    config_text = config.to_json_string(use_diff=True)
+    gen = getattr(model, "generation_config", None)
+    gen_text = gen.to_json_string(use_diff=True) if gen is not None and callable(getattr(model, "can_generate", None)) \
+        and model.can_generate() else None
+    index_text = None
+    if n > 1:
+        index_text = _json_text({"metadata": {"total_parameters": job.num_parameters, "total_size": job.total_size,
+                                              METADATA_KEY: full_meta}, "weight_map": weight_map})
+
+    # refusals: nothing is written before these
+    if not overwrite:
+        why = _other_model(out_dir, config_text, full_meta, set(files))
+        if why is not None:
+            raise ValueError(f"out_dir {out_dir} already holds another model: {why}; pass overwrite=True "
+                             f"(--overwrite) to replace it, or choose another directory")
+    keep = [f for f in files if resume and _complete(paths[f], heads[f], sizes[f])]
+    need = _needed_bytes(paths, sizes, set(keep)) + len(config_text) + len(index_text or "") + len(gen_text or "")
+    free = _free_bytes(out_dir)
+    if need > free:
+        raise ValueError(f"not enough disk space for {out_dir}: the write needs {_fmt_bytes(need)} "
+                         f"({len(files) - len(keep)} weights file(s)), the filesystem has {_fmt_bytes(free)} free")
+    if dry_run:
+        plan = _make_plan(job, files, heads, sizes, keep, free, need, measure=True)
+        job.report.total_time_s = time.perf_counter() - t_start
+        return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
+                                     job.num_parameters, job.report, job.report.total_time_s, plan=plan,
+                                     kept=[paths[f] for f in keep], dry_run=True)
+    plan = _make_plan(job, files, heads, sizes, keep, free, need, measure=False)
+
+    # writing starts here
+    os.makedirs(out_dir, exist_ok=True)
+    for f in files:
+        paths[f] = check_output_path(paths[f])
+    for stale in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):   # never a loadable mix of old and new files
+        path = os.path.join(out_dir, stale)
+        if os.path.isfile(path) and stale not in files:
+            os.unlink(path)
+    _write_text(os.path.join(out_dir, CONFIG_NAME), config_text)
+    if gen_text is not None:
+        _write_text(os.path.join(out_dir, "generation_config.json"), gen_text)
+    _run_write(job, [(paths[f], heads[f], orders[f]) for f in files if f not in keep], progress, "condinit write")
+    if index_text is not None:
+        _write_text(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index_text)
     for name in os.listdir(out_dir):    # shards of an earlier write that this one did not replace
         if _SHARD_RE.match(name) and name not in files and os.path.isfile(os.path.join(out_dir, name)):
             os.unlink(os.path.join(out_dir, name))
-    report.total_time_s = time.perf_counter() - t_start
-    return PretrainedWriteReport(out_dir, [os.path.join(out_dir, f) for f in files], weight_map, total_size,
-                                 num_parameters, report, report.total_time_s)
+    job.report.total_time_s = time.perf_counter() - t_start
+    return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
+                                 job.num_parameters, job.report, job.report.total_time_s, plan=plan,
+                                 kept=[paths[f] for f in keep])
+
+
+def write_checkpoint(model_or_config, path, *, seed: int = 0, method: str = "auto", v_mode: str = "identity",
+                     qk_gain: float = 1.0, v_gain: float = 1.0, dtype: Optional[torch.dtype] = None,
+                     model_class=None, include=None, exclude=None, strict: bool = False,
+                     memory_budget: Optional[int] = None, family: Optional[str] = None,
+                     extra_metadata: Optional[dict] = None, progress: bool = False, device=None,
+                     dry_run: bool = False) -> PretrainedWriteReport:
+    """Write the conditioned model as one ``.safetensors`` file, streamed: the tensors of
+    :func:`write_pretrained` (bit for bit, whatever its ``max_shard_size``), the ``condinit`` entry
+    of every layer in the header; the file is replaced atomically.
+
+    Args:
+        model_or_config: as in :func:`write_pretrained`.
+        path: the file.
+        seed: ``0 <= seed < 2**64``, for the conditioned Q/K (as ``condinit.apply(model, seed=seed)``)
+            and the own init of everything else. Not drawn: the same call writes the same bytes.
+        method, v_mode, qk_gain, v_gain, include, exclude, strict, memory_budget: as in
+            :func:`condinit.apply`.
+        dtype: storage dtype (``torch.bfloat16``, ...); default: the model's, or the config's
+            ``dtype``, or float32.
+        device: where tensors are computed (``"cpu"``, ``"cuda"``); they are written from the CPU.
+        model_class: the transformers class to build a config with.
+        family: the ``family`` field of the ``condinit`` metadata (default: the config's ``model_type``).
+        extra_metadata: more fields for the ``condinit`` metadata (e.g. ``{"preset": ...}``).
+        progress: a progress bar over the bytes written (tqdm; else a line every 10 s on stderr).
+        dry_run: plan, check and measure only (``report.plan``); nothing is written.
+    Returns:
+        :class:`PretrainedWriteReport` (``out_dir``: the file's directory).
+
+    Examples:
+        >>> rep = write_checkpoint(transformers.LlamaConfig(...), "llama.safetensors", dtype=torch.bfloat16)
+    """
+    t_start = time.perf_counter()
+    progress = check_bool("progress", progress)
+    dry_run = check_bool("dry_run", dry_run)
+    path = check_output_path(path)
+    job = _prepare(model_or_config, seed=seed, method=method, v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain,
+                   dtype=dtype, model_class=model_class, include=include, exclude=exclude, strict=strict,
+                   memory_budget=memory_budget, family=family, extra_metadata=extra_metadata, device=device)
+    keys = list(job.state)
+    name = os.path.basename(path)
+    head, order, size = _shard_header(keys, job.state, {"format": "pt", METADATA_KEY: _canonical_json(job.full_meta)})
+    need = _needed_bytes({name: path}, {name: size}, set())
+    free = _free_bytes(path)
+    if need > free:
+        raise ValueError(f"not enough disk space for {path}: the write needs {_fmt_bytes(need)}, the filesystem "
+                         f"has {_fmt_bytes(free)} free")
+    plan = _make_plan(job, {name: keys}, {name: head}, {name: size}, [], free, need, measure=dry_run)
+    if not dry_run:
+        _run_write(job, [(path, head, order)], progress, "condinit write")
+    job.report.total_time_s = time.perf_counter() - t_start
+    return PretrainedWriteReport(os.path.dirname(path), [path], {k: name for k in keys}, job.total_size,
+                                 job.num_parameters, job.report, job.report.total_time_s, plan=plan, dry_run=dry_run)

@@ -153,7 +153,8 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     check_bool("measure", measure)
     check_int("steps", steps, min=1)
     check_seed("seed", seed)
-    op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale)
+    # the theorem is about the bare A(X): no QK-norm, RoPE or soft-capping the module may apply
+    op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale, transforms="none")
     B, N, H, Hkv, d, G = op.B, op.N, op.H, op.Hkv, op.d, op.G
     f64 = torch.float64
     with torch.no_grad(), _autocast_disabled(op.device):

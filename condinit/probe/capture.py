@@ -8,12 +8,13 @@ they never change the forward pass.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["InputCapture", "layer_input"]
+__all__ = ["InputCapture", "layer_input", "layer_position_embeddings"]
 
 # keyword names under which attention modules receive their input
 _INPUT_KEYWORDS = ("hidden_states", "query", "x", "input")
@@ -40,13 +41,31 @@ def layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.
     return x
 
 
+def layer_position_embeddings(module: nn.Module, args: tuple, kwargs: dict):
+    """The ``(cos, sin)`` rotary tables a call passes to the module (Hugging Face attention modules
+    receive them as ``position_embeddings``, by keyword or by position), detached, or None."""
+    pe = kwargs.get("position_embeddings")
+    if pe is None and args:
+        try:
+            params = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        if "position_embeddings" in params and params.index("position_embeddings") < len(args):
+            pe = args[params.index("position_embeddings")]
+    if (isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe)):
+        return tuple(t.detach() for t in pe)
+    return None
+
+
 class InputCapture:
     """Forward pre-hooks on ``modules`` that capture each one's input (see :func:`layer_input`).
 
     Without ``on_input``, ``inputs[i]`` holds a detached copy of the first input module ``i`` reads
     (None until it runs, or when its input is not a 2-D/3-D tensor). With ``on_input``, every call
     of module ``i`` runs ``on_input(i, module, x)`` instead, with ``x`` the detached view or None;
-    the callback copies what it keeps. Use as a context manager, or call :meth:`remove`.
+    the callback copies what it keeps; with ``call_info=True`` it gets a fourth argument, the call's
+    ``(args, kwargs)`` (e.g. for :func:`layer_position_embeddings`). Use as a context manager, or call
+    :meth:`remove`.
 
     Examples:
         >>> mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
@@ -58,15 +77,18 @@ class InputCapture:
     """
 
     def __init__(self, modules: Sequence[nn.Module],
-                 on_input: Optional[Callable[[int, nn.Module, Optional[torch.Tensor]], None]] = None):
+                 on_input: Optional[Callable[..., None]] = None, call_info: bool = False):
         self.inputs: list = [None] * len(modules)
         self._on_input = on_input
+        self._call_info = call_info
         self._handles = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(modules)]
 
     def _hook(self, i: int):
         def hook(module, args, kwargs):
             x = layer_input(module, args, kwargs)
-            if self._on_input is not None:
+            if self._on_input is not None and self._call_info:
+                self._on_input(i, module, x, (args, kwargs))
+            elif self._on_input is not None:
                 self._on_input(i, module, x)
             elif x is not None and self.inputs[i] is None:
                 self.inputs[i] = x.clone()

@@ -186,6 +186,18 @@ def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: i
               f"wrt='weights'), so sigma_max = sigma_min = 0 and kappa is not defined")
 
 
+def _operator_notes(op: JacobianOperator) -> list:
+    """What an estimate's notes say about the operator: a plain-torch attention path, and what the
+    module computes that the operator leaves out (the full account is in ``subspace``)."""
+    out = []
+    if getattr(op, "dense_path", False):
+        out.append(f"attention, its JVP and VJP in plain torch ({op.dtype}, dense [B, H, N, N]): the fused kernels "
+                   f"have no logit soft-capping")
+    if getattr(op, "excluded", None):
+        out.append("not modelled: " + "; ".join(op.excluded))
+    return out
+
+
 def _generator(op: JacobianOperator, seed: int) -> torch.Generator:
     # CPU generator for portability (same stream on any device); tensors are moved afterwards
     return torch.Generator(device="cpu").manual_seed(seed)
@@ -203,13 +215,15 @@ class _Effective:
         self.op = op
         self.n_c, self.m_c = op.n - kin, op.m - kout
         self.transposed = self.m_c < self.n_c
-        if self.transposed:   # A^T: input R^m (projected), output R^n
-            self.mv = lambda u: op.project_input(op.rmv(u))
-            self.rmv = lambda v: op.project_output(op.mv(v))
+        # Only the start vector is projected: every later vector is J v or J^T u, which lies in
+        # range(J) / range(J^T), orthogonal to the known nulls (they are in null(J^T) / null(J)), so
+        # P_out J P_in acts as J on the Krylov space; the projections would only remove rounding
+        # (which J and J^T annihilate again) at the cost of a pass over the long vectors per step.
+        if self.transposed:   # A^T: input R^m (projected start), output R^n
+            self.mv, self.rmv = op.rmv, op.mv
             self.proj_in, self.size_in, self.size_out = op.project_output, op.m, op.n
         else:
-            self.mv = lambda v: op.project_output(op.mv(v))
-            self.rmv = lambda u: op.project_input(op.rmv(u))
+            self.mv, self.rmv = op.mv, op.rmv
             self.proj_in, self.size_in, self.size_out = op.project_input, op.n, op.m
         self.r = min(self.n_c, self.m_c)
 
@@ -221,14 +235,26 @@ class _Effective:
                 "complement")
         return (f"sigma_min = sigma_r(P_out J P_in), r = min(m', n') = {self.r}, with n' = {self.n_c} (of "
                 f"n = {op.n}) and m' = {self.m_c} (of m = {op.m}) the dimensions of the orthogonal complements "
-                f"of the known null directions; {side}. Known nulls: {op.null_description}")
+                f"of the known null directions; {side}. Known nulls: {op.null_description} "
+                f"Operator: {op.description}")
+
+
+def _norm(w: Tensor) -> Tensor:
+    """The norm of a vector, or of a coordinate pair ``[G; K G]`` (``sqrt(<G, K G>)``)."""
+    if w.dim() == 2:
+        return torch.dot(w[0], w[1]).clamp(min=0).sqrt()
+    return torch.linalg.vector_norm(w)
 
 
 class _Basis:
-    """Orthonormal vectors in a preallocated ``[rows, size]`` buffer (no per-step re-stacking)."""
+    """Orthonormal vectors in a preallocated ``[rows, size]`` buffer (no per-step re-stacking).
+
+    A vector may also be a coordinate pair ``[2, size]`` = ``[G; K G]`` (the weights' long side in
+    projection-output coordinates, see :meth:`JacobianOperator.coord_rmv`), orthonormal in the
+    inner product ``<G_1, K G_2>``."""
 
     def __init__(self, rows: int, like: Tensor):
-        self.M = like.new_empty(rows, like.shape[0])
+        self.M = like.new_empty(rows, *like.shape)
         self.k = 0
 
     def append(self, v: Tensor):
@@ -238,12 +264,21 @@ class _Basis:
     def last(self) -> Tensor:
         return self.M[self.k - 1]
 
+    def _remove(self, Q: Tensor, w: Tensor) -> Tensor:
+        if w.dim() == 2:
+            c = Q[:, 0] @ w[1]
+            return w - torch.tensordot(c, Q, dims=1)
+        return w - Q.t() @ (Q @ w)
+
     def reorth(self, w: Tensor) -> Tensor:
-        """Full reorthogonalization, twice (enough in floating point: Kahan / Parlett)."""
+        """Full reorthogonalization; a second pass only when the first removed most of ``w``
+        (Kahan / Parlett: twice is enough, once is when the norm drops by less than 1/sqrt(2))."""
         if self.k:
             Q = self.M[: self.k]
-            for _ in range(2):
-                w = w - Q.t() @ (Q @ w)
+            before = _norm(w)
+            w = self._remove(Q, w)
+            if not bool(_norm(w) > 0.7071 * before):
+                w = self._remove(Q, w)
         return w
 
 
@@ -267,15 +302,21 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
     V.append(v)
     beta, u_prev = 0.0, None
     scale_est = 0.0
+    # the long side (A^T's output, the weights) in projection-output coordinates when that is cheaper
+    coords = eff.transposed and getattr(op, "projection_coordinates", False)
     for it in range(1, k_max + 1):
         # upper bidiagonal: A V_k = U_k B_k,  A^T U_k = V_k B_k^T + beta_k v_{k+1} e_k^T
-        u = eff.mv(V.last())
+        if coords:
+            g = op.coord_rmv(V.last())
+            u = torch.stack([g, op.coord_gram(g)])
+        else:
+            u = eff.mv(V.last())
         if U is None:
             U = _Basis(k_max, u)
         if u_prev is not None:
             u = u - beta * u_prev
         u = U.reorth(u)
-        alpha = float(torch.linalg.vector_norm(u))
+        alpha = float(_norm(u))
         if not math.isfinite(alpha):
             return _nonfinite_estimate(op, method, f"J v is not finite in {op.dtype} at step {it} (overflow)",
                                        iterations=it, seed=seed, subspace=eff.subspace())
@@ -287,7 +328,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         u = u / alpha
         U.append(u)
         alphas.append(alpha)
-        w = eff.rmv(u) - alpha * V.last()
+        w = (op.coord_mv(u[1]) if coords else eff.rmv(u)) - alpha * V.last()
         w = V.reorth(w)
         beta = float(torch.linalg.vector_norm(w))
         if not math.isfinite(beta):
@@ -326,7 +367,8 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         method=method, sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin,
         iterations=k, residual_max=res_max, residual_min=None if math.isinf(res_min) else res_min,
         converged=bool(converged), rank_deficient=bool(rank_def), subspace=eff.subspace(),
-        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt, notes="; ".join(notes))
+        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt,
+        notes="; ".join(notes + _operator_notes(op)))
 
 
 def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
@@ -439,7 +481,7 @@ def _power_one(op: JacobianOperator, *, iters: int, seed: int, tol: float):
         method="power", sigma_max=sigma, sigma_min=None, kappa=None, iterations=it, residual_max=res,
         residual_min=None, converged=res <= tol, rank_deficient=False, subspace="n/a (sigma_max only)",
         null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt,
-        notes="power iteration on J^T J; sigma_max from below, error ~ residual^2")
+        notes="; ".join(["power iteration on J^T J; sigma_max from below, error ~ residual^2"] + _operator_notes(op)))
 
 
 def power_sigma_max(op: Union[JacobianOperator, Sequence[JacobianOperator]], iters: int = 50, seed: int = 0, *,

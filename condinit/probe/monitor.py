@@ -7,9 +7,11 @@
     monitor.close()                      # or `with JacobianMonitor(...) as monitor:`
 
 Forward pre-hooks on every attention layer the adapters know (:func:`condinit.models.find_attention`)
-capture, on sampled steps only (``step % every == 0``), a detached copy of the layer's input and of
-its Q/K/V weights (a :class:`~condinit.probe.JacobianOperator` is built at that moment, so the estimate
-refers to the weights the forward pass used). :meth:`JacobianMonitor.step` then runs
+capture, on sampled steps only (``step % every == 0``), a detached copy of the layer's input, of the
+rotary ``position_embeddings`` it is called with, and of its Q/K/V weights (a
+:class:`~condinit.probe.JacobianOperator` of the attention the module computes -- QK-norm, RoPE,
+sliding window, soft-capping -- is built at that moment, so the estimate refers to the weights the
+forward pass used; the record's ``notes`` / the estimate's ``subspace`` say what is modelled). :meth:`JacobianMonitor.step` then runs
 :func:`~condinit.probe.lanczos_svd` (``steps``) and :func:`~condinit.probe.frobenius_hutchinson` per layer
 and logs one record per layer to JSONL (and CSV; TensorBoard scalars when ``torch.utils.tensorboard``
 works).
@@ -19,12 +21,13 @@ Signals beside kappa, from the same captured step (``signals=True``), per head `
 ``A(X)`` (layer weights, biases, scale and causal mask; not RoPE or other position transforms the
 module applies inside, nor padding masks):
 
-* ``max_logit`` (``max_logit_heads``): ``max_ij s_ij`` over the batch, queries and unmasked keys;
-  the layer value is the largest head's.
+* ``max_logit`` (``max_logit_heads``): ``max_ij s_ij`` over the batch, queries and unmasked keys
+  (before soft-capping, which bounds it by construction); the layer value is the largest head's.
 * ``entropy_mean`` / ``entropy_min`` (``entropy_mean_heads`` / ``entropy_min_heads``): the
-  attention entropy ``-sum_j p_ij log p_ij`` (nats) averaged over queries, and its minimum over the
-  queries that attend more than one key (under a causal mask the first query sees one key only and
-  has entropy 0 by construction); layer values: the mean over heads, the minimum over heads.
+  attention entropy ``-sum_j p_ij log p_ij`` (nats, of the probabilities the layer uses: after
+  soft-capping and masks) averaged over queries, and its minimum over the queries that attend more
+  than one key (under a causal mask the first query sees one key only and has entropy 0 by
+  construction); layer values: the mean over heads, the minimum over heads.
 * ``qk_norm`` (``qk_norm_heads``): the spectral norm of the ``D x D`` bilinear form
   ``W_Q,h^T W_K,g(h)`` (``s_ij = scale x_i^T W_Q,h^T W_K,g x_j`` without biases), computed exactly
   as ``||R_Q,h R_K,g^T||_2`` from thin QRs ``W_Q,h^T = Q_Q,h R_Q,h`` (``d x d`` SVDs only); the layer
@@ -55,6 +58,14 @@ all-zero input gives the exact answer ``J = 0`` (``sigma_max`` 0, ``rank_deficie
 ``notes``). Programming errors in the call itself (a negative or non-int ``step``, a closed
 monitor) do raise, at the call.
 
+Distributed (FSDP2). For layers whose parameters are FSDP2 DTensors (``fully_shard``), the hooks keep
+only the rank's own input; :meth:`JacobianMonitor.step`, which every rank must call, visits the layers
+in one order on all ranks and, per layer, unshards the FSDP unit that owns it, builds the operator,
+reshards, then estimates: at most one unit's weights are gathered at a time (``peak_unsharded``). The
+weights are then those after the step's optimizer update (``weights`` in the record). Records carry
+``rank`` and are gathered to rank 0, which alone writes files and raises alerts; other ranks keep
+their own records in :attr:`~JacobianMonitor.history`.
+
 Budget: ``budget`` seconds of estimator work per sampled step (None: no limit; <= 0: ValueError),
 ``max_layers`` layers per sampled step, ``max_tokens`` / ``max_batch`` to subsample the captured input.
 The time budget is checked between layers (a layer already started finishes). Layers are visited
@@ -83,7 +94,7 @@ from torch import nn
 
 from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_real, check_seed
 
-from .capture import InputCapture
+from .capture import InputCapture, layer_position_embeddings
 from .operator import _autocast_disabled
 
 __all__ = ["JacobianMonitor", "ConditioningWarning", "ALERT_KINDS"]
@@ -171,23 +182,25 @@ def _attention_signals(op) -> dict:
         max_logit = torch.full((H,), -math.inf, device=dev, dtype=dt)
         ent_sum = torch.zeros(H, device=dev, dtype=dt)
         ent_min = torch.full((H,), math.inf, device=dev, dtype=dt)
-        keys = torch.arange(N, device=dev)
-        # queries that see more than one key: all when N > 1 without a mask, i >= 1 with it
-        first = 1 if op.causal else (0 if N > 1 else N)
         for i0 in range(0, N, rows):
             i1 = min(N, i0 + rows)
             s = (qg[..., i0:i1, :] @ kt) * op.scale                       # [B, Hkv, G, r, N]
-            if op.causal:
-                masked = keys.unsqueeze(0) > torch.arange(i0, i1, device=dev).unsqueeze(1)   # [r, N]
-                s = s.masked_fill(masked, -math.inf)
+            ok = op.allowed_keys(i0, i1)                                  # [r, N] or None (all keys)
+            if ok is not None:
+                s = s.masked_fill(~ok, -math.inf)
             max_logit = torch.maximum(max_logit, s.amax(dim=(0, 3, 4)).reshape(H))
+            if op.softcap is not None:      # c tanh(-inf / c) = -c: mask again after the cap
+                s = torch.tanh(s / op.softcap) * op.softcap
+                if ok is not None:
+                    s = s.masked_fill(~ok, -math.inf)
             p = torch.softmax(s, dim=-1)
             ent = -torch.special.xlogy(p, p).sum(dim=-1)                  # [B, Hkv, G, r]; 0 log 0 = 0
             del s, p
             ent_sum += ent.sum(dim=(0, 3)).reshape(H)
-            lo = max(i0, first)
-            if lo < i1:
-                ent_min = torch.minimum(ent_min, ent[..., lo - i0:].amin(dim=(0, 3)).reshape(H))
+            # the minimum over queries that see more than one key
+            several = (ok.sum(dim=-1) > 1) if ok is not None else torch.full((i1 - i0,), N > 1, device=dev)
+            if bool(several.any()):
+                ent_min = torch.minimum(ent_min, ent[..., several].amin(dim=(0, 3)).reshape(H))
         ent_mean = ent_sum / (B * N)
         # ||W_Q,h^T W_K,g||_2 = ||R_Q,h R_K,g^T||_2 with W^T = Q R thin QRs ([D, d] -> R [d, d])
         # Each weight is divided by its largest |entry| first (finite weights, so the product and the
@@ -236,6 +249,9 @@ class JacobianMonitor:
         alerts: thresholds per alert kind (:data:`ALERT_KINDS`: ``"kappa_growth"``, ``"max_logit"``,
             ``"entropy"``, ``"qk_norm"``); each fires once per layer and kind, as a
             :class:`ConditioningWarning` and a record in :attr:`alerts` and the JSONL file.
+        distributed: None (default): on when the model holds FSDP2-sharded attention layers and
+            ``torch.distributed`` is initialized (then every rank must create the monitor and call
+            :meth:`step`); False with sharded layers is a ValueError.
 
     :attr:`capturing` (default True) switches the hooks off while False (a trainer callback sets it
     False between its steps, so evaluation forwards are not taken for the next training step's).
@@ -256,7 +272,8 @@ class JacobianMonitor:
                  log_dir=None, path=None, seed: int = 0, wrt: str = "weights", causal: Optional[bool] = None,
                  max_layers: Optional[int] = None, max_batch: Optional[int] = 1,
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
-                 exclude=None, tensorboard: bool = True, signals: bool = True, alerts: Optional[dict] = None):
+                 exclude=None, tensorboard: bool = True, signals: bool = True, alerts: Optional[dict] = None,
+                 distributed: Optional[bool] = None):
         from condinit.models.apply import _no_attention_error, find_attention
         from .operator import WRT, check_dtype
 
@@ -279,9 +296,14 @@ class JacobianMonitor:
         check_bool("tensorboard", tensorboard)
         check_bool("signals", signals)
         alerts = _check_alerts(alerts)
+        check_bool("distributed", distributed, allow_none=True)
         self.layers = find_attention(model, include=include, exclude=exclude)
         if not self.layers:
             raise _no_attention_error(model, include, exclude)
+        self._setup_distributed(model, distributed)
+        if self.distributed and self._rank != 0:
+            log_dir = path = None            # rank 0 writes every rank's records
+            tensorboard = False
         self.every, self.budget, self.steps, self.seed, self.wrt = every, budget, steps, seed, wrt
         self.causal, self.max_layers, self.max_batch, self.max_tokens = causal, max_layers, max_batch, max_tokens
         self.frobenius_samples, self.dtype = frobenius_samples, dtype
@@ -322,7 +344,7 @@ class JacobianMonitor:
                 self._tb = SummaryWriter(log_dir=os.fspath(log_dir))
             except ImportError:      # tensorboard is optional
                 self._tb = None
-        self._capture = InputCapture([l.module for l in self.layers], on_input=self._on_input)
+        self._capture = InputCapture([l.module for l in self.layers], on_input=self._on_input, call_info=True)
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -331,23 +353,36 @@ class JacobianMonitor:
         """Whether the current step (:attr:`step_count`) is a sampled one."""
         return self.step_count % self.every == 0
 
-    def _on_input(self, idx: int, module: nn.Module, x) -> None:
-        """Pre-hook callback: on a sampled step, snapshot layer ``idx``'s first forward as an operator."""
-        if not self.capturing or not self.sampling or idx in self._captured or idx in self._errors:
+    def _on_input(self, idx: int, module: nn.Module, x, call) -> None:
+        """Pre-hook callback: on a sampled step, snapshot layer ``idx``'s first forward as an operator
+        (sharded layers: its input only; the operator is built in :meth:`step`)."""
+        if not self.capturing or not self.sampling or idx in self._captured or idx in self._errors \
+                or idx in self._pending:
             return
         if x is None:
             self._errors[idx] = "could not find a [B, N, D] input tensor"
             return
+        pe = layer_position_embeddings(module, *call)
         if self.max_batch is not None:
             x = x[: self.max_batch]
+            pe = None if pe is None else tuple(t[: self.max_batch] if t.dim() == 3 else t for t in pe)
         if self.max_tokens is not None:
             x = x[:, : self.max_tokens]
+            pe = None if pe is None else tuple(t[..., : self.max_tokens, :] for t in pe)
         causal = self.causal if self.causal is not None else bool(getattr(module, "is_causal", False))
+        if idx in self._sharded:
+            # only this rank's input is kept; the layer's weights are gathered one layer at a time in step()
+            self._pending[idx] = (x.clone(), None if pe is None else tuple(t.clone() for t in pe), causal)
+            return
+        self._build(idx, module, x, pe, causal)
+
+    def _build(self, idx: int, module: nn.Module, x, pe, causal: bool) -> None:
         from .operator import JacobianOperator
         try:
             # copies x and the weights now (cast to the compute dtype, whatever autocast does in this
-            # forward): the estimate refers to this forward's weights
-            self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype)
+            # forward): the estimate refers to these weights
+            self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype,
+                                                   position_embeddings=pe)
         except (ValueError, TypeError) as exc:
             # non-finite data (NonFiniteError) or a layer the operator cannot read: logged as skipped
             # with the reason; training goes on
@@ -367,11 +402,15 @@ class JacobianMonitor:
         step = check_int("step", step, min=0, allow_none=True)
         cur = self.step_count if step is None else step
         records = []
-        if self._captured or self._errors:
+        # every rank of a distributed monitor takes part in each sampled step (the gathers are collective)
+        if self._captured or self._errors or self._pending or (self.distributed and self.sampling_step(cur)):
             records = self._estimate(cur)
-        self._captured, self._errors = {}, {}
+        self._captured, self._errors, self._pending = {}, {}, {}
         self.step_count = cur + 1
         return records
+
+    def sampling_step(self, step: int) -> bool:
+        return step % self.every == 0
 
     def _order(self) -> list[int]:
         L = len(self.layers)
@@ -387,16 +426,31 @@ class JacobianMonitor:
         for idx in order:
             layer = self.layers[idx]
             base = {"step": step, "layer": layer.index, "name": layer.name, "wrt": self.wrt}
+            if self.distributed:
+                base["rank"] = self._rank
+            over_time = self.budget is not None and time.perf_counter() - t_start >= self.budget
+            over_layers = self.max_layers is not None and done >= self.max_layers
+            if self.distributed:
+                # one decision for all ranks: the gather of a sharded layer is a collective
+                over_time = self._any_rank(over_time)
+            if idx in self._sharded and not (over_time or over_layers):
+                if self._gather_and_build(idx):
+                    done += 1
+                    self._cursor = (idx + 1) % len(self.layers)
             if idx in self._errors:
                 records.append({**base, "skipped": f"error: {self._errors[idx]}"})
                 continue
             op = self._captured.get(idx)
+            if op is None and idx in self._sharded and (over_time or over_layers):
+                if idx in self._pending:
+                    records.append({**base, "skipped": "budget" if over_time else "max_layers"})
+                else:
+                    records.append({**base, "skipped": "layer not run in the sampled forward"})
+                continue
             if op is None:
                 records.append({**base, "skipped": "layer not run in the sampled forward"})
                 continue
-            over_time = self.budget is not None and time.perf_counter() - t_start >= self.budget
-            over_layers = self.max_layers is not None and done >= self.max_layers
-            if over_time or over_layers:
+            if idx not in self._sharded and (over_time or over_layers):
                 records.append({**base, "skipped": "budget" if over_time else "max_layers"})
                 continue
             t0 = time.perf_counter()
@@ -406,12 +460,14 @@ class JacobianMonitor:
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
                 fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                     if self.frobenius_samples and math.isfinite(est.sigma_max) else None
+            self._captured.pop(idx, None)          # a layer's copies are freed once estimated
             if not math.isfinite(est.sigma_max):
                 # the estimators report an overflow of the compute dtype as NaN values with the reason
                 records.append({**base, **sig, "batch": op.B, "tokens": op.N, "time_s": time.perf_counter() - t0,
                                 "skipped": est.notes})
-                done += 1
-                self._cursor = (idx + 1) % len(self.layers)
+                if idx not in self._sharded:
+                    done += 1
+                    self._cursor = (idx + 1) % len(self.layers)
                 continue
             rec = {**base, "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                    "rank_deficient": est.rank_deficient, "converged": est.converged,
@@ -421,11 +477,19 @@ class JacobianMonitor:
                    "notes": est.notes}
             if fro is not None:
                 rec.update(frobenius=fro.frobenius, frobenius_ci_low=fro.ci_low, frobenius_ci_high=fro.ci_high)
+            if idx in self._sharded:
+                rec["weights"] = "gathered in step() (after this step's optimizer update)"
             rec.update(sig)
             records.append(rec)
-            done += 1
-            self._cursor = (idx + 1) % len(self.layers)
+            if idx not in self._sharded:
+                done += 1
+                self._cursor = (idx + 1) % len(self.layers)
         self._captured = {}
+        if self.distributed:
+            records = self._gather_records(records)
+            if self._rank != 0:          # rank 0 writes and alerts for all; the others keep their own
+                self.history.extend(records)
+                return records
         alerts = []
         for r in records:      # before NaN / inf become None; a loop, not a comprehension: see stacklevel
             alerts += self._check_thresholds(r)
@@ -433,6 +497,105 @@ class JacobianMonitor:
         self.history.extend(records)
         self.alerts.extend(alerts)
         return records
+
+    # -- distributed (FSDP2) ---------------------------------------------------------------------
+
+    def _any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(t.item())
+
+    def _gather_and_build(self, idx: int) -> bool:
+        """All ranks: gather the weights of the FSDP unit that owns layer ``idx`` (only that unit is
+        unsharded, so memory is bounded by one unit), build the operator on this rank's own captured
+        input, reshard. Returns whether any rank had an input for the layer."""
+        if not self._any_rank(idx in self._pending):
+            return False
+        unit = self._units[idx]
+        layer = self.layers[idx]
+        with torch.no_grad():
+            unit.unshard()
+            try:
+                if idx in self._pending:
+                    x, pe, causal = self._pending.pop(idx)
+                    self._build(idx, layer.module, x, pe, causal)
+                    self.peak_unsharded = max(self.peak_unsharded, self._unsharded_count())
+            finally:
+                unit.reshard()
+        return True
+
+    def _unsharded_count(self) -> int:
+        """How many FSDP units hold unsharded (plain) parameters right now (for the memory bound)."""
+        from torch.distributed.tensor import DTensor
+        return sum(1 for u in {id(u): u for u in self._units.values()}.values()
+                   if any(not isinstance(p, DTensor) for p in u.parameters(recurse=False))
+                   or any(not isinstance(p, DTensor) for m in self._own_modules(u) for p in m.parameters(recurse=False)))
+
+    def _own_modules(self, unit):
+        """The submodules of an FSDP unit that it manages itself (not inside a nested unit)."""
+        from torch.distributed.fsdp import FSDPModule
+        out, stack = [], list(unit.children())
+        while stack:
+            m = stack.pop()
+            if isinstance(m, FSDPModule):
+                continue
+            out.append(m)
+            stack.extend(m.children())
+        return out
+
+    def _gather_records(self, records: list) -> list:
+        """Every rank's records on rank 0 (rank order); other ranks keep their own."""
+        import torch.distributed as dist
+        world = dist.get_world_size(self._group)
+        gathered = [None] * world if self._rank == 0 else None
+        dist.gather_object(records, gathered, dst=0, group=self._group)
+        if self._rank != 0:
+            return records
+        return [r for part in gathered for r in part]
+
+    def _setup_distributed(self, model: nn.Module, distributed) -> None:
+        """Layers whose parameters FSDP2 shards (DTensor) are estimated with their weights gathered per
+        layer in :meth:`step`; records go to rank 0."""
+        self._sharded, self._units, self._pending = set(), {}, {}
+        self.peak_unsharded = 0
+        try:
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.tensor import DTensor
+        except ImportError:       # a torch without torch.distributed
+            FSDPModule = DTensor = None
+        import torch.distributed as dist
+        ready = dist.is_available() and dist.is_initialized()
+        if DTensor is not None:
+            names = dict(model.named_modules())
+            for i, layer in enumerate(self.layers):
+                if not any(isinstance(p, DTensor) for p in layer.module.parameters()):
+                    continue
+                unit = None
+                parts = layer.name.split(".") if layer.name else []
+                for k in range(len(parts), -1, -1):
+                    cand = names.get(".".join(parts[:k]))
+                    if isinstance(cand, FSDPModule):
+                        unit = cand
+                        break
+                if unit is None:
+                    raise ValueError(f"layer {layer.name}: its parameters are DTensors but no enclosing module is "
+                                     f"an FSDP2 (fully_shard) module; condinit gathers FSDP2-sharded layers only")
+                self._sharded.add(i)
+                self._units[i] = unit
+        if distributed is None:
+            distributed = bool(self._sharded) and ready
+        if distributed and not ready:
+            raise ValueError("distributed=True needs an initialized torch.distributed process group")
+        if self._sharded and not distributed:
+            raise ValueError("the model holds FSDP2-sharded attention layers: the monitor must run on every rank "
+                             "(distributed=True or None)")
+        self.distributed = bool(distributed)
+        self._group = None
+        self._rank = dist.get_rank() if self.distributed else 0
+        backend = dist.get_backend() if self.distributed else None
+        self._comm_device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                             else torch.device("cpu"))
 
     def _check_thresholds(self, rec: dict) -> list[dict]:
         """The alert records ``rec`` triggers (each (layer, kind) once per monitor), with their warnings."""

@@ -323,19 +323,33 @@ class JacobianOperator:
     def __init__(self, layer_or_qkv, x: Optional[Tensor] = None, wrt: str = "weights", *,
                  causal: bool = False, include_output_proj: bool = False,
                  dtype: Optional[torch.dtype] = None, scale: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, position_embeddings=None, transforms: str = "module"):
         check_choice("wrt", wrt, WRT)
         check_bool("causal", causal)
         check_bool("include_output_proj", include_output_proj)
         check_dtype("dtype", dtype)
         scale = check_real("scale", scale, min=0.0, min_open=True, allow_none=True)
         check_choice("backend", backend, _backends.BACKENDS + ("auto",), allow_none=True)
+        check_choice("transforms", transforms, TRANSFORMS)
         self.wrt, self.causal, self.backend = wrt, causal, backend
         self.include_output_proj = include_output_proj
+        self.transforms = transforms
         self._wo = None
+        self._rope_cs = None
+        self.q_norm = self.k_norm = None
+        self.softcap = None
+        self.window = None            # (left, right) key offsets allowed around the query, -1 = unbounded
+        self.window_size = None
+        self.excluded: list = []      # what the module computes and this operator does not
         if isinstance(layer_or_qkv, nn.Module):
             self._init_module(layer_or_qkv, x, dtype, scale)
+            if transforms == "module":
+                self._init_transforms(layer_or_qkv, position_embeddings)
+            elif position_embeddings is not None:
+                raise ValueError("position_embeddings needs transforms='module' (transforms='none' is the bare A(X))")
         elif isinstance(layer_or_qkv, (tuple, list)) and len(layer_or_qkv) == 3:
+            if position_embeddings is not None:
+                raise ValueError("position_embeddings needs a module (a (q, k, v) triple is already rotated)")
             self._init_qkv(layer_or_qkv, x, dtype, scale)
         else:
             raise TypeError(f"layer_or_qkv must be an attention nn.Module or a (q, k, v) tuple of tensors, "
@@ -404,6 +418,70 @@ class JacobianOperator:
         self.B, self.N = x.shape[0], x.shape[1]
         self._qkv_given = None
 
+    def _init_transforms(self, module: nn.Module, position_embeddings) -> None:
+        """What the module computes between its projections and the softmax (read from its attributes,
+        HF naming): RoPE from ``position_embeddings``, ``q_norm`` / ``k_norm``, ``sliding_window``,
+        ``attn_logit_softcapping``."""
+        for qn, kn in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")):
+            for name, rows, heads, slot in ((qn, self.H * self.d, self.H, "q_norm"),
+                                            (kn, self.Hkv * self.d, self.Hkv, "k_norm")):
+                norm = getattr(module, name, None)
+                if isinstance(norm, nn.Module):
+                    setattr(self, slot, _QKNorm(name, norm, rows, heads, self.d, self.device, self.dtype))
+        if position_embeddings is not None:
+            self._rope_cs = _position_embeddings(position_embeddings, self.B, self.N, self.d, self.device, self.dtype)
+        elif _takes_position_embeddings(module):
+            self.excluded.append("RoPE (the module takes position_embeddings; none were given)")
+        window = getattr(module, "sliding_window", None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            # HF: causal sliding_window_overlay (key j allowed iff i - j < W); bidirectional |i - j| <= W
+            self.window = (window - 1, -1) if self.causal else (window, window)
+            self.window_size = window
+        cap = getattr(module, "attn_logit_softcapping", None)
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
+            self.softcap = float(cap)
+        dropout = getattr(module, "attention_dropout", getattr(module, "dropout", 0.0))
+        if isinstance(dropout, (int, float)) and dropout > 0 and module.training:
+            self.excluded.append(f"attention dropout (p = {dropout:g}; the operator is the deterministic map)")
+
+    @property
+    def dense_path(self) -> bool:
+        """Whether attention runs in plain torch here: the fused kernels have no logit soft-capping
+        (the layer's probe-sized input keeps the ``[B, H, N, N]`` blocks small)."""
+        return self.softcap is not None
+
+    @property
+    def description(self) -> str:
+        """What this operator models of the layer, on which path, and what it leaves out."""
+        parts = [f"scale {self.scale:.6g}", "causal mask" if self.causal else "no mask"]
+        if self.H != self.Hkv:
+            parts.append(f"GQA ({self.H} query heads, {self.Hkv} key/value heads)")
+        if self.q_norm is not None:
+            parts.append("QK-norm " + self.q_norm.describe())
+        if self.k_norm is not None:
+            parts.append(("" if self.q_norm is not None else "QK-norm ") + self.k_norm.describe())
+        if self._rope_cs is not None:
+            r = self._rope_cs[0].shape[-1]
+            parts.append(f"RoPE on q and k and their tangents (rotate-half, cos/sin as the module received them, "
+                         f"{r} of {self.d} channels)")
+        if self.window is not None:
+            parts.append(f"sliding window {self.window_size} (window_left={self.window[0]}, "
+                         f"window_right={self.window[1]})")
+        if self.softcap is not None:
+            parts.append(f"logit soft-capping c tanh(s / c), c = {self.softcap:g}")
+        text = "modelled: " + ", ".join(parts)
+        if self.dense_path:
+            text += (f"; attention computed in plain torch ({self.dtype}) with dense [B, H, N, N] blocks: the fused "
+                     f"kernels have no soft-capping")
+        else:
+            text += f"; attention by the fused kernels ({self._impls['attention_jvp']})"
+        left = list(self.excluded)
+        if self.transforms == "none" and self.D is not None:
+            left.append("whatever the module applies between its projections and the softmax (transforms='none')")
+        left.append("padding / attention masks beyond causal and sliding window, position biases (ALiBi, "
+                    "relative), dropout")
+        return text + ". Not modelled: " + "; ".join(left) + "."
+
     def _init_qkv(self, qkv, x, dtype, scale):
         if self.wrt != "qkv":
             raise ValueError(f"a (q, k, v) triple has no weights or input: use wrt='qkv', got wrt={self.wrt!r}")
@@ -443,25 +521,126 @@ class JacobianOperator:
         """The backend of each attention op for this operator's calls (one choice, here)."""
         from condinit.ops.attention.op import ATTENTION_BWD, ATTENTION_FWD, ATTENTION_JVP
 
-        return {op.name: op.choose(self.device, self.backend, dtype=self.dtype, head_dim=self.d)
+        left, right = self.window if self.window is not None else (-1, -1)
+        self._mask = (left, right, None, None)          # window_left, window_right, q_lens, kv_lens
+        masks = tuple(kind for kind, on in (("causal", self.causal), ("window", self.window is not None)) if on)
+        return {op.name: op.choose(self.device, self.backend, dtype=self.dtype, head_dim=self.d, masks=masks)
                 for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP)}
 
     @_no_autocast
     def _primal(self):
-        """(q, k, v, out, lse) at the linearization point; computed once, no graph."""
+        """(q, k, v, out, lse) at the linearization point (q, k after QK-norm and RoPE); computed once,
+        no graph."""
         if self._primals is None:
             with torch.no_grad():
                 if self._qkv_given is not None:
                     q, k, v = self._qkv_given
                 else:
-                    q, k, v = (self._heads(self._lin(self.X, w, b), h)
-                               for w, b, h in ((self.Wq, self.bq, self.H), (self.Wk, self.bk, self.Hkv),
-                                               (self.Wv, self.bv, self.Hkv)))
+                    q_lin, k_lin, v_lin = (self._lin(self.X, w, b) for w, b in
+                                           ((self.Wq, self.bq), (self.Wk, self.bk), (self.Wv, self.bv)))
+                    q = self._qk_primal(q_lin, self.q_norm, self.H)
+                    k = self._qk_primal(k_lin, self.k_norm, self.Hkv)
+                    v = self._heads(v_lin, self.Hkv)
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-                out, lse = torch.ops.condinit.attention_fwd(q, k, v, self.causal, self.scale,
-                                                            self._impls["attention_fwd"])
+                if self.dense_path:
+                    out, lse = self._dense_fwd(q, k, v)
+                else:
+                    out, lse = torch.ops.condinit.attention_fwd(q, k, v, self.causal, self.scale, *self._mask,
+                                                                self._impls["attention_fwd"])
             self._primals = (q, k, v, out, lse)
         return self._primals
+
+    def _qk_primal(self, y: Tensor, norm, h: int) -> Tensor:
+        if norm is not None:
+            y = norm.at(y)
+        y = self._heads(y, h)
+        return y if self._rope_cs is None else _rope(y, *self._rope_cs)
+
+    def _qk_tangent(self, t: Tensor, norm, h: int) -> Tensor:
+        """Projection tangents ``[P, B, N, rows]`` -> tangents of the rotated heads ``[P, B, h, N, d]``."""
+        if norm is not None:
+            t = norm.jvp(t)
+        t = self._heads(t, h)
+        return t if self._rope_cs is None else _rope(t, *self._rope_cs)
+
+    def _qk_cotangent(self, g: Tensor, norm) -> Tensor:
+        """Cotangents of the rotated heads ``[P, B, h, N, d]`` -> of the projection ``[P, B, N, rows]``."""
+        if self._rope_cs is not None:
+            g = _rope(g, *self._rope_cs, transpose=True)
+        g = self._unheads(g)
+        return g if norm is None else norm.vjp(g)
+
+    # -- the dense torch attention (soft-capping, sliding window) -------------------------------
+
+    def allowed_keys(self, i0: int, i1: int) -> Optional[Tensor]:
+        """``[i1 - i0, N]`` bool: the keys queries ``i0 .. i1 - 1`` attend (causal, window), or None for all."""
+        if not self.causal and self.window is None:
+            return None
+        i = torch.arange(i0, i1, device=self.device).unsqueeze(1)
+        j = torch.arange(self.N, device=self.device).unsqueeze(0)
+        ok = torch.ones(i1 - i0, self.N, dtype=torch.bool, device=self.device)
+        if self.causal:
+            ok &= j <= i
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                ok &= j >= i - left
+            if right >= 0:
+                ok &= j <= i + right
+        return ok
+
+    def _rep(self, t: Tensor) -> Tensor:
+        """Key/value heads repeated to the query heads (head ``h`` reads ``h // G``)."""
+        return t if self.G == 1 else t.repeat_interleave(self.G, dim=-3)
+
+    def _group_sum(self, t: Tensor) -> Tensor:
+        """[.., H, N, d] -> [.., Hkv, N, d]: the transpose of :meth:`_rep`."""
+        if self.G == 1:
+            return t
+        return t.unflatten(-3, (self.Hkv, self.G)).sum(dim=-3)
+
+    def _dense_fwd(self, q, k, v):
+        s = (q @ self._rep(k).transpose(-1, -2)) * self.scale
+        self._dcap = None
+        if self.softcap is not None:
+            th = torch.tanh(s / self.softcap)
+            s = th * self.softcap
+            self._dcap = 1 - th * th                    # d(c tanh(s / c)) / ds
+        ok = self.allowed_keys(0, self.N)
+        if ok is not None:
+            s = s.masked_fill(~ok, -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        self._probs = torch.exp(s - lse.unsqueeze(-1))
+        return self._probs @ self._rep(v), lse
+
+    def _probe_chunks(self, P: int):
+        per = max(1, _DENSE_BLOCK_ENTRIES // max(1, self.B * self.H * self.N * self.N))
+        return [(i, min(P, i + per)) for i in range(0, P, per)]
+
+    def _dense_jvp(self, q, k, v, tq, tk, tv):
+        p, kk, vv = self._probs, self._rep(k), self._rep(v)
+        outs = []
+        for a, b in self._probe_chunks(tq.shape[0]):
+            ds = (tq[a:b] @ kk.transpose(-1, -2) + q @ self._rep(tk[a:b]).transpose(-1, -2)) * self.scale
+            if self._dcap is not None:
+                ds = ds * self._dcap
+            dp = p * (ds - (p * ds).sum(dim=-1, keepdim=True))
+            outs.append(dp @ vv + p @ self._rep(tv[a:b]))
+        return torch.cat(outs)
+
+    def _dense_vjp(self, g, q, k, v):
+        p, kk, vv = self._probs, self._rep(k), self._rep(v)
+        dqs, dks, dvs = [], [], []
+        for a, b in self._probe_chunks(g.shape[0]):
+            ga = g[a:b]
+            dvs.append(self._group_sum(p.transpose(-1, -2) @ ga))
+            dp = ga @ vv.transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+            if self._dcap is not None:
+                ds = ds * self._dcap
+            dqs.append((ds @ kk) * self.scale)
+            dks.append(self._group_sum(ds.transpose(-1, -2) @ q) * self.scale)
+        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
 
     @staticmethod
     def _lin(x, w, b):
@@ -510,16 +689,19 @@ class JacobianOperator:
     # -- forward mode ---------------------------------------------------------------------------
 
     def _tangents(self, T: Tensor):
-        """[P, n] -> (tq, tk, tv), each [P, B, H or Hkv, N, d]."""
+        """[P, n] -> (tq, tk, tv), each [P, B, H or Hkv, N, d] (q, k after QK-norm and RoPE)."""
         parts = self.split_input(T)
-        if self.wrt == "qkv":
+        if self._qkv_given is not None:
             return parts
-        if self.wrt == "input":
+        if self.wrt == "qkv":
+            lin = tuple(self._unheads(t) for t in parts)
+        elif self.wrt == "input":
             (dX,) = parts
-            return tuple(self._heads(dX @ w.t(), h) for w, h in ((self.Wq, self.H), (self.Wk, self.Hkv),
-                                                                  (self.Wv, self.Hkv)))
-        return tuple(self._heads(torch.matmul(self.X, dw.transpose(-1, -2).unsqueeze(-3)), h)
-                     for dw, h in zip(parts, (self.H, self.Hkv, self.Hkv)))
+            lin = tuple(dX @ w.t() for w in (self.Wq, self.Wk, self.Wv))
+        else:
+            lin = tuple(torch.matmul(self.X, dw.transpose(-1, -2).unsqueeze(-3)) for dw in parts)
+        return (self._qk_tangent(lin[0], self.q_norm, self.H), self._qk_tangent(lin[1], self.k_norm, self.Hkv),
+                self._heads(lin[2], self.Hkv))
 
     def _outputs(self, tout: Tensor) -> Tensor:
         """[P, B, H, N, d] -> [P, m]."""
@@ -531,11 +713,17 @@ class JacobianOperator:
     @_no_autocast
     def _matmat_rows(self, T: Tensor) -> Tensor:
         """[P, n] -> [P, m]: one fused multi-probe JVP launch."""
+        return self._jvp_outputs(self._tangents(T))
+
+    def _jvp_outputs(self, tangents) -> Tensor:
         q, k, v, _, _ = self._primal()
         with torch.no_grad():
-            tq, tk, tv = (t.contiguous() for t in self._tangents(T))
-            _, tout, _ = torch.ops.condinit.attention_jvp(q, k, v, tq, tk, tv, self.causal, self.scale,
-                                                          self._impls["attention_jvp"])
+            tq, tk, tv = (t.contiguous() for t in tangents)
+            if self.dense_path:
+                tout = self._dense_jvp(q, k, v, tq, tk, tv)
+            else:
+                _, tout, _ = torch.ops.condinit.attention_jvp(q, k, v, tq, tk, tv, self.causal, self.scale,
+                                                              *self._mask, self._impls["attention_jvp"])
             return self._outputs(tout)
 
     def mv(self, t) -> Tensor:
@@ -550,6 +738,68 @@ class JacobianOperator:
 
     # -- reverse mode ---------------------------------------------------------------------------
 
+    # -- the weights' Jacobian in projection-output coordinates ----------------------------------
+    # For wrt="weights", J^T u = (G_Q^T X, G_K^T X, G_V^T X) with G the cotangents of the projections'
+    # outputs ([B N, rows]), and J applied to such a vector needs the tangents X dW^T = K G with
+    # K = X X^T ([B N, B N]); <dW_1, dW_2> = <G_1, K G_2>. The estimators can run on the long side
+    # in these coordinates: one K G product per step instead of X dW^T and G^T X.
+
+    @property
+    def projection_coordinates(self) -> bool:
+        """Whether the projection-output coordinates are cheaper here (wrt="weights", B N < 2 D)."""
+        return self.wrt == "weights" and self._qkv_given is None and self.B * self.N < 2 * self.D
+
+    def _gram(self) -> Tensor:
+        if getattr(self, "_K", None) is None:
+            xf = self.X.reshape(-1, self.D)
+            self._K = xf @ xf.t()
+        return self._K
+
+    @_no_autocast
+    def coord_rmv(self, u: Tensor) -> Tensor:
+        """``G`` with ``J^T u = G^T X`` (flat ``[B N rows]``, rows = ``(H + 2 Hkv) d``)."""
+        lin = self._cotangents(u.reshape(1, -1))
+        return torch.cat(lin, dim=-1).reshape(-1)
+
+    @_no_autocast
+    def coord_gram(self, g: Tensor) -> Tensor:
+        """``K G`` (flat): the tangents ``X dW^T`` of ``dW = G^T X``, and ``<G', K G>`` its inner products."""
+        with torch.no_grad():
+            return (self._gram() @ g.reshape(self.B * self.N, -1)).reshape(-1)
+
+    @_no_autocast
+    def coord_mv(self, h: Tensor) -> Tensor:
+        """``J dW`` for ``dW = G^T X`` given ``h = K G`` (flat)."""
+        with torch.no_grad():
+            lin = h.reshape(1, self.B, self.N, -1).split(tuple(s[0] for s in self._in_shapes), dim=-1)
+            tangents = (self._qk_tangent(lin[0], self.q_norm, self.H), self._qk_tangent(lin[1], self.k_norm, self.Hkv),
+                        self._heads(lin[2], self.Hkv))
+            return self._jvp_outputs(tangents)[0]
+
+    def coord_to_input(self, g: Tensor) -> Tensor:
+        """The weight vector ``G^T X`` (flat ``[n]``) of coordinates ``g``."""
+        lin = g.reshape(1, self.B, self.N, -1).split(tuple(s[0] for s in self._in_shapes), dim=-1)
+        return torch.cat([torch.einsum("pbnk,bnD->pkD", l, self.X).reshape(1, -1) for l in lin], dim=1)[0]
+
+    def _cotangents(self, U: Tensor):
+        """[P, m] -> cotangents of the projections' outputs, each [P, B, N, rows]."""
+        q, k, v, out, lse = self._primal()
+        P = U.shape[0]
+        with torch.no_grad():
+            if self._wo is not None:
+                dO = self._heads(U.reshape(P, self.B, self.N, -1) @ self._wo, self.H)
+            else:
+                dO = U.reshape(P, self.B, self.H, self.N, self.d)
+            if self.dense_path:
+                dq, dk, dv = self._dense_vjp(dO, q, k, v)
+            else:
+                rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
+                dq, dk, dv = torch.ops.condinit.attention_bwd(
+                    dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
+                    rep(lse), self.causal, self.scale, *self._mask, self._impls["attention_bwd"])
+                dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
+            return (self._qk_cotangent(dq, self.q_norm), self._qk_cotangent(dk, self.k_norm), self._unheads(dv))
+
     @_no_autocast
     def _rmatmat_rows(self, U: Tensor) -> Tensor:
         """[P, m] -> [P, n]: the flash VJP with the probes folded into the batch."""
@@ -560,17 +810,25 @@ class JacobianOperator:
                 dO = self._heads(U.reshape(P, self.B, self.N, -1) @ self._wo, self.H)
             else:
                 dO = U.reshape(P, self.B, self.H, self.N, self.d)
-            rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
-            dq, dk, dv = torch.ops.condinit.attention_bwd(
-                dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
-                rep(lse), self.causal, self.scale, self._impls["attention_bwd"])
-            dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
-            if self.wrt == "qkv":
+            if self.dense_path:
+                dq, dk, dv = self._dense_vjp(dO, q, k, v)
+            else:
+                rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
+                dq, dk, dv = torch.ops.condinit.attention_bwd(
+                    dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
+                    rep(lse), self.causal, self.scale, *self._mask, self._impls["attention_bwd"])
+                dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
+            if self._qkv_given is not None:
                 parts = (dq, dk, dv)
-            elif self.wrt == "input":
-                parts = (sum(self._unheads(g) @ w for g, w in ((dq, self.Wq), (dk, self.Wk), (dv, self.Wv))),)
-            else:   # dW = sum_b dQ_b^T X_b
-                parts = tuple(torch.einsum("pbnk,bnD->pkD", self._unheads(g), self.X) for g in (dq, dk, dv))
+            else:
+                # back through RoPE and QK-norm to the projections' outputs [P, B, N, rows]
+                lin = (self._qk_cotangent(dq, self.q_norm), self._qk_cotangent(dk, self.k_norm), self._unheads(dv))
+                if self.wrt == "qkv":
+                    parts = tuple(self._heads(g, h) for g, h in zip(lin, (self.H, self.Hkv, self.Hkv)))
+                elif self.wrt == "input":
+                    parts = (sum(g @ w for g, w in zip(lin, (self.Wq, self.Wk, self.Wv))),)
+                else:   # dW = sum_b dQ_b^T X_b
+                    parts = tuple(torch.einsum("pbnk,bnD->pkD", g, self.X) for g in lin)
             return torch.cat([p.reshape(P, -1) for p in parts], dim=1)
 
     def rmv(self, u) -> Tensor:
@@ -640,15 +898,20 @@ class JacobianOperator:
         info = {"right_dims": 0, "left_dims": 0, "right": [], "left": []}
         rtol = _null_rtol(self._x_src_dtype)
         f64 = torch.float64
+        shifts = self._key_shifts_are_null
+        if not shifts:
+            info["right"].append("(no key-shift nulls: " + ("RoPE rotates" if self._rope_cs is not None else
+                                 "k_norm normalizes") + " a shift of all keys differently per key)")
         if self.wrt == "qkv":
-            info["right_dims"] = self.B * self.Hkv * self.d
-            info["right"].append(f"key shifts K'_(b,g) = 1 c^T per (batch, kv-head): B*Hkv*d = "
-                                 f"{info['right_dims']} dims")
+            if shifts:
+                info["right_dims"] = self.B * self.Hkv * self.d
+                info["right"].append(f"key shifts K'_(b,g) = 1 c^T per (batch, kv-head): B*Hkv*d = "
+                                     f"{info['right_dims']} dims")
         elif self.wrt == "input":
             wall = torch.cat([self.Wq, self.Wk, self.Wv]).to(f64)
             z0 = self._null_basis(wall, rtol)                 # [D, z0]
             wqv = torch.cat([self.Wq, self.Wv]).to(f64)
-            z1 = self._null_basis(wqv, rtol)
+            z1 = self._null_basis(wqv, rtol) if shifts else wqv.new_zeros(self.D, 0)
             if z0.shape[1] and z1.shape[1]:
                 z1 = _orth(z1 - z0 @ (z0.t() @ z1))
             self._z_row, self._z_shift = z0.to(self.dtype), z1.to(self.dtype)
@@ -662,7 +925,8 @@ class JacobianOperator:
                 info["right"].append(f"shifts dX_b = 1 u^T, u in null([W_Q; W_V]) (moves all keys alike): {k} dims")
         else:
             xa = self.X.reshape(-1, self.D).to(f64)
-            _, s, vh = torch.linalg.svd(xa, full_matrices=True)
+            # all of V is needed for null(X); U only thin (B N x min(B N, D))
+            u_x, s, vh = torch.linalg.svd(xa, full_matrices=xa.shape[0] < self.D)
             smax = float(s.max()) if s.numel() else 0.0
             rank = int((s > rtol * smax).sum()) if smax > 0 else 0
             z = vh[rank:].t()                                  # [D, D - rank]
@@ -673,13 +937,15 @@ class JacobianOperator:
                 info["right_dims"] += k
                 info["right"].append(f"rows of dW in null(X) (X is [B*N, D] = [{xa.shape[0]}, {self.D}] of rank "
                                      f"{rank}): {k} dims")
+            self._w_ones = None
             if rank:
-                u, sr, vr = torch.linalg.svd(xa, full_matrices=False)
-                u, sr, vr = u[:, :rank], sr[:rank], vr[:rank]
+                u, sr, vr = u_x[:, :rank], s[:rank], vh[:rank]
                 ones = torch.ones(xa.shape[0], dtype=f64, device=xa.device)
                 w = vr.t() @ ((u.t() @ ones) / sr)             # min-norm solution of X w = 1
                 res = float(torch.linalg.vector_norm(xa @ w - ones)) / math.sqrt(xa.shape[0])
                 if res < max(rtol, 1e-14) * 100:
+                    self._w_ones = w
+                if res < max(rtol, 1e-14) * 100 and shifts:
                     self._w_shift = (w / torch.linalg.vector_norm(w)).to(self.dtype)
                     self._w_raw = w
                     k = self.Hkv * self.d
@@ -687,10 +953,21 @@ class JacobianOperator:
                     info["right"].append(f"key shifts dW_K = c w^T with X w = 1 (1 in range(X), residual "
                                          f"{res:.1e}): Hkv*d = {k} dims")
             info["x_rank"] = rank
-            k = self._setup_gauge()
+            self._gauge_mode = self._gauge_kind()
+            if self._gauge_mode == "full":
+                k = self._setup_gauge()
+                what = "E b_Q,h = 0 unless X w = 1"
+            elif self._gauge_mode == "rope":
+                k = self._setup_gauge_rope()
+                what = ("E commuting with every captured RoPE rotation: per frequency plane a I + b J; E b = 0 "
+                        "for the Q and K biases unless X w = 1")
+            else:
+                k = 0
+                info["right"].append("(no Q/K gauge: QK-norm breaks it; near-null directions such as "
+                                     "dW_Q,h = c W_Q,h, null but for the norm's eps, stay in the estimate)")
             if k:
                 info["right_dims"] += k
-                info["right"].append(f"Q/K gauge dW_Q,h = E W_Q,h, dW_K,g = -E^T W_K,g (E b_Q,h = 0 unless X w = 1): {k} dims")
+                info["right"].append(f"Q/K gauge dW_Q,h = E W_Q,h, dW_K,g = -E^T W_K,g ({what}): {k} dims")
         if self.causal and self.G > 1 and self._wo is None:
             k = self.B * self.Hkv * (self.G - 1) * self.d
             info["left_dims"] = k
@@ -700,6 +977,125 @@ class JacobianOperator:
             info["left"].append("causal GQA with W_O: the first query's unreachable directions are not tracked "
                                 "(expect a rank-deficient report)")
         return info
+
+    @property
+    def _key_shifts_are_null(self) -> bool:
+        """A shift of all keys by one vector leaves each score row's softmax unchanged, unless RoPE
+        (different rotation per key) or a k_norm sits between the projection and the scores."""
+        return self._rope_cs is None and self.k_norm is None
+
+    def _gauge_kind(self) -> Optional[str]:
+        if self.q_norm is not None or self.k_norm is not None:
+            return None
+        return "full" if self._rope_cs is None else "rope"
+
+    def _rope_commutant(self) -> Tensor:
+        """Basis ``[nb, d, d]`` (float64) of the ``E`` that commute with the RoPE rotation of every
+        captured position: per group of planes that rotate alike at all positions, the complex-linear
+        maps (``a I + b J`` for a single plane); an arbitrary block on the channels that are never
+        rotated (pass-through channels, planes at angle 0 everywhere)."""
+        cos, sin = (t.to(torch.float64).reshape(-1, t.shape[-1]) for t in self._rope_cs)   # [B N, r]
+        d, r = self.d, cos.shape[-1]
+        half = r // 2
+        fixed = list(range(r, d))
+        groups: list = []            # [(cos column, sin column, [plane indices])]
+        for i in range(half):
+            c, sn = cos[:, i], sin[:, i]
+            if bool((c == 1).all()) and bool((sn == 0).all()):
+                fixed += [i, i + half]
+                continue
+            for gc, gs, planes in groups:
+                if torch.equal(gc, c) and torch.equal(gs, sn):
+                    planes.append(i)
+                    break
+            else:
+                groups.append((c, sn, [i]))
+        basis = []
+        for a in fixed:
+            for b in fixed:
+                e = torch.zeros(d, d, dtype=torch.float64)
+                e[a, b] = 1
+                basis.append(e)
+        for _, _, planes in groups:
+            for l in planes:
+                for k in planes:
+                    re = torch.zeros(d, d, dtype=torch.float64)
+                    re[l, k] = re[l + half, k + half] = 1              # z_k -> z_l
+                    im = torch.zeros(d, d, dtype=torch.float64)
+                    im[l, k + half], im[l + half, k] = -1, 1           # z_k -> i z_l
+                    basis += [re, im]
+        return torch.stack(basis).to(self.device) if basis else torch.zeros(0, d, d, dtype=torch.float64,
+                                                                            device=self.device)
+
+    def _setup_gauge_rope(self) -> int:
+        """The Q/K gauge under RoPE: ``E`` restricted to the rotations' commutant (and to ``E b_Q,h = 0``,
+        ``E^T b_K,g = 0`` unless ``X w = 1`` folds the biases in). Per key/value head, the projection
+        is ``t -= N (N^T N)^+ N^T t`` in the coordinates of that basis (Gram matrices from ``d x d``
+        products only)."""
+        f64 = torch.float64
+        Hkv, G, d, D = self.Hkv, self.G, self.d, self.D
+        basis = self._rope_commutant()                                # [nb, d, d]
+        eye = torch.eye(D, dtype=f64, device=self.device)
+        z = self._z_row.to(f64)
+        pi = eye - z @ z.t()
+        wq, wk = self.Wq.to(f64), self.Wk.to(f64)
+        bq = None if self.bq is None else self.bq.to(f64)
+        bk = None if self.bk is None else self.bk.to(f64)
+        if self._w_ones is not None:
+            # X w = 1: the biases are weight columns, E acts on them as on the weights
+            if bq is not None:
+                wq, bq = wq + torch.outer(bq, self._w_ones), None
+            if bk is not None:
+                wk, bk = wk + torch.outer(bk, self._w_ones), None
+        amax = float(torch.maximum(wq.abs().max(), wk.abs().max()))
+        if amax > 0:
+            unit = math.ldexp(1.0, -max(-1000, min(1000, math.frexp(amax)[1])))
+            wq, wk = wq * unit, wk * unit
+        wq = (wq @ pi).reshape(Hkv, G, d, D)
+        wk = (wk @ pi).reshape(Hkv, d, D)
+        A = torch.einsum("gjdD,gjeD->gde", wq, wq)
+        C = wk @ wk.transpose(-1, -2)
+        nb = basis.shape[0]
+        coords = []
+        for g in range(Hkv):
+            cons = []
+            if bq is not None:
+                cons.append(torch.einsum("aij,hj->hia", basis, bq.reshape(Hkv, G, d)[g]).reshape(-1, nb))
+            if bk is not None:
+                cons.append(torch.einsum("aji,j->ia", basis, bk.reshape(Hkv, d)[g]))
+            if cons and nb:
+                M = torch.cat(cons)
+                _, sv, vh = torch.linalg.svd(M, full_matrices=True)
+                rank = int((sv > 1e-12 * max(float(sv.max()), 1e-300)).sum()) if sv.numel() else 0
+                coords.append(vh[rank:].t())                          # [nb, nc]: E b = 0
+            else:
+                coords.append(torch.eye(nb, dtype=f64, device=self.device))
+        nc = max((c.shape[1] for c in coords), default=0)
+        F = torch.zeros(Hkv, nc, d, d, dtype=f64, device=self.device)
+        for g, c in enumerate(coords):
+            F[g, :c.shape[1]] = torch.einsum("ac,aij->cij", c, basis)
+        gram = (torch.einsum("gaij,gbik,gkj->gab", F, F, A) + torch.einsum("gaij,gbkj,gki->gab", F, F, C))
+        lam, U = torch.linalg.eigh(gram)
+        keep = lam > 1e-12 * max(float(lam.max()) if lam.numel() else 0.0, 1.0)
+        inv = torch.where(keep, 1.0 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))
+        Minv = U @ (inv.unsqueeze(-1) * U.transpose(-1, -2))
+        cd = self.dtype
+        self._gauge_rope = (wq.to(cd), wk.to(cd), F.to(cd), Minv.to(cd))
+        return int(keep.sum())
+
+    def _project_gauge_rope(self, tq: Tensor, tk: Tensor) -> tuple[Tensor, Tensor]:
+        wq, wk, F, Minv = self._gauge_rope
+        Hkv, G, d, D = self.Hkv, self.G, self.d, self.D
+        lead = tq.shape[:-2]
+        TQ = tq.reshape(*lead, Hkv, G, d, D)
+        TK = tk.reshape(*lead, Hkv, d, D)
+        R = torch.einsum("...gjdD,gjeD->...gde", TQ, wq) - torch.einsum("gdD,...geD->...gde", wk, TK)
+        c = torch.einsum("gaij,...gij->...ga", F, R)
+        c = torch.einsum("gab,...gb->...ga", Minv, c)
+        E = torch.einsum("gaij,...ga->...gij", F, c)
+        TQ = TQ - torch.einsum("...gde,gjeD->...gjdD", E, wq)
+        TK = TK + torch.einsum("...ged,geD->...gdD", E, wk)
+        return TQ.reshape(tq.shape), TK.reshape(tk.shape)
 
     def _setup_gauge(self) -> int:
         """Eigendecompositions for the gauge projection, on the weights as seen through the other
@@ -795,7 +1191,8 @@ class JacobianOperator:
         T = T.to(self.device, self.dtype)
         parts = list(self.split_input(T))
         if self.wrt == "qkv":
-            parts[1] = parts[1] - parts[1].mean(dim=-2, keepdim=True)
+            if self._key_shifts_are_null:
+                parts[1] = parts[1] - parts[1].mean(dim=-2, keepdim=True)
         elif self.wrt == "input":
             dX = parts[0]
             if self._z_row.shape[1]:
@@ -810,7 +1207,10 @@ class JacobianOperator:
             if self._w_shift is not None:
                 w = self._w_shift
                 parts[1] = parts[1] - (parts[1] @ w).unsqueeze(-1) * w
-            parts[0], parts[1] = self._project_gauge(parts[0], parts[1])
+            if self._gauge_mode == "full":
+                parts[0], parts[1] = self._project_gauge(parts[0], parts[1])
+            elif self._gauge_mode == "rope":
+                parts[0], parts[1] = self._project_gauge_rope(parts[0], parts[1])
         lead = T.shape[:-1]
         return torch.cat([p.reshape(*lead, -1) for p in parts], dim=-1)
 

@@ -31,6 +31,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <utility>
 #include <vector>
 
 // MKL/OpenBLAS Fortran GEMM exported by libtorch_cpu (LP64). Weak: a torch build without them
@@ -152,23 +154,137 @@ inline void scale_row(T* __restrict x, int64_t n, T a) {
   for (int64_t j = 0; j < n; ++j) x[j] *= a;
 }
 
+// The row maximum; NaN if the row holds a NaN (a NaN input must come out as NaN, not be dropped
+// by the comparison).
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
   T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  for (int64_t j = 0; j < n; ++j) {
+    if (x[j] != x[j]) return x[j];
+    mx = x[j] > mx ? x[j] : mx;
+  }
   return mx;
 }
 
-// Causal mask of a [m x n] score tile at query i0, key j0: key j0 + c is visible to query i0 + i
-// iff j0 + c <= i0 + i + off.
+// Whether x[0..count) holds no NaN / Inf (x * 0 is NaN exactly for those).
 template <typename T>
-inline void mask_tile(T* S, int64_t ldS, int64_t i0, int64_t m, int64_t j0, int64_t n, int64_t off) {
-  if (j0 + n - 1 <= i0 + off) return;  // whole tile visible
-  const T ninf = -std::numeric_limits<T>::infinity();
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t first_hidden = std::max<int64_t>(i0 + i + off - j0 + 1, 0);
-    T* row = S + i * ldS;
-    for (int64_t c = first_hidden; c < n; ++c) row[c] = ninf;
+__attribute__((target_clones("avx512f", "avx2", "default")))
+bool all_finite(const T* __restrict x, int64_t count) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < count; ++j) s += x[j] * T(0);
+  return s == T(0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Masks (docs/design.md, "Attention"). For batch entry b, with Lq, Lk its lengths and
+// off = Lk - Lq, query i < Lq attends the keys lo(i) <= j < hi(i): j < Lk, causal j <= i + off,
+// window_left >= 0: j >= i + off - window_left, window_right >= 0: j <= i + off + window_right.
+// Each constraint is an interval, so lo and hi grow with i: a query tile attends the keys
+// [lo(first row), hi(last valid row)) and a key tile is attended by one range of queries.
+
+struct MaskArgs {
+  bool causal;
+  int64_t window_left, window_right;
+  const int32_t* q_lens;   // [B] or nullptr (= Nq)
+  const int32_t* kv_lens;  // [B] or nullptr (= Nk)
+};
+
+struct SeqMask {
+  int64_t Lq, Lk, off, wl, wr;
+  bool causal;
+  int64_t lo(int64_t i) const {
+    int64_t x = wl >= 0 ? i + off - wl : 0;
+    x = x < 0 ? 0 : x;
+    return x < Lk ? x : Lk;
+  }
+  int64_t hi(int64_t i) const {
+    int64_t x = Lk;
+    if (causal) x = std::min<int64_t>(x, i + off + 1);
+    if (wr >= 0) x = std::min<int64_t>(x, i + off + wr + 1);
+    return std::max<int64_t>(x, lo(i));  // hi <= lo: the row attends nothing
+  }
+  // Queries [qfirst, qend) of [0, Lq) attend some key of [j0, j1) (empty when qfirst >= qend).
+  int64_t qfirst(int64_t j0) const {  // first i with hi(i) > j0
+    int64_t a = 0, b = Lq;
+    while (a < b) { const int64_t c = (a + b) / 2; if (hi(c) > j0) b = c; else a = c + 1; }
+    return a;
+  }
+  int64_t qend(int64_t j1) const {  // first i with lo(i) >= j1
+    int64_t a = 0, b = Lq;
+    while (a < b) { const int64_t c = (a + b) / 2; if (lo(c) >= j1) b = c; else a = c + 1; }
+    return a;
+  }
+};
+
+inline SeqMask seq_mask(const MaskArgs& M, int64_t b, int64_t Nq, int64_t Nk) {
+  const int64_t Lq = M.q_lens ? M.q_lens[b] : Nq, Lk = M.kv_lens ? M.kv_lens[b] : Nk;
+  return SeqMask{Lq, Lk, Lk - Lq, M.window_left, M.window_right, M.causal};
+}
+
+// The allowed columns [lo[i], hi[i]) of each row of an [m x n] tile at query i0 and key j0
+// (tile-local, clipped to [0, n]); full when every pair is allowed.
+struct TileMask {
+  bool full;
+  int64_t m, n;
+  int64_t lo[kBlockM], hi[kBlockM];
+
+  // Rows i >= mv of the tile are not valid queries (all masked).
+  void build(const SeqMask& sm, int64_t i0, int64_t m_, int64_t mv, int64_t j0, int64_t n_) {
+    m = m_;
+    n = n_;
+    full = mv == m && sm.lo(i0 + m - 1) <= j0 && sm.hi(i0) >= j0 + n;
+    if (full) return;
+    for (int64_t i = 0; i < m; ++i) {
+      if (i >= mv) { lo[i] = hi[i] = 0; continue; }
+      const int64_t a = std::clamp<int64_t>(sm.lo(i0 + i) - j0, 0, n);
+      const int64_t b = std::clamp<int64_t>(sm.hi(i0 + i) - j0, 0, n);
+      lo[i] = a;
+      hi[i] = b > a ? b : a;
+    }
+  }
+  // W[i, c] <- value outside the allowed columns.
+  template <typename T>
+  void fill_outside(T* W, int64_t ldW, T value) const {
+    if (full) return;
+    for (int64_t i = 0; i < m; ++i) {
+      T* row = W + i * ldW;
+      std::fill(row, row + lo[i], value);
+      std::fill(row + hi[i], row + n, value);
+    }
+  }
+};
+
+// C[m x d] += alpha A[m x n] X[n x d] (contraction over the tile's keys; A is 0 outside the mask).
+// A plain product would let a NaN / Inf in a row of X that only masked pairs touch through
+// (0 * NaN = NaN); then each query row takes its allowed keys only.
+template <typename T>
+void mm_keys(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* X, int64_t ldx,
+             T* C, int64_t ldc) {
+  if (tm.full || all_finite(X, tm.n * ldx)) {
+    gemm(false, false, tm.m, d, tm.n, alpha, A, lda, X, ldx, T(1), C, ldc);
+    return;
+  }
+  for (int64_t i = 0; i < tm.m; ++i) {
+    if (tm.hi[i] > tm.lo[i])
+      gemm(false, false, 1, d, tm.hi[i] - tm.lo[i], alpha, A + i * lda + tm.lo[i], lda,
+           X + tm.lo[i] * ldx, ldx, T(1), C + i * ldc, ldc);
+  }
+}
+
+// C[n x d] += alpha A[m x n]^T Y[m x d] (contraction over the tile's queries), exact in the same
+// way: each query row adds to its allowed keys only when Y holds non-finite values.
+template <typename T>
+void mm_queries(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* Y, int64_t ldy,
+                T* C, int64_t ldc) {
+  if (tm.full || all_finite(Y, tm.m * ldy)) {
+    gemm(true, false, tm.n, d, tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
+    return;
+  }
+  for (int64_t i = 0; i < tm.m; ++i) {
+    if (tm.hi[i] > tm.lo[i])
+      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + i * lda + tm.lo[i], lda, Y + i * ldy, ldy,
+           T(1), C + tm.lo[i] * ldc, ldc);
   }
 }
 
@@ -190,7 +306,7 @@ void run_tasks(int64_t ntask, const F& body) {
 
 struct Dims {
   int64_t B, H, Hkv, Nq, Nk, d, P;
-  bool causal;
+  MaskArgs mask;
 };
 
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
@@ -199,7 +315,7 @@ template <typename T>
 void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, const T* tq,
                     const T* tk, const T* tv, T* out, T* tout, T* lse) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, off = Nk - Nq;
+  const int64_t G = H / Hkv;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
   const int64_t BH = B * H;
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -223,7 +339,11 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     const T* Q = q + (bh * Nq + i0) * d;
     const T* K = k + (b * Hkv + hk) * Nk * d;
     const T* V = v + (b * Hkv + hk) * Nk * d;
-    const int64_t jend = D.causal ? std::min(Nk, i0 + m + off) : Nk;  // keys < jend can be visible
+    const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
+    const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
+    // Keys [jbegin, jend) can be attended by the tile's valid rows.
+    const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
+    TileMask tm;
 
     std::fill(acc, acc + m * d, T(0));
     std::fill(accT, accT + P * kBlockM * d, T(0));
@@ -231,11 +351,12 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     std::fill(lrow, lrow + m, T(0));
     std::fill(rrow, rrow + P * kBlockM, T(0));
 
-    for (int64_t j0 = 0; j0 < jend; j0 += kBlockN) {
+    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
-      gemm(false, true, m, n, d, scale, Q, d, K + j0 * d, d, T(0), S, kBlockN);
-      if (D.causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
-      for (int64_t i = 0; i < m; ++i) {
+      tm.build(sm, i0, mv, mv, j0, n);
+      gemm(false, true, mv, n, d, scale, Q, d, K + j0 * d, d, T(0), S, kBlockN);
+      tm.fill_outside(S, kBlockN, ninf);
+      for (int64_t i = 0; i < mv; ++i) {
         T* row = S + i * kBlockN;
         const T mnew = std::max(mrow[i], row_max(row, n));
         const T a = mnew == ninf ? T(1) : std::exp(mrow[i] - mnew);
@@ -245,7 +366,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
         alpha[i] = a;
         if (a != T(1)) scale_row(acc + i * d, d, a);
       }
-      gemm(false, false, m, d, n, T(1), S, kBlockN, V + j0 * d, d, T(1), acc, d);
+      mm_keys(tm, d, T(1), S, kBlockN, V + j0 * d, d, acc, d);
 
       for (int64_t p = 0; p < P; ++p) {
         const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
@@ -253,14 +374,15 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
         const T* TV = tv + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
         T* AT = accT + p * kBlockM * d;
         T* r = rrow + p * kBlockM;
-        gemm(false, true, m, n, d, scale, TQ, d, K + j0 * d, d, T(0), SP, kBlockN);
-        gemm(false, true, m, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
-        for (int64_t i = 0; i < m; ++i) {
+        gemm(false, true, mv, n, d, scale, TQ, d, K + j0 * d, d, T(0), SP, kBlockN);
+        gemm(false, true, mv, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
+        tm.fill_outside(SP, kBlockN, T(0));  // masked K / K' may hold NaN
+        for (int64_t i = 0; i < mv; ++i) {
           r[i] = alpha[i] * r[i] + mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
           if (alpha[i] != T(1)) scale_row(AT + i * d, d, alpha[i]);
         }
-        gemm(false, false, m, d, n, T(1), S, kBlockN, TV, d, T(1), AT, d);
-        gemm(false, false, m, d, n, T(1), SP, kBlockN, V + j0 * d, d, T(1), AT, d);
+        mm_keys(tm, d, T(1), S, kBlockN, TV, d, AT, d);
+        mm_keys(tm, d, T(1), SP, kBlockN, V + j0 * d, d, AT, d);
       }
     }
 
@@ -298,9 +420,10 @@ template <typename T>
 void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, const T* v,
                 const T* lse, const T* Dvec, T* dq_parts, T* dk, T* dv) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d;
-  const int64_t G = H / Hkv, off = Nk - Nq;
+  const int64_t G = H / Hkv;
   const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
   const int64_t BHk = B * Hkv;
+  const T ninf = -std::numeric_limits<T>::infinity();
   run_tasks(BHk * nkt, [&](int64_t t, int64_t worker) {
     thread_local std::vector<T> buf;
     const int64_t need = 2 * kBlockM * kBlockN + 2 * kBlockN * d;
@@ -318,29 +441,34 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
     std::fill(dK, dK + n * d, T(0));
     std::fill(dV, dV + n * d, T(0));
     T* dqw = dq_parts + worker * (B * H * Nq * d);
-
-    const int64_t qstart = D.causal ? std::max<int64_t>(0, j0 - off) : 0;  // first query seeing j0
-    for (int64_t g = 0; g < G && qstart < Nq; ++g) {
+    const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
+    const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
+    // Queries [qstart, qend) attend some key of the tile (padded keys get dK = dV = 0).
+    const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
+    TileMask tm;
+    for (int64_t g = 0; g < G && qstart < qend; ++g) {
       const int64_t h = hk * G + g, bh = b * H + h;
-      for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < Nq; i0 += kBlockM) {
-        const int64_t m = std::min(kBlockM, Nq - i0);
+      for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < qend; i0 += kBlockM) {
+        const int64_t m = std::min(kBlockM, qend - i0);
         const T* Q = q + (bh * Nq + i0) * d;
         const T* dO = dout + (bh * Nq + i0) * d;
         const T* L = lse + bh * Nq + i0;
         const T* Dv = Dvec + bh * Nq + i0;
-        gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
-        if (D.causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
+        tm.build(sm, i0, m, m, j0, nv);
+        gemm(false, true, m, nv, d, scale, Q, d, K, d, T(0), S, kBlockN);
+        tm.fill_outside(S, kBlockN, ninf);
         for (int64_t i = 0; i < m; ++i) {
           T* row = S + i * kBlockN;
-          if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
-          else exp_shift_sum(row, n, L[i]);
+          if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + nv, T(0));  // nothing visible
+          else exp_shift_sum(row, nv, L[i]);
         }
-        gemm(true, false, n, d, m, T(1), S, kBlockN, dO, d, T(1), dV, d);       // dV += P^T dO
-        gemm(false, true, m, n, d, T(1), dO, d, V, d, T(0), dP, kBlockN);       // dP = dO V^T
-        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, dP + i * kBlockN, n, Dv[i]);
-        gemm(true, false, n, d, m, scale, dP, kBlockN, Q, d, T(1), dK, d);      // dK += s dS^T Q
-        gemm(false, false, m, d, n, scale, dP, kBlockN, K, d, T(1),             // dQ += s dS K
-             dqw + (bh * Nq + i0) * d, d);
+        tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
+        mm_queries(tm, d, T(1), S, kBlockN, dO, d, dV, d);                       // dV += P^T dO
+        gemm(false, true, m, nv, d, T(1), dO, d, V, d, T(0), dP, kBlockN);       // dP = dO V^T
+        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, dP + i * kBlockN, nv, Dv[i]);
+        tm.fill_outside(dP, kBlockN, T(0));
+        mm_queries(tm, d, scale, dP, kBlockN, Q, d, dK, d);                      // dK += s dS^T Q
+        mm_keys(tm, d, scale, dP, kBlockN, K, d, dqw + (bh * Nq + i0) * d, d);   // dQ += s dS K
       }
     }
     std::copy(dK, dK + n * d, dk + (bhk * Nk + j0) * d);
@@ -386,29 +514,31 @@ void tangent_row(const T* __restrict p, T* __restrict sp, T* __restrict dpt, T* 
 
 // S <- P = exp(s Q K^T - lse) of an [m x n] tile (0 where masked and on rows that see no key).
 template <typename T>
-void probs_tile(T* S, const T* Q, const T* K, const T* L, int64_t m, int64_t n, int64_t d, T scale,
-                bool causal, int64_t i0, int64_t j0, int64_t off) {
+void probs_tile(T* S, const T* Q, const T* K, const T* L, const TileMask& tm, int64_t d, T scale) {
+  const int64_t m = tm.m, n = tm.n;
   gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
-  if (causal) mask_tile(S, kBlockN, i0, m, j0, n, off);
+  tm.fill_outside(S, kBlockN, -std::numeric_limits<T>::infinity());
   for (int64_t i = 0; i < m; ++i) {
     T* row = S + i * kBlockN;
     if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
     else exp_shift_sum(row, n, L[i]);
   }
+  tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
 }
 
-// SP <- S' = s (Q' K^T + Q K'^T) of an [m x n] tile (unmasked: it only enters multiplied by P).
+// SP <- S' = s (Q' K^T + Q K'^T) of an [m x n] tile, 0 at masked pairs (masked K, K' may hold NaN).
 template <typename T>
-void tangent_scores_tile(T* SP, const T* Q, const T* TQ, const T* K, const T* TK, int64_t m, int64_t n,
+void tangent_scores_tile(T* SP, const T* Q, const T* TQ, const T* K, const T* TK, const TileMask& tm,
                          int64_t d, T scale) {
-  gemm(false, true, m, n, d, scale, TQ, d, K, d, T(0), SP, kBlockN);
-  gemm(false, true, m, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
+  gemm(false, true, tm.m, tm.n, d, scale, TQ, d, K, d, T(0), SP, kBlockN);
+  gemm(false, true, tm.m, tm.n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
+  tm.fill_outside(SP, kBlockN, T(0));
 }
 
 template <typename T>
 void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, off = Nk - Nq, BH = B * H, BHk = B * Hkv;
+  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
   const T scale = a.scale;
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
@@ -431,7 +561,10 @@ void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     const T* K = a.k + bhk * Nk * d;
     const T* V = a.v + bhk * Nk * d;
     const T* L = a.lse + bh * Nq + i0;
-    const int64_t jend = D.causal ? std::min(Nk, i0 + m + off) : Nk;  // keys < jend can be visible
+    const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
+    const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
+    const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
+    TileMask tm;
     auto TQ = [&](int64_t p) { return a.tq + ((p * BH + bh) * Nq + i0) * d; };
     auto gtO = [&](int64_t p) { return a.gtout + ((p * BH + bh) * Nq + i0) * d; };
     auto TK = [&](int64_t p, int64_t j0) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
@@ -440,12 +573,13 @@ void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
 
     // Sweep 1: r_p, then D = (saved part) - sum_p r_p d'_p.
     std::fill(r, r + P * kBlockM, T(0));
-    for (int64_t j0 = 0; j0 < jend; j0 += kBlockN) {
+    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
-      probs_tile(S, Q, K + j0 * d, L, m, n, d, scale, D.causal, i0, j0, off);
+      tm.build(sm, i0, mv, mv, j0, n);
+      probs_tile(S, Q, K + j0 * d, L, tm, d, scale);
       for (int64_t p = 0; p < P; ++p) {
-        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), m, n, d, scale);
-        for (int64_t i = 0; i < m; ++i) r[p * kBlockM + i] += mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
+        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), tm, d, scale);
+        for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
       }
     }
     T* Drow = a.Dvec + bh * Nq + i0;
@@ -461,24 +595,28 @@ void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     // Sweep 2: dQ = s (gS K + sum_p gS'_p K'_p), dQ'_p = s gS'_p K.
     std::fill(dQ, dQ + m * d, T(0));
     std::fill(dtQ, dtQ + P * kBlockM * d, T(0));
-    for (int64_t j0 = 0; j0 < jend; j0 += kBlockN) {
+    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
-      probs_tile(S, Q, K + j0 * d, L, m, n, d, scale, D.causal, i0, j0, off);
-      gemm(false, true, m, n, d, T(1), gO, d, V + j0 * d, d, T(0), gP, kBlockN);             // gO V^T
+      tm.build(sm, i0, mv, mv, j0, n);
+      probs_tile(S, Q, K + j0 * d, L, tm, d, scale);
+      gemm(false, true, mv, n, d, T(1), gO, d, V + j0 * d, d, T(0), gP, kBlockN);            // gO V^T
       for (int64_t p = 0; p < P; ++p) {
         const T* dl = rows(a.dlt, p);
-        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), m, n, d, scale);
-        gemm(false, true, m, n, d, T(1), gtO(p), d, V + j0 * d, d, T(0), dPt, kBlockN);     // dP'
-        gemm(false, true, m, n, d, T(1), gtO(p), d, TV(p, j0), d, T(1), gP, kBlockN);       // gO' V'^T
-        for (int64_t i = 0; i < m; ++i)
+        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), tm, d, scale);
+        gemm(false, true, mv, n, d, T(1), gtO(p), d, V + j0 * d, d, T(0), dPt, kBlockN);    // dP'
+        gemm(false, true, mv, n, d, T(1), gtO(p), d, TV(p, j0), d, T(1), gP, kBlockN);      // gO' V'^T
+        tm.fill_outside(dPt, kBlockN, T(0));  // masked V, V' may hold NaN
+        tm.fill_outside(gP, kBlockN, T(0));
+        for (int64_t i = 0; i < mv; ++i)
           tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, n,
                       r[p * kBlockM + i], dl[i]);
-        gemm(false, false, m, d, n, scale, dPt, kBlockN, TK(p, j0), d, T(1), dQ, d);        // gS' K'
-        gemm(false, false, m, d, n, scale, dPt, kBlockN, K + j0 * d, d, T(1),               // gS' K
-             dtQ + p * kBlockM * d, d);
+        tm.fill_outside(dPt, kBlockN, T(0));  // gS' = P o (dP' - d'): a NaN d' stays in its row
+        mm_keys(tm, d, scale, dPt, kBlockN, TK(p, j0), d, dQ, d);                            // gS' K'
+        mm_keys(tm, d, scale, dPt, kBlockN, K + j0 * d, d, dtQ + p * kBlockM * d, d);        // gS' K
       }
-      for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
-      gemm(false, false, m, d, n, scale, gP, kBlockN, K + j0 * d, d, T(1), dQ, d);          // gS K
+      for (int64_t i = 0; i < mv; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
+      tm.fill_outside(gP, kBlockN, T(0));
+      mm_keys(tm, d, scale, gP, kBlockN, K + j0 * d, d, dQ, d);                              // gS K
     }
     std::copy(dQ, dQ + m * d, a.dq + (bh * Nq + i0) * d);
     for (int64_t p = 0; p < P; ++p)
@@ -489,7 +627,7 @@ void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
 template <typename T>
 void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, off = Nk - Nq, BH = B * H, BHk = B * Hkv;
+  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
   const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
   const T scale = a.scale;
   run_tasks(BHk * nkt, [&](int64_t t, int64_t) {
@@ -516,18 +654,23 @@ void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     std::fill(dV, dV + n * d, T(0));
     std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
 
-    const int64_t qstart = D.causal ? std::max<int64_t>(0, j0 - off) : 0;  // first query seeing j0
-    for (int64_t g = 0; g < G && qstart < Nq; ++g) {
+    const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
+    const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
+    // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
+    const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
+    TileMask tm;
+    for (int64_t g = 0; g < G && qstart < qend; ++g) {
       const int64_t h = hk * G + g, bh = b * H + h;
-      for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < Nq; i0 += kBlockM) {
-        const int64_t m = std::min(kBlockM, Nq - i0);
+      for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < qend; i0 += kBlockM) {
+        const int64_t m = std::min(kBlockM, qend - i0);
         const T* Q = a.q + (bh * Nq + i0) * d;
         const T* gO = a.gout + (bh * Nq + i0) * d;
         const T* L = a.lse + bh * Nq + i0;
         const T* Drow = a.Dvec + bh * Nq + i0;
-        probs_tile(S, Q, K, L, m, n, d, scale, D.causal, i0, j0, off);
-        gemm(true, false, n, d, m, T(1), S, kBlockN, gO, d, T(1), dV, d);                  // dV += P^T gO
-        gemm(false, true, m, n, d, T(1), gO, d, V, d, T(0), gP, kBlockN);                  // gO V^T
+        tm.build(sm, i0, m, m, j0, nv);
+        probs_tile(S, Q, K, L, tm, d, scale);
+        mm_queries(tm, d, T(1), S, kBlockN, gO, d, dV, d);                                  // dV += P^T gO
+        gemm(false, true, m, nv, d, T(1), gO, d, V, d, T(0), gP, kBlockN);                 // gO V^T
         for (int64_t p = 0; p < P; ++p) {
           const T* TQ = a.tq + ((p * BH + bh) * Nq + i0) * d;
           const T* gtO = a.gtout + ((p * BH + bh) * Nq + i0) * d;
@@ -535,18 +678,23 @@ void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
           const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
           T* dtKp = dtK + p * kBlockN * d;
           T* dtVp = dtV + p * kBlockN * d;
-          tangent_scores_tile(SP, Q, TQ, K, TK(p), m, n, d, scale);
-          gemm(false, true, m, n, d, T(1), gtO, d, V, d, T(0), dPt, kBlockN);              // dP'
-          gemm(false, true, m, n, d, T(1), gtO, d, TV(p), d, T(1), gP, kBlockN);           // gO' V'^T
+          tangent_scores_tile(SP, Q, TQ, K, TK(p), tm, d, scale);
+          gemm(false, true, m, nv, d, T(1), gtO, d, V, d, T(0), dPt, kBlockN);             // dP'
+          gemm(false, true, m, nv, d, T(1), gtO, d, TV(p), d, T(1), gP, kBlockN);          // gO' V'^T
+          tm.fill_outside(dPt, kBlockN, T(0));  // masked V, V' may hold NaN
+          tm.fill_outside(gP, kBlockN, T(0));
           for (int64_t i = 0; i < m; ++i)
-            tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, n, r[i], dl[i]);
-          gemm(true, false, n, d, m, T(1), SP, kBlockN, gtO, d, T(1), dV, d);              // dV += P'^T gO'
-          gemm(true, false, n, d, m, scale, dPt, kBlockN, TQ, d, T(1), dK, d);             // dK += s gS'^T Q'
-          gemm(true, false, n, d, m, scale, dPt, kBlockN, Q, d, T(1), dtKp, d);            // dK' = s gS'^T Q
-          gemm(true, false, n, d, m, T(1), S, kBlockN, gtO, d, T(1), dtVp, d);             // dV' = P^T gO'
+            tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, nv, r[i], dl[i]);
+          tm.fill_outside(SP, kBlockN, T(0));   // P', gS': a NaN row statistic stays in its row
+          tm.fill_outside(dPt, kBlockN, T(0));
+          mm_queries(tm, d, T(1), SP, kBlockN, gtO, d, dV, d);                             // dV += P'^T gO'
+          mm_queries(tm, d, scale, dPt, kBlockN, TQ, d, dK, d);                            // dK += s gS'^T Q'
+          mm_queries(tm, d, scale, dPt, kBlockN, Q, d, dtKp, d);                           // dK' = s gS'^T Q
+          mm_queries(tm, d, T(1), S, kBlockN, gtO, d, dtVp, d);                            // dV' = P^T gO'
         }
-        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
-        gemm(true, false, n, d, m, scale, gP, kBlockN, Q, d, T(1), dK, d);                 // dK += s gS^T Q
+        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, nv, Drow[i]);  // gS
+        tm.fill_outside(gP, kBlockN, T(0));
+        mm_queries(tm, d, scale, gP, kBlockN, Q, d, dK, d);                                // dK += s gS^T Q
       }
     }
     std::copy(dK, dK + n * d, a.dk + (bhk * Nk + j0) * d);
@@ -597,18 +745,33 @@ void check_tangent(const Tensor& t, const Tensor& primal, const char* name, int6
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
 }
 
-Dims dims_of(const Tensor& q, const Tensor& k, bool causal, int64_t P) {
-  return Dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), P, causal};
+Dims dims_of(const Tensor& q, const Tensor& k, const MaskArgs& mask, int64_t P) {
+  return Dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), P, mask};
+}
+
+// The mask arguments as the kernels read them; the lens must outlive the returned struct.
+MaskArgs mask_args(bool causal, int64_t window_left, int64_t window_right, const std::optional<Tensor>& q_lens,
+                   const std::optional<Tensor>& kv_lens) {
+  return MaskArgs{causal, window_left, window_right, q_lens ? q_lens->data_ptr<int32_t>() : nullptr,
+                  kv_lens ? kv_lens->data_ptr<int32_t>() : nullptr};
+}
+
+// The kernels index rows and keys by the lens: out-of-range values would read out of bounds.
+void check_lens_values(const std::optional<Tensor>& lens, int64_t n, const char* name, const char* op) {
+  if (!lens) return;
+  const int32_t* x = lens->data_ptr<int32_t>();
+  for (int64_t b = 0; b < lens->numel(); ++b)
+    TORCH_CHECK(x[b] >= 0 && x[b] <= n, op, ": ", name, "[", b, "] = ", x[b], " is not in [0, ", n, "]");
 }
 
 at::ScalarType compute_type(at::ScalarType dt) { return dt == at::kDouble ? at::kDouble : at::kFloat; }
 
 std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                                const Tensor* tq_, const Tensor* tk_, const Tensor* tv_,
-                                               int64_t P, bool causal, double scale,
+                                               int64_t P, const MaskArgs& mask, double scale,
                                                bool lse_in_compute_type = false) {
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
-  const Dims D = dims_of(q_, k_, causal, P);
+  const Dims D = dims_of(q_, k_, mask, P);
   Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
   Tensor tq, tk, tv;
   if (P > 0) {
@@ -634,8 +797,25 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
 
 }  // namespace
 
-// The checks are exported (also used by attention_cuda.cpp) through these two functions.
+// The checks are exported (also used by attention_cuda.cpp) through these functions.
 void check_fwd_args(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) { check_qkv(q, k, v, op); }
+
+// q_lens / kv_lens: None or int32 contiguous [B] on q's device (values are checked by the kernels'
+// hosts: reading them here would synchronize a GPU).
+void check_mask_args(const Tensor& q, const std::optional<Tensor>& q_lens, const std::optional<Tensor>& kv_lens,
+                     int64_t window_left, int64_t window_right, const char* op) {
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, op, ": window_left and window_right must be >= -1, got ",
+              window_left, " and ", window_right);
+  for (const auto& [name, lens] : {std::pair<const char*, const std::optional<Tensor>&>{"q_lens", q_lens},
+                                   {"kv_lens", kv_lens}}) {
+    if (!lens) continue;
+    TORCH_CHECK(lens->scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", lens->scalar_type());
+    TORCH_CHECK(lens->dim() == 1 && lens->size(0) == q.size(0), op, ": ", name, " must have shape [B] = [",
+                q.size(0), "], got ", lens->sizes());
+    TORCH_CHECK(lens->device() == q.device(), op, ": ", name, " must be on ", q.device(), ", got ", lens->device());
+    TORCH_CHECK(lens->is_contiguous(), op, ": ", name, " must be contiguous");
+  }
+}
 
 void check_jvp_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& tq, const Tensor& tk,
                     const Tensor& tv, const char* op) {
@@ -687,32 +867,50 @@ void check_jvp_bwd_args(const Tensor& gout, const Tensor& gtout, const Tensor& q
 
 namespace {
 
+// Checks of the mask arguments, values included (the CPU kernels read the lens on the host).
+MaskArgs checked_mask(const Tensor& q, const Tensor& k, bool causal, int64_t window_left, int64_t window_right,
+                      const std::optional<Tensor>& q_lens, const std::optional<Tensor>& kv_lens, const char* op) {
+  check_mask_args(q, q_lens, kv_lens, window_left, window_right, op);
+  check_lens_values(q_lens, q.size(2), "q_lens", op);
+  check_lens_values(kv_lens, k.size(2), "kv_lens", op);
+  return mask_args(causal, window_left, window_right, q_lens, kv_lens);
+}
+
 std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                                             double scale) {
+                                             double scale, int64_t window_left, int64_t window_right,
+                                             const std::optional<Tensor>& q_lens,
+                                             const std::optional<Tensor>& kv_lens) {
   check_fwd_args(q, k, v, "attention_fwd");
-  auto r = fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale);
+  const MaskArgs M = checked_mask(q, k, causal, window_left, window_right, q_lens, kv_lens, "attention_fwd");
+  auto r = fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale);
   return {std::get<0>(r), std::get<2>(r)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_jvp_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
                                                      const Tensor& tq, const Tensor& tk, const Tensor& tv,
-                                                     bool causal, double scale) {
+                                                     bool causal, double scale, int64_t window_left,
+                                                     int64_t window_right, const std::optional<Tensor>& q_lens,
+                                                     const std::optional<Tensor>& kv_lens) {
   check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
-  return fwd_jvp_cpu(q, k, v, &tq, &tk, &tv, tq.size(0), causal, scale);
+  const MaskArgs M = checked_mask(q, k, causal, window_left, window_right, q_lens, kv_lens, "attention_jvp");
+  return fwd_jvp_cpu(q, k, v, &tq, &tk, &tv, tq.size(0), M, scale);
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const Tensor& q_, const Tensor& k_,
                                                      const Tensor& v_, const Tensor& out_, const Tensor& lse_,
-                                                     bool causal, double scale) {
+                                                     bool causal, double scale, int64_t window_left,
+                                                     int64_t window_right, const std::optional<Tensor>& q_lens,
+                                                     const std::optional<Tensor>& kv_lens) {
   check_bwd_args(dout_, q_, k_, v_, out_, lse_, "attention_bwd");
+  const MaskArgs M = checked_mask(q_, k_, causal, window_left, window_right, q_lens, kv_lens, "attention_bwd");
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
-  const Dims D = dims_of(q_, k_, causal, 0);
+  const Dims D = dims_of(q_, k_, M, 0);
   Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
   Tensor dout = dout_.to(ct).contiguous();
   Tensor Dvec = (dout * out_.to(ct)).sum(-1).contiguous();  // D = rowsum(dO o O)
   // fp32 compute reads the saved lse; fp64 recomputes it in fp64 (one more pass, S and exp only),
   // since an fp32 lse would limit the fp64 gradients to ~1e-7 relative accuracy.
-  Tensor lse = ct == at::kDouble ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale,
+  Tensor lse = ct == at::kDouble ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale,
                                                            /*lse_in_compute_type=*/true))
                                  : lse_.contiguous();
   const int64_t nworkers = std::max<int64_t>(1, at::get_num_threads());
@@ -733,11 +931,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu(
     const Tensor& gout_, const Tensor& gtout_, const Tensor& q_, const Tensor& k_, const Tensor& v_,
     const Tensor& tq_, const Tensor& tk_, const Tensor& tv_, const Tensor& out_, const Tensor& tout_,
-    const Tensor& lse_, bool causal, double scale) {
+    const Tensor& lse_, bool causal, double scale, int64_t window_left, int64_t window_right,
+    const std::optional<Tensor>& q_lens, const std::optional<Tensor>& kv_lens) {
   check_jvp_bwd_args(gout_, gtout_, q_, k_, v_, tq_, tk_, tv_, out_, tout_, lse_, "attention_jvp_bwd");
+  const MaskArgs M = checked_mask(q_, k_, causal, window_left, window_right, q_lens, kv_lens, "attention_jvp_bwd");
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const int64_t P = tq_.size(0);
-  const Dims D = dims_of(q_, k_, causal, P);
+  const Dims D = dims_of(q_, k_, M, P);
   auto c = [&](const Tensor& x) { return x.to(ct).contiguous(); };
   Tensor q = c(q_), k = c(k_), v = c(v_), tq = c(tq_), tk = c(tk_), tv = c(tv_);
   Tensor gout = c(gout_), gtout = c(gtout_), out = c(out_);
@@ -747,7 +947,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   Tensor Dvec = ((gout * out).sum(-1) + (gtout * c(tout_)).sum(-1).sum(0)).contiguous();
   // fp64 with an fp32 lse recomputes it in fp64 (an fp32 lse would cap the accuracy at ~1e-7).
   const bool recompute_lse = ct == at::kDouble && lse_.scalar_type() != at::kDouble;
-  Tensor lse = recompute_lse ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, causal, scale,
+  Tensor lse = recompute_lse ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale,
                                                        /*lse_in_compute_type=*/true))
                              : c(lse_);
   Tensor rvec = at::empty({P, D.B, D.H, D.Nq}, q.options());
@@ -770,30 +970,40 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
 }
 
 // Shapes only, for torch.compile / FakeTensor tracing.
-std::tuple<Tensor, Tensor> attention_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool, double) {
+using OptT = std::optional<Tensor>;
+
+std::tuple<Tensor, Tensor> attention_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool, double,
+                                              int64_t wl, int64_t wr, const OptT& ql, const OptT& kl) {
   check_fwd_args(q, k, v, "attention_fwd");
+  check_mask_args(q, ql, kl, wl, wr, "attention_fwd");
   return {at::empty_like(q), at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_jvp_meta(const Tensor& q, const Tensor& k, const Tensor& v,
                                                       const Tensor& tq, const Tensor& tk, const Tensor& tv, bool,
-                                                      double) {
+                                                      double, int64_t wl, int64_t wr, const OptT& ql,
+                                                      const OptT& kl) {
   check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
+  check_mask_args(q, ql, kl, wl, wr, "attention_jvp");
   return {at::empty_like(q), at::empty_like(tq),
           at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd_meta(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                       const Tensor& v, const Tensor& out, const Tensor& lse, bool,
-                                                      double) {
+                                                      double, int64_t wl, int64_t wr, const OptT& ql,
+                                                      const OptT& kl) {
   check_bwd_args(dout, q, k, v, out, lse, "attention_bwd");
+  check_mask_args(q, ql, kl, wl, wr, "attention_bwd");
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_meta(
     const Tensor& gout, const Tensor& gtout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& tq,
-    const Tensor& tk, const Tensor& tv, const Tensor& out, const Tensor& tout, const Tensor& lse, bool, double) {
+    const Tensor& tk, const Tensor& tv, const Tensor& out, const Tensor& tout, const Tensor& lse, bool, double,
+    int64_t wl, int64_t wr, const OptT& ql, const OptT& kl) {
   check_jvp_bwd_args(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, "attention_jvp_bwd");
+  check_mask_args(q, ql, kl, wl, wr, "attention_jvp_bwd");
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v),
           at::empty_like(tq), at::empty_like(tk), at::empty_like(tv)};
 }
@@ -803,14 +1013,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_met
 }  // namespace condinit
 
 TORCH_LIBRARY_FRAGMENT(condinit_C, m) {
-  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  // The mask arguments (docs/design.md, "Attention") follow causal, scale in every op.
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window_left, "
+        "int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-        "float scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "float scale, int window_left, int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor, Tensor)");
   m.def("attention_jvp(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, bool causal, "
-        "float scale) -> (Tensor out, Tensor tout, Tensor lse)");
+        "float scale, int window_left, int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor, Tensor)");
   m.def("attention_jvp_bwd(Tensor gout, Tensor gtout, Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, "
-        "Tensor tv, Tensor out, Tensor tout, Tensor lse, bool causal, float scale) -> (Tensor dq, Tensor dk, "
-        "Tensor dv, Tensor dtq, Tensor dtk, Tensor dtv)");
+        "Tensor tv, Tensor out, Tensor tout, Tensor lse, bool causal, float scale, int window_left, "
+        "int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(condinit_C, CPU, m) {

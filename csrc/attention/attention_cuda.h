@@ -39,7 +39,8 @@ constexpr int64_t kMaxHeadDim = 256;
 // 1 <= d <= kMaxHeadDim.
 bool head_dim_supported(int64_t d);
 
-// What a launcher runs for one kernel (kind: 0 fwd, 1 jvp, 2 bwd dq, 3 bwd dk/dv) at a per-block
+// What a launcher runs for one kernel (kind: 0 fwd, 1 jvp, 2 bwd dq, 3 bwd dk/dv, 4 tangent-backward
+// r, 5 tangent-backward query side, 6 tangent-backward key side) at a per-block
 // shared-memory limit: warps per block (0: nothing fits), dynamic shared memory, the padded head
 // dim, output columns per block and the tile along the looped sequence. Exposed for the offline
 // resource checks (tests/test_gpu_resources.py) and the static model in BENCHMARKS.md.
@@ -65,6 +66,22 @@ cudaError_t jvp(DType dtype, const Shape& s, int64_t P, const void* q, const voi
 // (input dtype) are fully written.
 cudaError_t bwd(DType dtype, const Shape& s, const void* dout, const void* q, const void* k, const void* v,
                 const float* lse, const float* Dvec, void* dq, void* dk, void* dv, cudaStream_t stream);
+
+// Tangent backward (attention_jvp_bwd), in two steps with the caller in between:
+// 1. jvp_bwd_r: r [P, B, H, Nq] fp32, r_p = rowsum(P o S'_p) (P = exp(s q k^T - lse), S'_p the
+//    probe's score tangent), one block per query tile and probe.
+// 2. the caller computes dprime_p = rowsum(gtout_p o out) [P, B, H, Nq] and
+//    D = rowsum(gout o out) + sum_p (rowsum(gtout_p o tout_p) - r_p dprime_p) [B, H, Nq] (fp32),
+//    then jvp_bwd writes dq, dk, dv, dtq, dtk, dtv (input dtype, fully), deterministically: one block
+//    per (query tile | key tile, output: the primal gradient or one probe's, output-column chunk).
+struct JvpBwdPointers {
+  const void *gout, *gtout, *q, *k, *v, *tq, *tk, *tv;
+  const float *lse, *r, *dprime, *D;
+  void *dq, *dk, *dv, *dtq, *dtk, *dtv;
+};
+cudaError_t jvp_bwd_r(DType dtype, const Shape& s, int64_t P, const void* q, const void* k, const void* tq,
+                      const void* tk, const float* lse, float* r, cudaStream_t stream);
+cudaError_t jvp_bwd(DType dtype, const Shape& s, int64_t P, const JvpBwdPointers& a, cudaStream_t stream);
 
 }  // namespace attention_cuda
 }  // namespace condinit

@@ -479,23 +479,23 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl):
+    def forward(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl, jvp_bwd_impl):
         return _attention_fwd_op(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl = inputs
+        q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl, jvp_bwd_impl = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask = (causal, scale, window_left, window_right, q_lens, kv_lens)
-        ctx.bwd_impl, ctx.jvp_impl = bwd_impl, jvp_impl
+        ctx.bwd_impl, ctx.jvp_impl, ctx.jvp_bwd_impl = bwd_impl, jvp_impl, jvp_bwd_impl
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _AttentionBwd.apply(dout, q, k, v, out, lse, *ctx.mask, ctx.bwd_impl)
-        return (dq, dk, dv) + (None,) * 9
+        return (dq, dk, dv) + (None,) * 10
 
 
 class _AttentionAD(_Attention):
@@ -511,11 +511,12 @@ class _AttentionAD(_Attention):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl):
+    def vmap(info, in_dims, q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl, jvp_bwd_impl):
         n = info.batch_size
         mask = _fold_mask(n, in_dims[7:9], causal, scale, window_left, window_right, q_lens, kv_lens)
         out, lse = _AttentionAD.apply(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n),
-                                      _fold(v, in_dims[2], n), *mask, fwd_impl, bwd_impl, jvp_impl)
+                                      _fold(v, in_dims[2], n), *mask, fwd_impl, bwd_impl, jvp_impl,
+                                      jvp_bwd_impl)
         return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
     @staticmethod
@@ -529,7 +530,9 @@ class _AttentionAD(_Attention):
         if tq is None and tk is None and tv is None:
             return torch.zeros_like(q), None
         tangents = [t.unsqueeze(0) if t is not None else None for t in (tq, tk, tv)]
-        _, tout, _ = _attention_jvp_op(q, k, v, *tangents, *ctx.mask, ctx.jvp_impl)
+        # Through the differentiable JVP op: a loss on the tangent (consistency models, MeanFlow)
+        # differentiates it under torch.func.grad / vjp, by the tangent backward op.
+        _, tout, _ = _AttentionJVP.apply(q, k, v, *tangents, *ctx.mask, ctx.jvp_impl, ctx.jvp_bwd_impl)
         return tout.squeeze(0), None
 
 
@@ -577,6 +580,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     scale, backend = _check_options(scale, backend, q.shape[-1])
     masks = _mask_kinds(causal, left, right, q_lens, kv_lens)
     impls = tuple(_choose(op, q, backend, masks) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP))
+    impls += (_backward_backend(ATTENTION_JVP_BWD, q, backend, masks),)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
     out, _ = fn.apply(q, k, v, causal, scale, left, right, q_lens, kv_lens, *impls)

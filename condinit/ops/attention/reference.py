@@ -14,8 +14,11 @@ Conventions shared by every backend:
   ``h`` reads key/value head ``h // (H // Hkv)`` (grouped-query attention). Here the ``G = H / Hkv``
   query heads of a group are a broadcast dimension: ``q`` is viewed as ``[B, Hkv, G, Nq, d]`` and
   ``k``, ``v`` as ``[B, Hkv, 1, Nk, d]``, so K and V are never repeated.
-* ``S = scale * Q K^T``; with ``causal``, query ``i`` attends key ``j`` iff ``j <= i + (Nk - Nq)``
-  (bottom-right aligned, the FlashAttention convention).
+* ``S = scale * Q K^T``; the mask (``causal``, ``window_left``, ``window_right``, ``q_lens``,
+  ``kv_lens``: docs/design.md, "Attention") lets valid query ``i < Lq`` of batch ``b`` attend the
+  keys ``j < Lk`` with ``j <= i + off`` (causal), ``j >= i + off - window_left`` and
+  ``j <= i + off + window_right`` (when >= 0), ``off = Lk - Lq`` (bottom-right aligned, the
+  FlashAttention convention). Masked-out entries never contribute, even NaN / Inf ones.
 * ``lse[b, h, i] = log(sum_j exp(S_ij))`` over the attended keys, float32 (float64 for float64
   inputs). A row that attends no key has ``out = 0``, tangent 0, ``lse = -inf`` and gradient 0.
 * Tangents are 5-D ``[P, B, H or Hkv, N, d]``: ``P`` probes share one pass over the primal tiles.

@@ -171,6 +171,14 @@ def _mask_values_readable(mask: Tensor) -> bool:
     return True
 
 
+def _visible(mask: Tensor) -> Optional[Tensor]:
+    """The bool mask of visible pairs, or None for a float mask with entries other than 0 / -inf."""
+    if mask.dtype == torch.bool:
+        return mask
+    visible = mask == 0
+    return visible if bool((visible | (mask == float("-inf"))).all()) else None
+
+
 def _mask_pattern(mask: Tensor, nq: int, nk: int) -> Optional[str]:
     """``"none"`` (every key visible), ``"causal"`` (key ``j`` visible to query ``i`` iff
     ``j <= i + Nk - Nq``), ``"causal_top_left"`` (iff ``j <= i``), or None (another mask).
@@ -206,6 +214,126 @@ def _attention_top_left(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor
     head = attention(q[:, :, :nk], k, v, causal=True, scale=scale)
     tail = attention(q[:, :, nk:], k, v, causal=False, scale=scale)
     return torch.cat([head, tail], dim=2)
+
+
+# --------------------------------------------------------------------------------------------
+# Masks the fused op runs through its kernel masks (windows, key lengths): sliding windows and
+# key padding as Hugging Face builds them, O(N) memory
+# --------------------------------------------------------------------------------------------
+
+class _MaskPlan:
+    """How a recognised mask runs on the fused op. Per batch entry ``b`` the keys
+    ``[start[b], end[b])`` are real (padding on the left and/or right), and
+
+    * ``causal=False``: every query sees exactly those keys;
+    * ``causal=True``: query ``i`` sees key ``j`` iff ``j <= i + diag`` (``diag`` 0: SDPA's
+      top-left alignment, ``Nk - Nq``: bottom-right), ``j > i + diag - window`` when ``window``
+      is set, and ``j`` is real. With padding only ``Nq == Nk`` is planned.
+    """
+
+    def __init__(self, causal: bool, window: Optional[int], diag: int, start: Tensor, end: Tensor,
+                 nq: int, nk: int):
+        self.causal, self.window, self.diag = causal, window, diag
+        self.start, self.end = start, end
+        self.padded = bool((start > 0).any() or (end < nk).any())
+        # Causal with padding: query rows after the last real key see every real key
+        # (causal keeps none of them out) unless a window does.
+        self.tail_rows = causal and self.padded and bool((end < nq).any())
+
+
+def _first_true(x: Tensor) -> Tensor:
+    """Index of the first True along the last dim (0 where there is none)."""
+    return torch.where(x.any(-1), x.to(torch.int8).argmax(-1), 0)
+
+
+def _mask_plan(visible: Tensor, layout: "_Layout") -> Optional[_MaskPlan]:
+    """A :class:`_MaskPlan` when the bool ``visible`` (broadcastable to the scores) is a padding
+    mask, a (sliding-window) causal mask or both, the same for every head; else None."""
+    nq, nk = layout.nq, layout.nk
+    full = layout.scores
+    v = visible.reshape((1,) * (len(full) - visible.dim()) + tuple(visible.shape))
+    if v.shape[-3] != 1:
+        if not bool((v == v[..., :1, :, :]).all()):
+            return None                        # the heads differ: the kernels take one mask
+        v = v[..., :1, :, :]
+    batch = layout.batch
+    if all(s == 1 for s in v.shape[:-3]):
+        v = v.reshape(1, nq, nk)               # one mask for the whole batch
+    else:
+        v = v.expand(*batch, 1, nq, nk).reshape(-1, nq, nk)
+    cols = v.any(-2)                           # [b, Nk]: keys some query sees
+    start = _first_true(cols)
+    end = start + cols.sum(-1)
+    j = torch.arange(nk, device=v.device)
+    real = (j >= start[:, None]) & (j < end[:, None])
+    if not bool((cols == real).all()):
+        return None                            # the real keys are not one interval
+    real = real[:, None, :]
+    if bool((v == real).all()):
+        return _MaskPlan(False, None, 0, start, end, nq, nk)
+    i = torch.arange(nq, device=v.device)[:, None]
+    widths = v.sum(-1)
+    longest = int(widths.max())
+    padded = bool((start > 0).any() or (end < nk).any())
+    for diag in ((0,) if padded else (nk - nq, 0)):
+        if padded and nq != nk:
+            break
+        for window in (None, longest):
+            expected = (j <= i + diag) & real
+            if window is not None:
+                if window < 1:
+                    continue
+                expected &= j > i + diag - window
+            if bool((v == expected).all()):
+                plan = _MaskPlan(True, window, diag, start, end, nq, nk)
+                if diag != nk - nq and not (diag == 0 and nq <= nk):
+                    return None                # top-left with Nq > Nk: not a kernel mask
+                if plan.tail_rows and window is not None:
+                    return None                # rows past the real keys with a window: dense
+                return plan
+    return None
+
+
+def _shift(x: Tensor, start: Tensor, back: bool = False) -> Tensor:
+    """Rows of ``x`` ``[B, h, N, d]`` moved up by ``start[b]`` (row ``t`` <- ``t + start``), or
+    back down (row ``t`` <- ``t - start``, 0 above ``start``). An index gather: differentiable in
+    every mode. Rows moved in from past the end repeat the last one; callers mask them."""
+    n = x.shape[2]
+    t = torch.arange(n, device=x.device)
+    src = t - start[:, None] if back else t + start[:, None]
+    idx = src.clamp(0, n - 1)[:, None, :, None].expand(x.shape[0], x.shape[1], n, x.shape[3])
+    y = x.gather(2, idx)
+    if back:
+        y = torch.where((src >= 0)[:, None, :, None], y, torch.zeros_like(y))
+    return y
+
+
+def _attention_planned(plan: _MaskPlan, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """The fused op on ``q`` ``[B, H, Nq, d]``, ``k``, ``v`` ``[B, Hkv, Nk, d]`` under a
+    recognised mask (O(N) memory)."""
+    B, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+    start, end = plan.start.expand(B), plan.end.expand(B)
+    window = (plan.window - 1, -1) if plan.window is not None else None
+    if not plan.causal:
+        if bool((start > 0).any()):
+            k, v = _shift(k, start), _shift(v, start)
+        return attention(q, k, v, kv_lens=end - start, scale=scale)
+    if not plan.padded:
+        if plan.diag != nk - nq:           # top-left with Nq <= Nk: the later keys are unseen
+            k, v = k[:, :, :nq], v[:, :, :nq]
+        return attention(q, k, v, causal=True, window=window, scale=scale)
+    # Nq == Nk with padding: move each sequence's real tokens to the front; its query rows and
+    # keys then align at 0 (top-left = bottom-right), and its lengths are end - start.
+    lens = end - start
+    shifted = start > 0
+    qs, ks, vs = (_shift(x, start) for x in (q, k, v)) if bool(shifted.any()) else (q, k, v)
+    out = attention(qs, ks, vs, causal=True, window=window, q_lens=lens, kv_lens=lens, scale=scale)
+    out = _shift(out, start, back=True) if bool(shifted.any()) else out
+    if plan.tail_rows:                     # rows i >= end see all real keys (no window here)
+        tail = attention(q, ks, vs, kv_lens=lens, scale=scale)
+        rows = torch.arange(nq, device=q.device)
+        out = torch.where((rows >= end[:, None])[:, None, :, None], tail, out)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,14 +412,18 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
     Which path runs (the result is the same function either way):
 
     * **fused** (:func:`condinit.attention`: O(N) memory, forward AD through the fused JVP
-      kernel, flash VJP backward): ``attn_mask=None``; ``is_causal=True``; and an ``attn_mask``
-      tensor whose values equal no mask or a causal mask (bottom-right or top-left aligned; a
-      float mask with only 0 and -inf entries) -- recognised by one comparison, when the mask's
-      values can be read: not under ``torch.compile``, not batched by ``vmap``, and for a float
-      mask, not requiring grad and carrying no tangent. ``E == Ev`` and no empty dimension.
+      kernel, flash VJP backward, its kernel masks): ``attn_mask=None``; ``is_causal=True``; and
+      an ``attn_mask`` tensor (bool, or float with only 0 and -inf entries), the same for every
+      head, whose values equal no mask, a causal mask (bottom-right or top-left aligned), a
+      sliding-window causal mask (Hugging Face's), key padding whose real keys are one interval
+      per batch entry (left or right padding), or padding with a (windowed) causal mask when
+      ``Nq == Nk`` -- recognised by a few comparisons over the mask, when its values can be
+      read: not under ``torch.compile``, not batched by ``vmap``, and for a float mask, not
+      requiring grad and carrying no tangent. ``E == Ev`` and no empty dimension.
     * **dense** (plain torch ops, O(Nq Nk) memory per head; forward AD and every
-      ``torch.func`` transform still apply): every other mask (key padding, sliding windows,
-      additive biases, ...) and ``E != Ev``. condinit's kernels do not take these masks yet.
+      ``torch.func`` transform still apply): every other mask (random key padding, masks that
+      differ per head, additive biases, a window with padded query rows after the real keys)
+      and ``E != Ev``.
 
     Errors are raised before anything runs and name the argument (``ValueError`` /
     ``TypeError``, where SDPA raises ``RuntimeError``).
@@ -305,6 +437,7 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
     layout = _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     pattern = None      # what the fused op runs; None: the dense path
+    plan = None
     if layout.fused():
         if is_causal:
             pattern = "causal_top_left"
@@ -312,10 +445,15 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
             pattern = "none"
         elif _mask_values_readable(attn_mask):
             pattern = _mask_pattern(attn_mask, layout.nq, layout.nk)
-    if pattern is None:
+            visible = _visible(attn_mask) if pattern is None else None
+            if visible is not None:
+                plan = _mask_plan(visible, layout)
+    if pattern is None and plan is None:
         return _attention_dense(layout, attn_mask, is_causal, scale, enable_gqa)
     q, k, v = layout.as_bhnd()
-    if pattern == "causal_top_left":
+    if plan is not None:
+        out = _attention_planned(plan, q, k, v, scale)
+    elif pattern == "causal_top_left":
         out = _attention_top_left(q, k, v, scale)
     else:
         out = attention(q, k, v, causal=pattern == "causal", scale=scale)

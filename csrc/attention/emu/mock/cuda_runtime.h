@@ -1,14 +1,15 @@
-// Host emulation of the CUDA features the attention kernels use: one CTA at a time, one std::thread per
-// CUDA thread, barriers for __syncthreads/__syncwarp, a per-warp exchange buffer for shuffles.
+// Host emulation of the CUDA features the attention kernels use: one CTA at a time, one fiber per CUDA
+// thread, barriers for __syncthreads/__syncwarp, per-warp exchange buffers for shuffles and mma.sync
+// (mma.h).
 #pragma once
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 #define __global__
 #define __device__
@@ -17,34 +18,76 @@
 #define __launch_bounds__(...)
 #define __shared__
 #define __align__(n)
-struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local Dim3 threadIdx, blockIdx, blockDim;
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+inline dim3 threadIdx, blockIdx, blockDim;  // set by the scheduler before it resumes a thread
 struct alignas(16) int4 { int x, y, z, w; };
 inline int4 make_int4(int a, int b, int c, int d) { return int4{a, b, c, d}; }
 typedef int cudaError_t;
 typedef void* cudaStream_t;
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
-enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9, cudaErrorNotSupported = 801 };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97, cudaDevAttrComputeCapabilityMajor = 75 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 inline int cudaGetDevice(int* d) { *d = 0; return 0; }
-inline int cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
-  const char* e = getenv("EMU_SMEM"); *v = e ? atoi(e) : 232448; return 0; }
+// EMU_SMEM: the emulated opt-in shared memory per block (default: sm_90's 227 KiB); EMU_ARCH_MAJOR.
+inline int cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int) {
+  const char* e = getenv(attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? "EMU_SMEM" : "EMU_ARCH_MAJOR");
+  *v = e ? atoi(e) : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 232448 : 9;
+  return 0;
+}
 template <class F> int cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return 0; }
 inline int cudaGetLastError() { return 0; }
 inline const char* cudaGetErrorString(int) { return "emu"; }
+using std::isfinite;
+inline float __int_as_float(int i) {
+  float f;
+  memcpy(&f, &i, 4);
+  return f;
+}
+inline void __trap() { fprintf(stderr, "emulated kernel: __trap()\n"); abort(); }
 
+// The threads of a CTA are fibers (ucontext) on the calling thread, switched at barriers only:
+// a barrier is where a GPU thread may wait for others, and between barriers the order of threads
+// does not matter to a correct kernel. A CTA whose threads all wait with none able to pass (a
+// __syncthreads in divergent code) aborts with a message.
+struct EmuBarrier {
+  unsigned n = 0, count = 0;
+  uint64_t gen = 0;
+};
 struct EmuCTA {
-  std::unique_ptr<std::barrier<>> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<float> xbuf;
+  EmuBarrier block;
+  std::vector<EmuBarrier> warps;
+  std::vector<float> xbuf;       // shuffles: one float per thread
+  std::vector<uint32_t> mbuf;    // mma.sync: 6 registers per thread
+  std::vector<const void*> pbuf; // ldmatrix: one row address per thread
   std::vector<unsigned char> smem;
+  std::vector<ucontext_t> ctx;
+  std::vector<char> done;
+  ucontext_t sched;
+  unsigned current = 0;
+  uint64_t progress = 0;
+  void (*body)(void*) = nullptr;
+  void* arg = nullptr;
 };
 inline EmuCTA* g_cta = nullptr;
-inline unsigned char* mock_smem() {  // 128-byte aligned, like __align__(128) dynamic shared memory
+inline unsigned char* emu_dynamic_smem() {  // 128-byte aligned, like __align__(128) dynamic shared memory
   return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(g_cta->smem.data()) + 127) & ~uintptr_t(127));
 }
-inline void __syncthreads() { g_cta->block->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { g_cta->warps[threadIdx.x / 32]->arrive_and_wait(); }
+inline void emu_yield() { swapcontext(&g_cta->ctx[g_cta->current], &g_cta->sched); }
+inline void emu_arrive(EmuBarrier& b) {
+  const uint64_t gen = b.gen;
+  ++g_cta->progress;
+  if (++b.count == b.n) {
+    b.count = 0;
+    ++b.gen;
+  } else {
+    while (b.gen == gen) emu_yield();
+  }
+}
+inline void __syncthreads() { emu_arrive(g_cta->block); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_arrive(g_cta->warps[threadIdx.x / 32]); }
 inline float __shfl_xor_sync(unsigned, float x, int o) {
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* buf = g_cta->xbuf.data() + w * 32;
@@ -54,21 +97,71 @@ inline float __shfl_xor_sync(unsigned, float x, int o) {
   __syncwarp();
   return y;
 }
-inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 
+inline std::vector<char>& emu_stacks() {  // one stack per thread, shared by every launch
+  static std::vector<char> stacks;
+  return stacks;
+}
+
+inline void emu_fiber_entry() {
+  g_cta->body(g_cta->arg);
+  g_cta->done[g_cta->current] = 1;
+  ++g_cta->progress;
+}  // returns to uc_link = the scheduler
+
+// kernel<<<grid, block, smem, stream>>>(p), one CTA after the other. Shared memory starts as 0xFF
+// bytes (NaN as floats) so that a read of something never written shows up.
 template <class K, class P>
-void emu_launch(K kern, unsigned grid, unsigned block, size_t smem, cudaStream_t, const P& p) {
-  if (block % 32) abort();
-  for (unsigned b = 0; b < grid; ++b) {
-    EmuCTA cta;
-    cta.block = std::make_unique<std::barrier<>>(block);
-    for (unsigned w = 0; w < block / 32; ++w) cta.warps.push_back(std::make_unique<std::barrier<>>(32));
-    cta.xbuf.assign(block, 0.f);
-    cta.smem.assign(smem + 128, 0xFF);  // garbage-ish (NaN pattern for floats) to catch reads of unwritten smem
-    g_cta = &cta;
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < block; ++t)
-      ts.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = b; blockDim.x = block; kern(p); });
-    for (auto& th : ts) th.join();
-  }
+void emu_launch(K kern, dim3 grid, unsigned block, size_t smem, cudaStream_t, const P& p) {
+  if (block % 32 || block == 0 || block > 1024) abort();
+  constexpr size_t kStack = 128 * 1024;
+  std::vector<char>& stacks = emu_stacks();
+  if (stacks.size() < block * kStack) stacks.assign(block * kStack, 0);
+  struct Call {
+    K kern;
+    const P* p;
+    static void run(void* self) { static_cast<Call*>(self)->kern(*static_cast<Call*>(self)->p); }
+  } call{kern, &p};
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        EmuCTA cta;
+        cta.block.n = block;
+        cta.warps.assign(block / 32, EmuBarrier{});
+        for (auto& w : cta.warps) w.n = 32;
+        cta.xbuf.assign(block, 0.f);
+        cta.mbuf.assign(block * 6, 0u);
+        cta.pbuf.assign(block, nullptr);
+        cta.smem.assign(smem + 128, 0xFF);
+        cta.ctx.resize(block);
+        cta.done.assign(block, 0);
+        cta.body = &Call::run;
+        cta.arg = &call;
+        g_cta = &cta;
+        blockIdx = dim3(x, y, z);
+        blockDim = dim3(block, 1, 1);
+        for (unsigned t = 0; t < block; ++t) {
+          getcontext(&cta.ctx[t]);
+          cta.ctx[t].uc_stack.ss_sp = stacks.data() + t * kStack;
+          cta.ctx[t].uc_stack.ss_size = kStack;
+          cta.ctx[t].uc_link = &cta.sched;
+          makecontext(&cta.ctx[t], emu_fiber_entry, 0);
+        }
+        unsigned remaining = block;
+        while (remaining > 0) {
+          const uint64_t before = cta.progress;
+          for (unsigned t = 0; t < block; ++t) {
+            if (cta.done[t]) continue;
+            cta.current = t;
+            threadIdx = dim3(t, 0, 0);
+            swapcontext(&cta.sched, &cta.ctx[t]);
+            remaining -= cta.done[t];
+          }
+          if (remaining > 0 && cta.progress == before) {
+            fprintf(stderr, "emulated kernel: deadlock (threads wait at barriers no other thread reaches)\n");
+            abort();
+          }
+        }
+        g_cta = nullptr;
+      }
 }

@@ -1,79 +1,72 @@
-// Emulated nvcuda::wmma (16x16x16, fp32 accumulation). Every lane computes the whole tile on its own;
-// stores are done by lane 0 between two warp barriers. Loads and stores check the alignment and leading
-// dimension rules of the real API (256-bit aligned pointers, ldm a multiple of 16 bytes) and abort otherwise.
+// Emulated warp-collective matrix instructions of sm_80: ldmatrix and mma.sync.
+//
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: a warp-collective
+// operation on per-lane registers, with the fragment layouts of the PTX ISA ("Matrix Fragments for
+// mma.m16n8k16 with floating point type"). lane = 4 * groupID + threadID_in_group (g, t):
+//   A (16 x 16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16 x 8, col):  b0 = (k = 2t..2t+1, n = g), b1 = (k = 2t+8..2t+9, n = g)
+//   C/D (16 x 8):     c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+// each 32-bit register holding two 16-bit values, the lower index in the lower half. Every lane
+// publishes its registers, then computes its own four outputs from the whole warp's: a kernel that
+// puts a value in the wrong register gets a wrong product here, as on a GPU.
 #pragma once
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <type_traits>
 
 #include "cuda_bf16.h"
 #include "cuda_fp16.h"
 #include "cuda_runtime.h"
 
-namespace nvcuda {
-namespace wmma {
-struct row_major {};
-struct col_major {};
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-enum layout_t { mem_row_major, mem_col_major };
+inline float emu_half_bits(bool f16, uint32_t bits) {
+  if (f16) {
+    _Float16 h;
+    const uint16_t u = (uint16_t)bits;
+    memcpy(&h, &u, 2);
+    return (float)h;
+  }
+  const uint32_t u = bits << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
 
-template <class Use, int M, int N, int K, class T, class Layout = void>
-struct fragment {
-  float x[256];  // logical (row, col) at x[row * 16 + col]
-};
+inline void emu_mma_m16n8k16(bool f16, float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  uint32_t* buf = g_cta->mbuf.data() + w * 32 * 6;
+  for (int i = 0; i < 4; ++i) buf[lane * 6 + i] = a[i];
+  buf[lane * 6 + 4] = b[0];
+  buf[lane * 6 + 5] = b[1];
+  __syncwarp();
+  auto elem = [&](uint32_t reg, int k) { return emu_half_bits(f16, k % 2 ? reg >> 16 : reg & 0xffffu); };
+  auto A = [&](int row, int k) { return elem(buf[((row % 8) * 4 + (k % 8) / 2) * 6 + row / 8 + 2 * (k / 8)], k); };
+  auto B = [&](int k, int n) { return elem(buf[(n * 4 + (k % 8) / 2) * 6 + 4 + k / 8], k); };
+  float d[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    float s = c[e];
+    for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);  // products of 16-bit values are exact in fp32
+    d[e] = s;
+  }
+  __syncwarp();  // every lane has read the registers before the next mma overwrites them
+  for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
 
-inline float emu_f(float v) { return v; }
-inline float emu_f(__half v) { return __half2float(v); }
-inline float emu_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-inline void emu_check(const void* p, unsigned ldm, unsigned elem) {
-  if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || (ldm * elem) % 16 != 0) {
-    fprintf(stderr, "wmma emulation: misaligned fragment pointer %p or ldm %u\n", p, ldm);
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 (PTX ISA, "ldmatrix"): lane 8 i + j gives the
+// address of row j of 8 x 8 matrix i (16-byte aligned); with .trans, register i of lane 4 g + t
+// holds elements (row 2 t, column g) and (row 2 t + 1, column g) of matrix i, the lower row in the
+// lower half.
+inline void emu_ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
+    fprintf(stderr, "ldmatrix emulation: row address %p is not 16-byte aligned\n", row);
     abort();
   }
-}
-
-template <class Use, class T, class Layout>
-void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
-  emu_check(p, ldm, sizeof(T));
-  const bool rm = std::is_same<Layout, row_major>::value;
-  for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = emu_f(rm ? p[r * ldm + c] : p[r + c * ldm]);
-}
-
-inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
-  emu_check(p, ldm, 4);
-  for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = l == mem_row_major ? p[r * ldm + c] : p[r + c * ldm];
-}
-
-inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
-  emu_check(p, ldm, 4);
-  __syncwarp();  // every lane has loaded what this store may overwrite
-  if (threadIdx.x % 32 == 0)
-    for (int r = 0; r < 16; ++r)
-      for (int c = 0; c < 16; ++c) (l == mem_row_major ? p[r * ldm + c] : p[r + c * ldm]) = f.x[r * 16 + c];
+  const void** buf = g_cta->pbuf.data() + w * 32;
+  buf[lane] = row;
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t* lo = static_cast<const uint16_t*>(buf[8 * i + 2 * t]);
+    const uint16_t* hi = static_cast<const uint16_t*>(buf[8 * i + 2 * t + 1]);
+    r[i] = (uint32_t)lo[g] | ((uint32_t)hi[g] << 16);
+  }
   __syncwarp();
 }
-
-inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
-  for (float& x : f.x) x = v;
-}
-
-template <class T, class LA, class LB>
-void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
-              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
-  float t[256];
-  for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < 16; ++j) {
-      float s = c.x[i * 16 + j];
-      for (int k = 0; k < 16; ++k) s += a.x[i * 16 + k] * b.x[k * 16 + j];
-      t[i * 16 + j] = s;
-    }
-  for (int i = 0; i < 256; ++i) d.x[i] = t[i];
-}
-}  // namespace wmma
-}  // namespace nvcuda

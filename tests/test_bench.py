@@ -1,0 +1,101 @@
+"""``condinit bench``: the quick run prints its table and writes valid JSON; every row names the
+backend that ran; a forced backend that cannot run fails its rows instead of falling back."""
+import json
+
+import pytest
+import torch
+
+from condinit import bench
+from condinit.cli import main
+
+
+def _run(capsys, *argv):
+    rc = main(["bench", "--no-progress", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    rc, out, err = _run(capsys, "--quick", "--device", "cpu", "--json", str(path))
+    assert rc == 0, out + err
+    data = json.loads(path.read_text())
+    assert {"machine", "versions", "flop_conventions", "config", "rows", "date", "timing"} <= set(data)
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["machine"]["torch_threads"] == torch.get_num_threads()
+    assert "4 B H Nq Nk d" in data["flop_conventions"]["attention_fwd"]
+    rows = {r["key"]: r for r in data["rows"]}
+    expected = {"ceilings.matmul_fp32", "ceilings.copy", "init.batched", "init.per_tensor", "init.floor",
+                "init.orthogonal_loop", "init.batched_qr", "init.randn", "init.block_randn", "attention.sdpa_fwd", "attention.sdpa_bwd",
+                "attention.fwd", "attention.math_jvp", "attention.jvp", "attention.bwd", "attention.math_jvp_bwd",
+                "attention.jvp_bwd"}
+    assert set(rows) == expected
+    for key, r in rows.items():
+        assert r["error"] is None, (key, r["error"])
+        assert r["seconds"] > 0 and r["backend"] not in ("", "?"), key
+        assert r["name"] in out and r["backend"] in out, key     # every row in the table, with its backend
+    # the backends the table names are the ones condinit's tables choose for these calls
+    from condinit.ops.attention.op import ATTENTION_JVP
+    from condinit.init.orthogonalize import ORTHOGONALIZE
+    assert rows["attention.jvp"]["backend"] == ATTENTION_JVP.choose("cpu", dtype=torch.float32, head_dim=64)
+    assert f"orthogonalize={ORTHOGONALIZE.choose('cpu', method='cholqr2')} (cholqr2)" in rows["init.batched"]["backend"]
+    assert rows["attention.sdpa_fwd"]["backend"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+    # side by side: ratios to the baselines of the same run, rates against the measured ceilings
+    per, batched = rows["init.per_tensor"], rows["init.batched"]
+    assert per["ratios"]["init.batched"] == pytest.approx(per["seconds"] / batched["seconds"])
+    assert set(batched["ratios"]) == {"init.floor", "init.orthogonal_loop", "init.batched_qr", "init.randn"}
+    assert set(rows["attention.jvp"]["ratios"]) == {"attention.math_jvp", "attention.sdpa_fwd"}
+    assert set(rows["attention.jvp_bwd"]["ratios"]) == {"attention.math_jvp_bwd", "attention.sdpa_fwd"}
+    matmul = rows["ceilings.matmul_fp32"]
+    assert matmul["rate"] == pytest.approx(matmul["flops"] / matmul["seconds"])
+    fwd = rows["attention.fwd"]
+    assert fwd["flops"] == bench.attention_flops(bench.ATTENTION_PRESETS["quick"], True)
+    assert fwd["of_ceiling"] == pytest.approx(fwd["rate"] / matmul["rate"])
+    assert "time / other row's" in out and "% of ceiling" in out
+
+
+def test_forced_backend_that_cannot_run_fails_its_rows(capsys):
+    """--backend cuda on a CPU tensor: condinit's rows fail with the reason (no silent fallback)."""
+    rc, out, err = _run(capsys, "--quick", "--device", "cpu", "--sections", "attention", "--backend", "cuda",
+                        "--skip", "math_jvp,math_jvp_bwd", "--repeats", "1")
+    assert rc == 1
+    for what in ("condinit attention forward", "condinit attention_jvp (1 probe)"):
+        line = next(ln for ln in out.splitlines() if what in ln)
+        assert "ERROR BackendUnavailableError" in line, line
+    assert "SDPA forward, best backend" in out and "attention.fwd" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sections", "init,bogus"], "--sections entries"),
+    (["--init-shape", "2,64,3,2,16"], "kv_heads=2 must divide heads=3"),
+    (["--attention-shape", "1,2,x,4,5"], "attention shape must be a preset"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--backend", "gpu"], "--backend"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_arguments_are_one_line_errors(capsys, argv, message):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_parse_shape_presets_and_ints():
+    assert bench.parse_shape("llama-1b", "init") == bench.InitShape(16, 2048, 32, 8, 64)
+    assert bench.parse_shape("2,128,4,2,32", "init").blocks == 2 * (4 + 2)
+    assert bench.parse_shape("1,4,2,64,16", "attention") == bench.AttentionShape(1, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="5 positive ints"):
+        bench.parse_shape("1,2,3", "init")
+
+
+def test_timer_takes_the_median_and_scales():
+    calls = []
+    t = bench.Timer("cpu", repeats=3, warmup=2)(lambda: calls.append(1), scale=4.0)
+    assert len(calls) == 5 and len(t.all) == 3 and t.scale == 4.0
+    assert t.best <= t.seconds and t.seconds == sorted(t.all)[1]
+
+
+def test_table_shows_errors_and_ratios():
+    ok = bench.Row("init", "init.batched", "batched", "torch", seconds=0.5, ratios={"init.floor": 1.25})
+    bad = bench.Row("init", "init.floor", "floor", "torch", error="RuntimeError: boom")
+    text = bench.format_table([ok, bad])
+    assert "1.25x floor" in text and "ERROR RuntimeError: boom" in text and "500.00" in text
