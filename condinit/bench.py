@@ -18,7 +18,8 @@ Sections (each a list of :class:`Row`):
 ``attention``
     The fused attention forward against SDPA's best backend (every SDPA backend forced in turn,
     the fastest that runs is the baseline); the JVP against ``torch.func.jvp`` over SDPA MATH (the
-    only SDPA backend with forward-mode AD) and as a ratio to SDPA's fused forward; the backward
+    only SDPA backend with forward-mode AD) and as a ratio to SDPA's fused forward; ``probes``
+    tangents in one call against as many single-probe calls; the backward
     against SDPA's best backward; the backward through the tangent output (reverse over forward)
     against the same through SDPA MATH.
 
@@ -54,7 +55,8 @@ import torch
 
 __all__ = ["InitShape", "AttentionShape", "BenchConfig", "Row", "Timer", "INIT_PRESETS", "make_stack",
            "init_batched", "init_per_tensor", "init_floor", "per_head_orthogonal", "batched_qr",
-           "ATTENTION_PRESETS", "FLOP_CONVENTIONS", "math_jvp", "attention_backends", "sdpa_best", "default_config", "ceiling_rows", "init_rows",
+           "ATTENTION_PRESETS", "FLOP_CONVENTIONS", "math_jvp", "attention_backends", "sdpa_best",
+           "default_config", "ceiling_rows", "init_rows",
            "attention_rows", "run", "format_table", "to_json", "machine_info", "attention_flops"]
 
 FLOP_CONVENTIONS = {
@@ -64,7 +66,8 @@ FLOP_CONVENTIONS = {
     "attention_bwd": "2.5 x attention_fwd",
     "attention_jvp": "3 x attention_fwd (per probe)",
     "attention_jvp_bwd": "7.5 x attention_fwd (backward through the tangent output)",
-    "init": "CholeskyQR2: 4 GEMMs of 2 d^2 D per d x D block; bytes: the weights written once",
+    "init": "CholeskyQR2: 4 GEMMs of 2 d^2 D per d x D block (the floor: a Gram 2 d^2 D + a triangular "
+            "solve d^2 D); bytes: the weights written once",
 }
 ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "jvp": 3.0, "jvp_bwd": 7.5}
 
@@ -151,6 +154,7 @@ class BenchConfig:
     matmul_size: int = 2048
     copy_bytes: int = 256 << 20
     skip: tuple[str, ...] = ()           # row keys not to run (e.g. "math_jvp" on a small GPU)
+    probes: int = 4                      # the multi-probe JVP row: this many probes in one call
 
 
 def default_config(device: str = "cpu", quick: bool = False, **overrides) -> BenchConfig:
@@ -330,9 +334,10 @@ def ceiling_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list
         return lambda: dst.copy_(src)
     sec.measure("copy", f"memory copy {cfg.copy_bytes / 2**20:.0f} MiB (ceiling)", "torch copy_", None,
                 setup=copy_setup, nbytes=2.0 * numel * 4)
-    for r in sec.rows:
-        if r.ok and r.seconds:
-            r.rate, r.rate_unit = (r.flops or r.bytes) / r.seconds, "FLOP/s" if r.flops else "B/s"
+    for r in sec.rows:   # a ceiling is the best rate reached, not the typical one
+        if r.ok and r.best:
+            r.rate, r.rate_unit = (r.flops or r.bytes) / r.best, "FLOP/s" if r.flops else "B/s"
+            r.note = "; ".join(x for x in (r.note, "rate from the fastest call") if x)
     return sec.rows
 
 
@@ -464,7 +469,7 @@ def init_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list[Ro
     chunk = chunk_blocks(d, D, dev.type, None, gemm_dtype(dev.type))
     floor = sec.measure("floor", "floor: normal_ + Gram + Cholesky + triangular solve",
                         "torch " + ("cuBLAS/cuSOLVER" if dev.type == "cuda" else _matmul_library(dev, torch.float32)),
-                        lambda: init_floor(stack, shape, dev, chunk), flops=2 * 2.0 * d * d * D * nb,
+                        lambda: init_floor(stack, shape, dev, chunk), flops=3.0 * d * d * D * nb,
                         note=f"chunks of {chunk} blocks, one CholeskyQR pass")
     batched.aim = "<= 1.3x floor"
     limit = cfg.baseline_blocks
@@ -602,16 +607,25 @@ def attention_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> li
     fwd.aim = "~1x SDPA forward"
 
     if "math_jvp" not in cfg.skip:
-        math_jvp = sec.measure("math_jvp", "torch.func.jvp over SDPA MATH", "SDPA MATH",
+        math_row = sec.measure("math_jvp", "torch.func.jvp over SDPA MATH", "SDPA MATH",
                                lambda: math_jvp(q, k, v, tq, tk, tv, causal), flops=fl["jvp"], peak_memory=True)
     else:
-        math_jvp = None
+        math_row = None
     jvp = sec.measure("jvp", "condinit attention_jvp (1 probe)", lambda: chosen("jvp"),
                       lambda: condinit.attention_jvp(q, k, v, tq, tk, tv, causal=causal, **kw), flops=fl["jvp"],
                       peak_memory=True)
-    _ratio(jvp, math_jvp)
+    _ratio(jvp, math_row)
     _ratio(jvp, sdpa_fwd)
     jvp.aim = "<= 3x SDPA forward (its FLOPs)"
+    P = cfg.probes
+    if P > 1 and "jvp_probes" not in cfg.skip:
+        def probes_setup():
+            t = [torch.randn(P, *x.shape, device=dev, generator=g).to(dtype) for x in (q, k, v)]
+            return lambda: condinit.attention_jvp(q, k, v, *t, causal=causal, **kw)
+        multi = sec.measure("jvp_probes", f"condinit attention_jvp, {P} probes in one call", lambda: chosen("jvp"),
+                            None, setup=probes_setup, flops=P * fl["jvp"])
+        if multi.ok and jvp.ok:   # against P single-probe calls (the row above)
+            multi.ratios[f"attention.jvp*{P}"] = multi.seconds / (P * jvp.seconds)
 
     def bwd_setup():
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -689,7 +703,7 @@ def planned_rows(cfg: BenchConfig) -> int:
     if "init" in cfg.sections:
         n += 7 - sum(k in cfg.skip for k in ("orthogonal_loop", "batched_qr"))
     if "attention" in cfg.sections:
-        n += 8 - sum(k in cfg.skip for k in ("math_jvp", "math_jvp_bwd"))
+        n += 8 + (cfg.probes > 1) - sum(k in cfg.skip for k in ("math_jvp", "math_jvp_bwd", "jvp_probes"))
     return n
 
 

@@ -57,8 +57,9 @@ attends it, as in every tiled kernel.
 Conventions: q ``[B, H, Nq, d]``, k/v ``[B, Hkv, Nk, d]``, query head ``h`` reads KV head
 ``h // (H // Hkv)``; causal is bottom-right aligned (``j <= i + Lk - Lq``). A query row that sees
 no key gets ``O = 0``, ``O' = 0``, ``lse = -inf`` and zero gradients. Any head dim 1-256: tiles
-are padded to ``BLOCK_D``, the next power of two (at least 16), with masked loads and stores. Exponentials run in base 2 (``exp2``, the scale folded with
-``log2 e``), ``lse`` is returned in natural log. Loads are upcast to fp32 for elementwise math;
+are padded to ``BLOCK_D``, the next power of two (at least 16), with masked loads and stores.
+Exponentials run in base 2 (``exp2``, the scale folded with ``log2 e``), ``lse`` is returned in
+natural log. Loads are upcast to fp32 for elementwise math;
 matrix products take fp16/bf16 operands with fp32 accumulators (``P~`` and ``P~ o S'`` rounded to
 the input dtype before the product with V, as flash attention does; ``P~ o S'`` is formed from the
 rounded ``P~``, which frees the fp32 ``P~`` registers early); fp32 inputs use IEEE fp32

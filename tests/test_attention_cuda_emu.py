@@ -84,11 +84,11 @@ def check_all(emu, dtype, B, H, Hkv, Nq, Nk, d, causal, P, rng, window=None, q_l
 
 
 # (B, H, Hkv, Nq, Nk, d, causal, P): ragged N and several tiles, causal both ways (Nq > Nk: rows
-# that see no key), GQA 1 / 2 / 4, head dims 16, 72 and 128 (72 padded to 80 inside the kernels),
+# that see no key), GQA 1 / 2 / 4 / 8, head dims 16, 72 and 128 (72 padded to 80 inside the kernels),
 # one head dim that is not a multiple of the 16-byte vector (element-wise loads), one above 128
 # (two blocks per row tile, one per output-column chunk), one to three probes.
 CASES = [
-    (1, 2, 1, 17, 17, 16, True, 3),
+    (1, 8, 1, 17, 17, 16, True, 3),      # GQA 8
     (1, 2, 2, 40, 7, 16, True, 1),
     (1, 4, 1, 33, 70, 72, False, 1),
     (1, 2, 1, 21, 37, 128, True, 1),

@@ -27,6 +27,8 @@ from conftest import assert_close
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP32 = torch.float32
+# The mask arguments of every attention op (window_left, window_right, q_lens, kv_lens): none.
+NO_MASK = (-1, -1, None, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,12 +61,12 @@ def test_fake_kernels_shapes_and_dtypes():
         q = torch.empty(2, 4, 9, 16, device="meta", dtype=dtype)
         k = torch.empty(2, 2, 5, 16, device="meta", dtype=dtype)
         tq = torch.empty(3, 2, 4, 9, 16, device="meta", dtype=dtype)
-        out, tout, lse = torch.ops.condinit.attention_jvp(q, k, k, tq, None, None, False, 1.0, "torch")
+        out, tout, lse = torch.ops.condinit.attention_jvp(q, k, k, tq, None, None, False, 1.0, *NO_MASK, "torch")
         assert (out.shape, tout.shape, lse.shape) == (q.shape, tq.shape, (2, 4, 9))
         assert out.dtype == tout.dtype == dtype and lse.dtype == lse_dtype
-        out, lse = torch.ops.condinit.attention_fwd(q, k, k, True, 1.0, "torch")
+        out, lse = torch.ops.condinit.attention_fwd(q, k, k, True, 1.0, *NO_MASK, "torch")
         assert out.shape == q.shape and lse.dtype == lse_dtype
-        dq, dk, dv = torch.ops.condinit.attention_bwd(q, q, k, k, q, lse, False, 1.0, "torch")
+        dq, dk, dv = torch.ops.condinit.attention_bwd(q, q, k, k, q, lse, False, 1.0, *NO_MASK, "torch")
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
 
 
@@ -79,9 +81,10 @@ def test_native_meta_shapes(native):
     k = torch.empty(2, 2, 5, 16, device="meta")
     t = torch.empty(3, 2, 4, 9, 16, device="meta")
     tk = torch.empty(3, 2, 2, 5, 16, device="meta")
-    out, tout, lse = native.attention_jvp(q, k, k, t, tk, tk, False, 1.0)
+    out, tout, lse = native.attention_jvp(q, k, k, t, tk, tk, False, 1.0, *NO_MASK)
     assert out.shape == q.shape and tout.shape == t.shape and lse.shape == (2, 4, 9) and lse.dtype == FP32
-    dq, dk, dv = native.attention_bwd(q, q, k, k, q, torch.empty(2, 4, 9, device="meta"), False, 1.0)
+    dq, dk, dv = native.attention_bwd(q, q, k, k, q, torch.empty(2, 4, 9, device="meta"), False, 1.0,
+                                    *NO_MASK)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
@@ -111,7 +114,7 @@ def test_native_layout_checks(native):
     ]
     for match, fn, args in bad:
         with pytest.raises(RuntimeError, match=match):
-            fn(*args)
+            fn(*args, *NO_MASK)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,6 +202,12 @@ def test_triton_layout_checks_before_launch(triton_kernels):
         ("bad tangent layout", jvp, (q, k, k, q[None], k[None, :, :1], k[None], False, 0.25)),
         ("bad tangent layout", jvp, (q, k, k, q.expand(2, *q.shape), k[None], k[None], False, 0.25)),
         ("lse must be float32", bwd, (q, q, k, k, torch.zeros_like(q), torch.zeros(1, 4, 8, dtype=F64), False, 0.25)),
+        ("q_lens must be int32", fwd, (q, k, k, False, 0.25, -1, -1, torch.tensor([8]), None)),
+        ("kv_lens must be int32", fwd, (q, k, k, False, 0.25, -1, -1, None, torch.tensor([8, 8], dtype=torch.int32))),
+        ("tout .* must be shaped like tq", triton_kernels.attention_jvp_bwd,
+         (q, q[None], q, k, k, q[None], k[None], k[None], q, q[None, :, :, :4], torch.zeros(1, 4, 8), False, 0.25)),
+        ("bad tangent layout", triton_kernels.attention_jvp_bwd,
+         (q, q[None], q, k, k, q[None], q[None], k[None], q, q[None], torch.zeros(1, 4, 8), False, 0.25)),
     ]
     for match, fn, args in bad:
         with pytest.raises(ValueError, match=match):
@@ -268,7 +277,7 @@ MASK_CASES = {
     "window-two-sided-d128": (1, 2, 1, 17, 70, 128, 1, False, 5, 3, None, None, (16, 16)),
     "window-right-only": (1, 2, 1, 17, 17, 16, 3, False, -1, 2, None, None, (16, 16)),
     "key-padding-gqa2": (2, 4, 2, 17, 17, 72, 1, False, -1, -1, None, [17, 6], (16, 16)),
-    "lens-causal-window": (3, 2, 1, 40, 24, 16, 3, True, 4, -1, [40, 1, 17], [24, 0, 20], (16, 16)),
+    "lens-causal-window": (3, 2, 1, 33, 24, 16, 3, True, 4, -1, [33, 1, 17], [24, 0, 20], (16, 16)),
     "lens-q-only-window": (2, 2, 1, 33, 17, 16, 1, False, 0, 40, [9, 33], None, (16, 16)),
     "n1-causal": (1, 2, 1, 1, 1, 16, 1, True, -1, -1, None, None, (16, 16)),
     "n1-query-window": (1, 2, 1, 1, 17, 16, 3, True, 3, -1, None, [9], (16, 16)),
@@ -335,7 +344,7 @@ def test_triton_masked_kernels_against_float64(triton_kernels, name, rng, nan_po
 def test_triton_nan_in_padding_is_ignored_and_deterministic(triton_kernels, rng, nan_poison, monkeypatch):
     """NaN in every padded position (query rows >= Lq, keys >= Lk) of every input changes no bit
     of any output (they are never read into a product); two runs give the same bits."""
-    B, H, Hkv, n_q, n_k, d, P = 2, 2, 1, 33, 24, 16, 2
+    B, H, Hkv, n_q, n_k, d, P = 2, 1, 1, 33, 24, 16, 2
     q_lens, kv_lens = torch.tensor([20, 33], dtype=torch.int32), torch.tensor([24, 7], dtype=torch.int32)
     q, k, v = make_qkv(B, H, Hkv, n_q, n_k, d, FP32, rng)
     tq, tk, tv = make_tangents(q, k, v, P, rng)

@@ -27,7 +27,7 @@ def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
     rows = {r["key"]: r for r in data["rows"]}
     expected = {"ceilings.matmul_fp32", "ceilings.copy", "init.batched", "init.per_tensor", "init.floor",
                 "init.orthogonal_loop", "init.batched_qr", "init.randn", "init.block_randn", "attention.sdpa_fwd", "attention.sdpa_bwd",
-                "attention.fwd", "attention.math_jvp", "attention.jvp", "attention.bwd", "attention.math_jvp_bwd",
+                "attention.fwd", "attention.math_jvp", "attention.jvp", "attention.jvp_probes", "attention.bwd", "attention.math_jvp_bwd",
                 "attention.jvp_bwd"}
     assert set(rows) == expected
     for key, r in rows.items():
@@ -45,9 +45,10 @@ def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
     assert per["ratios"]["init.batched"] == pytest.approx(per["seconds"] / batched["seconds"])
     assert set(batched["ratios"]) == {"init.floor", "init.orthogonal_loop", "init.batched_qr", "init.randn"}
     assert set(rows["attention.jvp"]["ratios"]) == {"attention.math_jvp", "attention.sdpa_fwd"}
+    assert set(rows["attention.jvp_probes"]["ratios"]) == {"attention.jvp*4"}
     assert set(rows["attention.jvp_bwd"]["ratios"]) == {"attention.math_jvp_bwd", "attention.sdpa_fwd"}
     matmul = rows["ceilings.matmul_fp32"]
-    assert matmul["rate"] == pytest.approx(matmul["flops"] / matmul["seconds"])
+    assert matmul["rate"] == pytest.approx(matmul["flops"] / matmul["best"])
     fwd = rows["attention.fwd"]
     assert fwd["flops"] == bench.attention_flops(bench.ATTENTION_PRESETS["quick"], True)
     assert fwd["of_ceiling"] == pytest.approx(fwd["rate"] / matmul["rate"])

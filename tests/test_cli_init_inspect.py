@@ -280,8 +280,19 @@ def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys)
     rc, _, err = _run(capsys, "init", "--config", str(_gpt2_config(tmp_path)), "--out", d)
     assert rc == 2 and "config.json differs" in err
     assert {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")} == before
-    rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--overwrite", "--quiet")
+    rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--overwrite", "--quiet",
+                      "--max-shard-size", "2MB")
     assert rc == 0, err
+    # --resume: an interrupted write (a shard and the index missing) is finished, the rest kept
+    full = {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")}
+    shards = sorted(n for n in full if n.startswith("model-"))
+    assert len(shards) >= 3
+    os.unlink(tmp_path / "d" / shards[1])
+    os.unlink(tmp_path / "d" / "model.safetensors.index.json")
+    rc, out, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--resume",
+                        "--max-shard-size", "2MB")
+    assert rc == 0 and f"{len(shards) - 1} complete shard(s) kept" in out, err
+    assert {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")} == full
 
 
 def _gpt2_config(tmp_path):

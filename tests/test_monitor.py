@@ -120,3 +120,25 @@ def test_input_capture_layouts(batch_first, rng):
     with InputCapture([mha]) as cap:
         mha(x[0], x[0], x[0])                                 # unbatched [N, D]
     assert torch.equal(cap.inputs[0], x[:1])
+
+
+def test_capture_hands_over_the_call_and_position_embeddings():
+    """call_info=True passes (args, kwargs); position_embeddings are found by keyword or by position."""
+    from condinit.probe import InputCapture
+    from condinit.probe.capture import layer_position_embeddings
+
+    class Rotary(nn.Module):
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None):
+            return hidden_states
+
+    m = Rotary()
+    x = torch.randn(1, 3, 4)
+    cs = (torch.randn(1, 3, 2), torch.randn(1, 3, 2))
+    seen = []
+    with InputCapture([m], on_input=lambda i, mod, t, call: seen.append(layer_position_embeddings(mod, *call)),
+                      call_info=True):
+        m(x, position_embeddings=cs)
+        m(x, cs)
+        m(x)
+    assert all(torch.equal(a, b) for got in seen[:2] for a, b in zip(got, cs))
+    assert seen[2] is None

@@ -34,7 +34,8 @@ def _float64_source(fn):
 
 
 def _configs(kv_heads=4):
-    from transformers import Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, Olmo2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                              Qwen3Config)
 
     common = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=kv_heads, max_position_embeddings=32)
@@ -47,6 +48,8 @@ def _configs(kv_heads=4):
                                query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"]),
         "gemma3": Gemma3TextConfig(**common, head_dim=4, sliding_window=3, query_pre_attn_scalar=8,
                                    layer_types=["sliding_attention", "full_attention"]),
+        # the window from config.sliding_window (the module holds no sliding_window attribute)
+        "mistral": MistralConfig(**common, sliding_window=3),
         # fused [H, 3, d] query_key_value with biases, partial rotary (half of the head)
         "neox": GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                               num_attention_heads=4, max_position_embeddings=32, attention_bias=True,
@@ -146,7 +149,8 @@ def _rel(a, b):
 
 
 CASES = [(name, wrt, 4) for name in ("llama", "qwen3", "olmo2", "gemma2", "gemma3", "neox")
-         for wrt in ("input", "weights")] + [("llama", "weights", 2), ("gemma2", "input", 2), ("qwen3", "weights", 2)]
+         for wrt in ("input", "weights")] + [("llama", "weights", 2), ("gemma2", "input", 2), ("qwen3", "weights", 2),
+                                             ("mistral", "input", 2)]
 
 
 @pytest.mark.parametrize("name,wrt,kv_heads", CASES)

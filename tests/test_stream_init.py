@@ -245,6 +245,7 @@ def test_chunking_does_not_change_the_bytes(tmp_path, monkeypatch):
     a = write_pretrained(cfg, tmp_path / "a", seed=4, max_shard_size=40_000)
     monkeypatch.setattr(stream, "_OWN_CHUNK_BLOCKS", 1)        # one Philox block per call
     monkeypatch.setattr(stream, "_MAX_QUEUED_BYTES", 1)        # the writer never runs ahead
+    monkeypatch.setattr(stream._Writeback, "step", 4096)       # writeback started (and cache dropped) often
     b = write_pretrained(cfg, tmp_path / "b", seed=4, max_shard_size=40_000)
     assert [os.path.basename(f) for f in a.files] == [os.path.basename(f) for f in b.files]
     assert _files(a.out_dir) == _files(b.out_dir)

@@ -25,6 +25,7 @@ def add_arguments(p):
     p.add_argument("--attention-shape", default=None,
                    help="B,H,HKV,N,d of the attention rows (default 1,8,8,1024,64 on cpu, 1,16,16,8192,128 on cuda)")
     p.add_argument("--non-causal", action="store_true", help="attention without the causal mask")
+    p.add_argument("--probes", type=int, default=None, help="tangents of the multi-probe JVP row (default 4)")
     p.add_argument("--backend", default=None,
                    help="force condinit's backend (cuda, triton, cpp-cpu, torch); a row whose op cannot run "
                         "on it fails, it never falls back (default: the automatic choice)")
@@ -59,7 +60,7 @@ def _config(args):
         check_choice("--sections entries", s, SECTIONS)
     if not sections:
         raise CLIError(f"--sections must name at least one of {','.join(SECTIONS)}")
-    for name in ("repeats", "baseline_blocks"):
+    for name in ("repeats", "baseline_blocks", "probes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -67,7 +68,7 @@ def _config(args):
         from condinit import _backends
         check_choice("--backend", args.backend, _backends.BACKENDS + ("auto",))
     overrides = dict(
-        sections=sections, repeats=args.repeats, baseline_blocks=args.baseline_blocks,
+        sections=sections, repeats=args.repeats, baseline_blocks=args.baseline_blocks, probes=args.probes,
         backend=None if args.backend == "auto" else args.backend,
         dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype),
         init_shape=bench.parse_shape(args.init_shape, "init") if args.init_shape else None,

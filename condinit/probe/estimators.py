@@ -524,11 +524,20 @@ def _hutch_one(op: JacobianOperator, *, samples: int, seed: int, probes_per_laun
     gen = _generator(op, seed)
     vals = []
     done = 0
+    # wide weight Jacobians: ||J||_F^2 = E ||J^T z||^2 over output-side z, and ||J^T z||^2 = <G, K G> in
+    # projection-output coordinates (one VJP launch and one K G product, no X dW^T per probe)
+    adjoint = getattr(op, "projection_coordinates", False) and op.m < op.n
     while done < samples:
         p = min(probes_per_launch, samples - done)
-        z = torch.randint(0, 2, (p, op.n), generator=gen, dtype=torch.int8).to(op.device, op.dtype) * 2 - 1
-        Jz = op._matmat_rows(z)                       # one multi-probe JVP launch
-        vals.append(Jz.to(torch.float64).pow(2).sum(dim=1).cpu())
+        z = torch.randint(0, 2, (p, op.m if adjoint else op.n), generator=gen, dtype=torch.int8)
+        z = z.to(op.device, op.dtype) * 2 - 1
+        if adjoint:
+            with torch.no_grad():
+                G = torch.cat(op._cotangents(z), dim=-1).reshape(p, op.B * op.N, -1)
+                sq = (G * (op._gram() @ G)).sum(dim=(1, 2))
+        else:
+            sq = op._matmat_rows(z).to(torch.float64).pow(2).sum(dim=1)   # one multi-probe JVP launch
+        vals.append(sq.to(torch.float64).cpu())
         done += p
     x = torch.cat(vals)
     if not bool(torch.isfinite(x).all()):
@@ -543,14 +552,17 @@ def _hutch_one(op: JacobianOperator, *, samples: int, seed: int, probes_per_laun
     lo, hi = max(mean - q * se, 0.0), mean + q * se
     return FrobeniusEstimate(method="hutchinson-rademacher", frobenius=math.sqrt(mean), ci_low=math.sqrt(lo),
                              ci_high=math.sqrt(hi), confidence=confidence, samples=samples, std_err=se,
-                             probes_per_launch=probes_per_launch, shape=tuple(op.shape), seed=seed, wrt=op.wrt)
+                             probes_per_launch=probes_per_launch, shape=tuple(op.shape), seed=seed, wrt=op.wrt,
+                             notes="output-side probes: ||J^T z||^2 (one flash VJP launch)" if adjoint else "")
 
 
 def frobenius_hutchinson(op: Union[JacobianOperator, Sequence[JacobianOperator]], samples: int = 32, seed: int = 0,
                          *, probes_per_launch: int = 8, confidence: float = 0.95):
     """``||J||_F^2 = E ||J z||^2`` over Rademacher ``z``, ``samples`` probes sent ``probes_per_launch``
     at a time through one multi-probe JVP; the interval is a Student t interval on the mean of
-    ``||J z||^2`` at ``confidence`` (in ``(0, 1)``), square-rooted. Returns a
+    ``||J z||^2`` at ``confidence`` (in ``(0, 1)``), square-rooted. For a wide weight Jacobian
+    (``wrt="weights"``, ``m < n``, ``B N < 2 D``) the probes are on the output side instead,
+    ``||J||_F^2 = E ||J^T z||^2``, through one flash VJP launch (``notes`` says so). Returns a
     :class:`FrobeniusEstimate` (a list for a sequence of operators).
 
     Examples:

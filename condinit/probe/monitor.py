@@ -403,14 +403,11 @@ class JacobianMonitor:
         cur = self.step_count if step is None else step
         records = []
         # every rank of a distributed monitor takes part in each sampled step (the gathers are collective)
-        if self._captured or self._errors or self._pending or (self.distributed and self.sampling_step(cur)):
+        if self._captured or self._errors or self._pending or (self.distributed and cur % self.every == 0):
             records = self._estimate(cur)
         self._captured, self._errors, self._pending = {}, {}, {}
         self.step_count = cur + 1
         return records
-
-    def sampling_step(self, step: int) -> bool:
-        return step % self.every == 0
 
     def _order(self) -> list[int]:
         L = len(self.layers)

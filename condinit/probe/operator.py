@@ -11,17 +11,27 @@ under grouped-query attention)::
 (weights in ``nn.Linear``'s ``[out, in]`` layout, ``s`` the layer's own scale), the operator is the
 Jacobian of ``O = [O_1, ..., O_H]`` (``[B, H, N, d]``, flattened in that order) -- *before* the
 output projection ``W_O`` -- or, with ``include_output_proj=True``, of ``concat_h(O_h) W_O^T``
-(``[B, N, D_out]``). Position-dependent transforms a module may apply inside (RoPE, QK-norm,
-attention masks other than causal, dropout) are not part of this operator: it is the paper's
-``A(X)`` evaluated with the layer's weights, biases and scale.
+(``[B, N, D_out]``). With ``transforms="module"`` (the default) ``Q_h`` and ``K_g`` then go through
+what the module applies before the scores (read from its attributes, Hugging Face naming):
+``q_norm`` / ``k_norm`` (per head, or on the whole projection before the head split as in OLMo2;
+tangents through the norm's JVP, cotangents through its VJP, by :mod:`torch.func` on a private copy),
+RoPE in the rotate-half convention with the ``position_embeddings`` ``(cos, sin)`` the module was
+called with (linear: the same rotation carries the tangents, its transpose the cotangents), a
+sliding window (``sliding_window``; the fused kernels' ``window``), logit soft-capping
+``c tanh(s / c)`` (``attn_logit_softcapping``; not in the fused kernels, so such a layer's attention,
+JVP and VJP run in plain torch on dense ``[B, H, N, N]`` blocks), and the module's own ``scaling``.
+:attr:`JacobianOperator.description` names what is modelled and what is not (padding masks,
+position biases, dropout, RoPE without ``position_embeddings``); ``transforms="none"`` is the
+paper's bare ``A(X)``.
 
 ``wrt`` picks the variables:
 
 * ``"weights"``: ``t = (dW_Q, dW_K, dW_V)`` flattened (``[H d, D]``, ``[Hkv d, D]``,
   ``[Hkv d, D]``), ``Q' = X dW_Q^T`` etc.; the paper's ``J = [dA/dW_Q, dA/dW_K, dA/dW_V]``.
 * ``"input"``: ``t = dX`` ``[B, N, D]``.
-* ``"qkv"``: ``t = (dQ, dK, dV)`` flattened (``[B, H, N, d]``, ``[B, Hkv, N, d]`` x 2); also the
-  only choice for a bare ``(q, k, v)`` triple.
+* ``"qkv"``: ``t = (dQ, dK, dV)`` flattened (``[B, H, N, d]``, ``[B, Hkv, N, d]`` x 2; for a
+  module, of its projections' outputs, before QK-norm and RoPE); also the only choice for a bare
+  ``(q, k, v)`` triple.
 
 ``mv`` is one fused JVP (:func:`condinit.attention_jvp`), ``matmat`` one multi-probe launch of it
 (``P`` tangents share the primal tiles), ``rmv`` / ``rmatmat`` the flash VJP (the backward of
@@ -46,6 +56,11 @@ orthogonal complement:
   ``d x d`` Sylvester equation per key/value head (eigendecompositions, no ``n x n`` matrix).
   (For ``"qkv"`` the same gauge ``dQ = Q E^T, dK = -K E`` exists; it is not projected, which
   changes nothing there since that Jacobian is wide: see :mod:`condinit.probe.estimators`.)
+  With RoPE or a k_norm the key shifts are not nulls (each key is rotated / normalized on its
+  own); under RoPE the gauge keeps only the ``E`` commuting with every captured rotation (per group
+  of planes rotating alike, the complex-linear maps; any map on unrotated channels; with biases
+  ``E b_Q,h = 0``, ``E^T b_K,g = 0`` unless ``X w = 1``), projected through its Gram system; with
+  QK-norm no gauge is projected (``null_description`` says so).
 * output side (``u`` with ``J^T u = 0``): with ``causal`` and ``H > Hkv``, the first query attends
   only the first key, so its output is ``v_0`` for every query head of a group; the differences
   between those heads (``B Hkv (G - 1) d`` directions) are never reached. (Not tracked with
@@ -95,7 +110,8 @@ class NonFiniteError(ValueError):
 
 
 def _check_finite(what: str, t: Tensor) -> None:
-    if not bool(torch.isfinite(t).all()):
+    # max and min propagate NaN and are finite only when every entry is: two reductions, no mask
+    if t.numel() and not bool(torch.isfinite(torch.stack([t.max(), t.min()])).all()):
         raise NonFiniteError(f"{what} must be finite, got NaN or Inf (in {t.dtype})")
 
 
@@ -306,6 +322,10 @@ class JacobianOperator:
             ``"triton"``, ``"cpp-cpu"``, ``"torch"``, or None / ``"auto"``), chosen once here for
             the forward, the JVP and the VJP; a forced backend that cannot run this layer raises
             :class:`condinit.BackendUnavailableError`.
+        position_embeddings: the ``(cos, sin)`` pair the module's forward receives (Hugging Face
+            ``position_embeddings``, ``[B or 1, N, r]``, ``r <= head_dim``): RoPE on q and k.
+        transforms: ``"module"`` (the module's QK-norm, RoPE, window, soft-capping; see the module
+            docstring) or ``"none"`` (the bare ``A(X)``).
 
     ``shape = (m, n)``: ``m`` outputs (``B H N d``, or ``B N D_out``), ``n`` inputs.
     Vectors are 1-D tensors (``[n]`` / ``[m]``); ``matmat`` takes ``[n, P]`` and returns ``[m, P]``.
@@ -318,6 +338,9 @@ class JacobianOperator:
         (128, 768)
         >>> y = op.mv(torch.randn(op.n))          # J t, one fused JVP
         >>> g = op.rmv(torch.randn(op.m))         # J^T u, one flash VJP
+        >>> attn = llama.model.layers[0].self_attn  # a Hugging Face layer, (cos, sin) from its call
+        >>> op = condinit.JacobianOperator(attn, x, causal=True, position_embeddings=(cos, sin))
+        >>> op.description                        # "modelled: ..., RoPE ..., Not modelled: ..."
     """
 
     def __init__(self, layer_or_qkv, x: Optional[Tensor] = None, wrt: str = "weights", *,
@@ -433,6 +456,16 @@ class JacobianOperator:
         elif _takes_position_embeddings(module):
             self.excluded.append("RoPE (the module takes position_embeddings; none were given)")
         window = getattr(module, "sliding_window", None)
+        config = getattr(module, "config", None)
+        if not hasattr(module, "sliding_window") and config is not None:
+            # Mistral-style modules pass config.sliding_window to the attention call (the model's mask
+            # is then a sliding one for every layer, or for the "sliding_attention" layer_types)
+            window = getattr(config, "sliding_window", None)
+            types_ = getattr(config, "layer_types", None)
+            idx = getattr(module, "layer_idx", None)
+            if types_ is not None and isinstance(idx, int) and idx < len(types_) \
+                    and types_[idx] != "sliding_attention":
+                window = None
         if isinstance(window, int) and not isinstance(window, bool) and window > 0:
             # HF: causal sliding_window_overlay (key j allowed iff i - j < W); bidirectional |i - j| <= W
             self.window = (window - 1, -1) if self.causal else (window, window)

@@ -157,13 +157,16 @@ inline void scale_row(T* __restrict x, int64_t n, T a) {
 // The row maximum; NaN if the row holds a NaN (a NaN input must come out as NaN, not be dropped
 // by the comparison).
 template <typename T>
-inline T row_max(const T* x, int64_t n) {
+__attribute__((target_clones("avx512f", "avx2", "default")))
+T row_max(const T* __restrict x, int64_t n) {
   T mx = -std::numeric_limits<T>::infinity();
+  int nans = 0;  // counted beside the max (a vectorized max reduction drops NaN)
+#pragma omp simd reduction(max : mx) reduction(+ : nans)
   for (int64_t j = 0; j < n; ++j) {
-    if (x[j] != x[j]) return x[j];
     mx = x[j] > mx ? x[j] : mx;
+    nans += x[j] != x[j];
   }
-  return mx;
+  return nans ? std::numeric_limits<T>::quiet_NaN() : mx;
 }
 
 // Whether x[0..count) holds no NaN / Inf (x * 0 is NaN exactly for those).

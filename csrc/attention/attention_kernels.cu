@@ -20,12 +20,20 @@
 // * Head dim d (1..256) is padded to dpad, a multiple of 16; the output columns are split into
 //   chunks of kCols columns (a grid dimension), so accumulators have a fixed size in registers.
 // * Masks (attention_cuda.h): a block visits only the key (query) tiles that some row of it may
-//   attend; element masks are selects (never arithmetic), so masked entries holding NaN/Inf do not
-//   contribute to scores. A NaN in an allowed entry propagates through exp into the row's outputs.
+//   attend, and rows past the sequence lengths are zero-filled; element masks are selects (never
+//   arithmetic), so masked entries holding NaN/Inf do not reach scores. A NaN in an allowed entry
+//   propagates through exp into the row's outputs. The products P V and P V' would turn a non-finite
+//   value at a masked key into NaN (0 x NaN) for rows of the same tile that do not attend it: the
+//   forward / JVP store such V / V' values as 0, flag their keys, and make exactly the rows that
+//   attend a flagged key NaN. The backward kernels do not (a NaN / Inf inside the lengths but
+//   hidden by the causal mask or the window can reach dq, dk, dv of rows that do not attend it, as
+//   in SDPA's math backward).
 // * JVP: one block per (query tile, head, output chunk, probe): the probe's accumulators stay in
 //   registers; the primal (S, exp, m, l) is recomputed per probe and written by the probe-0 blocks.
 // * Backward: deterministic; dq in one kernel (blocks over query tiles, loop over key tiles), dk and
 //   dv in another (blocks over key tiles, loop over query tiles of every head of the GQA group).
+// * Tangent backward: the same two-sided structure, one output (primal or one probe's) per block,
+//   after a kernel that recomputes r = rowsum(P o S') per probe (see its section below).
 #include "attention_cuda.h"
 
 #include <cuda_bf16.h>
@@ -448,7 +456,7 @@ struct FwdParams {
 };
 
 template <typename T, bool JVP>
-__global__ void __launch_bounds__(128) attention_fwd_kernel(const FwdParams<T> p) {
+__global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const FwdParams<T> p) {
   CONDINIT_DYNAMIC_SMEM(smem);
   constexpr int BN = JVP ? jvp_bn<T>() : fwd_bn<T>(), KT = BN / 8, NO = kCols / 8;
   const Geometry& g = p.g;
