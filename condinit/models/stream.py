@@ -527,31 +527,40 @@ class _Materializer:
 
     @contextlib.contextmanager
     def _own_normals(self):
-        """``normal_`` of transformers' guarded init functions (and of ``torch.nn.init`` under the
-        guard), drawn by :func:`own_normal_` for the tensors of the unit being initialized."""
+        """transformers' guarded init functions (and ``torch.nn.init`` under the guard) while a
+        unit is initialized: ``normal_`` drawn by :func:`own_normal_` for the unit's tensors, and
+        every tensor one of them fills whole recorded in ``_whole`` (each of these primitives
+        writes every element of the tensor it is given)."""
         table = self.init_table
-        if table is None or "normal_" not in table:
+        if table is None:
             yield
             return
-        original = table["normal_"]
+        originals = dict(table)
 
-        def normal_(tensor, mean=0.0, std=1.0, generator=None):
-            name = self._name_of(tensor) if generator is None else None
-            if name is None:   # not a state-dict tensor of this unit: the model's own code decides
-                return original(tensor, mean=mean, std=std, generator=generator)
-            own_normal_(tensor, self.seed, name, mean, std)
-            if "@" not in name:
-                self._whole.add(name)
-            return tensor
+        def recording(fname, original):
+            def fill(tensor, *args, **kwargs):
+                name = self._name_of(tensor)
+                if fname == "normal_" and name is not None and kwargs.get("generator") is None and len(args) < 3:
+                    mean = args[0] if args else kwargs.get("mean", 0.0)
+                    std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
+                    own_normal_(tensor, self.seed, name, mean, std)
+                else:   # not a state-dict tensor of this unit, or another rule: the model's own code decides
+                    original(tensor, *args, **kwargs)
+                if name is not None and "@" not in name:
+                    self._whole.add(name)
+                return tensor
+            return fill
 
-        table["normal_"] = normal_
+        for fname, original in originals.items():
+            table[fname] = recording(fname, original)
         try:
             yield
         finally:
-            table["normal_"] = original
+            table.update(originals)
 
-    def _own(self, mname: str) -> dict:
-        """``{attr: real tensor}``: ``mname``'s direct state-dict tensors after the model's own init."""
+    def _init_module(self, mname: str, fill: bool) -> tuple[dict, list]:
+        """``({attr: real tensor}, keys to check)``: ``mname``'s direct state-dict tensors after
+        the model's own init, floating ones allocated NaN-filled (``fill``) or uninitialized."""
         mod = self.modules[mname]
         prefix = f"{mname}." if mname else ""
         fresh, checked = {}, []
@@ -563,10 +572,10 @@ class _Materializer:
             if isinstance(t, nn.Parameter):
                 real = nn.Parameter(real, requires_grad=t.requires_grad)
             if id(t) in self.covered:
-                real.detach().zero_()              # overwritten entirely by the conditioning
-                real._is_hf_initialized = True     # the own init passes over it, as in apply
+                real._is_hf_initialized = True     # the own init passes over it, as in apply; run_plan writes it all
             elif real.is_floating_point():
-                real.detach().fill_(float("nan"))           # anything the own init leaves is caught below
+                if fill:
+                    real.detach().fill_(float("nan"))       # anything the own init leaves is caught below
                 checked.append(key)
             elif real.dtype == torch.bool:
                 real.detach().zero_()
@@ -589,11 +598,25 @@ class _Materializer:
                         fn(self.modules[name])
         finally:
             self._fresh = {}
-        for attr, real in fresh.items():
+        for real in fresh.values():
             real.__dict__.pop("_is_hf_initialized", None)
+        return fresh, [k for k in checked if k not in self._whole]
+
+    def _own(self, mname: str) -> dict:
+        """``{attr: real tensor}``: ``mname``'s direct state-dict tensors after the model's own init.
+
+        Floating tensors start uninitialized: when every one of them was filled whole by an init
+        primitive, that is all. Otherwise the init is run again (it is a pure function of the seed
+        and the names) on NaN-filled tensors, and a tensor still holding a NaN (an integer one, its
+        fill value) is an error: nothing is ever written that the model's init did not write."""
+        fresh, unsure = self._init_module(mname, fill=False)
+        floating_unsure = [k for k in unsure if self.state[k].is_floating_point()]
+        if floating_unsure:
+            fresh, unsure = self._init_module(mname, fill=True)
+        prefix = f"{mname}." if mname else ""
+        for attr, real in fresh.items():
             key = prefix + attr
-            # a tensor normal_ filled whole cannot hold a NaN of the fill: no pass over it
-            if key in checked and key not in self._whole and _left_uninitialized(real.detach()):
+            if key in unsure and _left_uninitialized(real.detach()):
                 raise ValueError(f"{key}: the model's own init (_init_weights) leaves this tensor uninitialized; "
                                  f"write_pretrained cannot compute it")
         return fresh
