@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -97,6 +96,7 @@ class Parent:
         self.t0 = time.monotonic()
         self.records = []
         self.python = sys.executable
+        self.installed = False   # set when the build installed condinit (children import that one)
 
     def left(self):
         return self.args.budget - (time.monotonic() - self.t0)
@@ -107,8 +107,9 @@ class Parent:
         self.log(f"[{status}] {section}: {name} {detail}")
 
     def env(self):
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not self.installed:   # no (successful) build: import condinit from this tree
+            env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
         if not self.args.cpu_dry_run:
             env.pop("TRITON_INTERPRET", None)   # the real kernels, not the interpreter
         return env
@@ -209,14 +210,11 @@ class Parent:
             cmd = [tool, "--tool", tool_name, "--error-exitcode", "97", "--target-processes", "all",
                    self.python, SCRIPT, "--section", "tiny", "--results", res, "--tag", tool_name] + self.child_flags()
             rc, out = self.child(f"sanitize-{tool_name}", cmd, cap, res)
-            summary = next((ln.strip() for ln in reversed(out.splitlines()) if "ERROR SUMMARY" in ln), "")
-            if rc is None:
-                status = "ERROR"
-            else:
-                status = "PASS" if rc == 0 and ("0 errors" in summary or "0 hazards" in summary or not summary) \
-                    else "FAIL"
+            summary = " | ".join(ln.strip("= ").strip() for ln in out.splitlines() if "SUMMARY" in ln)
+            # --error-exitcode: any memory error or hazard makes the exit status non-zero
+            status = "ERROR" if rc is None else ("PASS" if rc == 0 else "FAIL")
             self.record("sanitize", f"compute-sanitizer {tool_name} (tiny shapes)", status,
-                        summary or ("timed out" if rc is None else f"exit {rc}"))
+                        (summary or "no summary") + (" (timed out)" if rc is None else f" (exit {rc})"))
 
     def run(self):
         import torch
@@ -231,7 +229,7 @@ class Parent:
             self.log(f"GPU: {device}, capability {torch.cuda.get_device_capability(0)}")
         reserve = sum(r for _, _, r in SECTIONS)
         if not args.skip_build and not args.cpu_dry_run:
-            self.build(min(args.build_timeout, self.left() - reserve))
+            self.installed = self.build(min(args.build_timeout, self.left() - reserve))
         wanted = args.sections.split(",") if args.sections else [s for s, _, _ in SECTIONS]
         for i, (name, cap, _) in enumerate(SECTIONS):
             if name in wanted:
@@ -505,6 +503,10 @@ def child_main(args):
     ch = Child(args.section, args.results, args.cpu_dry_run, args.quick, args.tag)
     fault = os.environ.get(FAULT_ENV, "")
     import torch
+    import condinit
+    from condinit import _ext
+    print(f"section {args.section}: condinit from {os.path.dirname(condinit.__file__)}; native extension: "
+          f"{_ext.status()[1]}; torch {torch.__version__}", flush=True)
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))   # fresh inputs each run
     if args.section == "tiny":
         section_tiny(ch)
@@ -563,7 +565,6 @@ def main(argv=None):
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.section:
-        sys.path.insert(0, ROOT)
         return child_main(args)
     if args.json is None:
         args.json = os.path.splitext(args.log)[0] + ".json"

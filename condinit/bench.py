@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics

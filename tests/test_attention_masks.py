@@ -394,3 +394,50 @@ def test_tables_declare_the_mask_kinds():
             with pytest.raises(condinit.BackendUnavailableError, match="masks"):
                 condinit.attention(torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16),
                                    window=(1, 1), backend="triton")
+
+
+def test_masks_under_vmap_jacfwd_and_compile(rng):
+    """The mask arguments pass through torch.vmap (lens repeated over the vmapped batch),
+    forward AD of a vmapped call, jacfwd == jacrev, and torch.compile(fullgraph=True)."""
+    q, k, v = (randn((3, 2, 2, 9, 8), F64, rng) for _ in range(3))
+    kl = torch.tensor([9, 4])
+    f = lambda a, b, c: condinit.attention(a, b, c, causal=True, window=(3, -1), q_lens=kl, kv_lens=kl)  # noqa: E731
+    looped = torch.stack([f(q[i], k[i], v[i]) for i in range(3)])
+    torch.testing.assert_close(torch.vmap(f)(q, k, v), looped, rtol=0, atol=0)
+    t = [randn(x.shape, F64, rng) for x in (q, k, v)]
+    _, tout = torch.func.jvp(torch.vmap(f), (q, k, v), tuple(t))
+    tout_loop = torch.stack([torch.func.jvp(f, (q[i], k[i], v[i]), (t[0][i], t[1][i], t[2][i]))[1]
+                             for i in range(3)])
+    torch.testing.assert_close(tout, tout_loop)
+    jf = torch.func.jacfwd(lambda a: f(a, k[0], v[0]))(q[0])
+    jr = torch.func.jacrev(lambda a: f(a, k[0], v[0]))(q[0])
+    torch.testing.assert_close(jf, jr)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q[0], k[0], v[0]), looped[0])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gradient_through_the_forward_mode_tangent(backend, rng):
+    """A loss on torch.func.jvp's tangent of condinit.attention (masked) differentiates under
+    torch.autograd and torch.func.grad, and equals float64 autograd through the naive JVP."""
+    require(backend)
+    dtype = BACKENDS[backend]
+    q, k, v = (randn((2, 4, 40, 16), dtype, rng) for _ in range(3))
+    t = tuple(randn(x.shape, dtype, rng) for x in (q, k, v))
+    kl = [40, 23]
+    f = lambda a, b, c: condinit.attention(a, b, c, causal=True, window=(9, -1), kv_lens=lens(kl),  # noqa: E731
+                                           q_lens=lens(kl), backend=backend)
+    loss = lambda a, b, c: torch.func.jvp(f, (a, b, c), t)[1].square().sum()  # noqa: E731
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    grads = torch.autograd.grad(loss(*leaves), leaves)
+    grads_func = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    mask = allowed_pairs(2, 40, 40, True, (9, -1), kl, kl)
+    ref_leaves = [x.to(F64).requires_grad_() for x in (q, k, v)]
+    g = lambda a, b, c: naive_masked(a, b, c, mask, 0.25)  # noqa: E731
+    ref = torch.autograd.grad(torch.func.jvp(g, tuple(ref_leaves), tuple(x.to(F64) for x in t))[1].square().sum(),
+                              ref_leaves)
+    floor = 0.1 * max(r.abs().max().item() for r in ref)
+    for name, a, b, r in zip("qkv", grads, grads_func, ref):
+        assert_close(a, r, dtype, f"torch.autograd d/d {name}", floor, factor=2)
+        assert_close(b, r, dtype, f"torch.func.grad d/d {name}", floor, factor=2)

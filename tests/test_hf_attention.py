@@ -262,3 +262,28 @@ def test_jvp_through_llama_holds_linear_attention_memory(seed):
     assert largest / big < 2.6, f"condinit: {big} B at N=2048, {largest} B at N=4096"
     assert eager_big / eager_small > 3.2, f"eager: {eager_small} B at N=1024, {eager_big} B at N=2048"
     assert eager_big > 10 * big, f"eager {eager_big} B vs condinit {big} B at N=2048"
+
+
+def test_packed_sequences_from_flattening_kwargs(seed):
+    """Packed sequences as transformers' flattening collators pass them (batch 1, cu_seq_lens_q/k,
+    max_length_q/k, no mask) run attention_varlen: each sequence attends only itself, causally,
+    with the sliding window when given."""
+    from condinit.integrations.hf import hf_attention_forward
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, 5, 9]
+    cu = torch.tensor([0, 1, 6, 15], dtype=torch.int32)
+    q = torch.randn(1, 4, 15, 8, generator=gen, dtype=F64)
+    k, v = (torch.randn(1, 2, 15, 8, generator=gen, dtype=F64) for _ in range(2))
+    module = torch.nn.Module()
+    for window in (None, 3):
+        out, _ = hf_attention_forward(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                      max_length_q=9, max_length_k=9, sliding_window=window)
+        assert out.shape == (1, 15, 4, 8)
+        for s, n in enumerate(lens):
+            a, b = int(cu[s]), int(cu[s + 1])
+            i, j = torch.arange(n)[:, None], torch.arange(n)
+            mask = (j <= i) & ((j > i - window) if window else True)
+            kk, vv = k[:, :, a:b].repeat_interleave(2, 1), v[:, :, a:b].repeat_interleave(2, 1)
+            scores = (0.3 * q[:, :, a:b] @ kk.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+            ref = (torch.softmax(scores, -1) @ vv).transpose(1, 2)
+            assert_close(out[:, a:b], ref, F64, f"sequence {s}, window {window}")

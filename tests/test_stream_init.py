@@ -452,3 +452,30 @@ def test_progress_lines_without_tqdm(monkeypatch, capsys):
     bar.close()
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "2.00 MB of 4.00 MB (50%)" in lines[1] and "MB/s, ETA" in lines[1]
+
+
+def test_init_that_condinit_cannot_follow_is_rerun_and_checked(tmp_path, monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRMSNorm
+
+    real = LlamaPreTrainedModel._init_weights
+    cfg = tiny_config(False)
+    ref = load_file(write_checkpoint(cfg, tmp_path / "ref.safetensors", seed=2).files[0])
+
+    def tensor_method(self, module):     # norms filled by a tensor method, which condinit does not see
+        if isinstance(module, LlamaRMSNorm):
+            module.weight.data.fill_(1.0)
+        else:
+            real(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", tensor_method)
+    got = load_file(write_checkpoint(cfg, tmp_path / "a.safetensors", seed=2).files[0])
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+    def forgets_norms(self, module):
+        if not isinstance(module, LlamaRMSNorm):
+            real(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", forgets_norms)
+    with pytest.raises(ValueError, match=r"model.layers.0.input_layernorm.weight: the model's own init .* leaves"):
+        write_checkpoint(cfg, tmp_path / "b.safetensors", seed=2)
+    assert sorted(os.listdir(tmp_path)) == ["a.safetensors", "ref.safetensors"]

@@ -230,6 +230,7 @@ class _MKLThreads:
 
 _MKL: Optional[_MKLThreads] = None
 _POOL = None
+_POOL_WORKERS = 0
 _POOL_LOCK = threading.Lock()
 # elements of the warm-up fill: above ATen's parallel grain size, so it opens an OpenMP region
 _WARM_NUMEL = 1 << 16
@@ -265,13 +266,15 @@ def _one_mkl_thread(fn, A: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _worker_pool(workers: int):
-    global _POOL
+    """The LAPACK worker threads, at least ``workers`` of them (kept for later calls)."""
+    global _POOL, _POOL_WORKERS
     with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers != workers:
+        if _POOL is None or _POOL_WORKERS < workers:
             from concurrent.futures import ThreadPoolExecutor
             if _POOL is not None:
-                _POOL.shutdown(wait=False)
+                _POOL.shutdown(wait=False)   # its running tasks finish; new ones go to the new pool
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="condinit-lapack")
+            _POOL_WORKERS = workers
         return _POOL
 
 
@@ -293,9 +296,13 @@ def _lapack_per_block(fn, A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
             _one_mkl_thread(fn, A[cuts[i]:cuts[i + 1]], out[cuts[i]:cuts[i + 1]])
 
-    futures = [_worker_pool(workers).submit(part, i) for i in range(workers)]
-    for f in futures:
-        f.result()   # re-raises a worker's exception here
+    pool = _worker_pool(workers - 1)
+    futures = [pool.submit(part, i) for i in range(1, workers)]
+    try:
+        part(0)   # the calling thread takes the first part
+    finally:
+        for f in futures:
+            f.result()   # waits for every part; re-raises a worker's exception here
     return out
 
 

@@ -45,8 +45,10 @@ unit from ``seed`` and the module's qualified name (and restored afterwards): st
 ``seed`` and the name only, but device dependent.
 
 **Memory**: one unit plus the tensors of the current shard computed ahead of their turn (at most
-another unit) plus the writer's queue (``_MAX_QUEUED_BYTES``, or one tensor when bigger), whatever
-the model's size or ``max_shard_size``; the largest unit is usually the embedding matrix.
+another unit) plus the writer's queue (``_MAX_QUEUED_BYTES``, or one tensor when bigger) plus at most
+256 MB of written tensors' buffers kept for reuse (``_BufferPool``: no page faults on the next
+layer's tensors), whatever the model's size or ``max_shard_size``; the largest unit is usually the
+embedding matrix.
 Written data goes to the page cache (not the process's resident memory); the writer starts its
 writeback to disk as it goes and drops what is on disk from the cache (``_Writeback``), so the disk
 works while tensors are computed and the cache holds only ~128 MB of the file being written.
@@ -87,6 +89,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -442,6 +445,40 @@ def _left_uninitialized(t: torch.Tensor) -> bool:
     return t.numel() > 0 and bool(t.eq(torch.iinfo(t.dtype).min).all())
 
 
+class _BufferPool:
+    """CPU buffers of tensors already written, handed out again for tensors of the same byte size.
+
+    A fresh allocation of a big tensor costs a page fault per 4 KB page on its first write, about
+    as much as drawing its normals; the tensors of one layer recur in every layer, so their buffers
+    are reused instead. Holds at most ``max_bytes`` (buffers of at least ``min_bytes``); thread safe
+    (the writer thread gives, the generating thread takes)."""
+
+    def __init__(self, max_bytes: int = 256 * 2 ** 20, min_bytes: int = 2 ** 20):
+        self.max_bytes, self.min_bytes = max_bytes, min_bytes
+        self._free: dict = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            bufs = self._free.get(n)
+            if bufs:
+                self._held -= n
+                return bufs.pop().view(dtype).view(shape)
+        return torch.empty(shape, dtype=dtype)
+
+    def give(self, t: torch.Tensor) -> None:
+        n = _nbytes(t)
+        if (t.device.type != "cpu" or n < self.min_bytes or t.storage_offset() != 0 or not t.is_contiguous()
+                or t.untyped_storage().nbytes() != n):
+            return
+        with self._lock:
+            if self._held + n <= self.max_bytes:
+                self._free.setdefault(n, []).append(t.detach().reshape(-1).view(torch.uint8))
+                self._held += n
+
+
 class _Materializer:
     """Computes the tensors of a meta ``PreTrainedModel`` unit by unit (see module doc), on ``device``."""
 
@@ -497,6 +534,7 @@ class _Materializer:
             guard_torch_init_functions = contextlib.nullcontext
         self.guard = guard_torch_init_functions
         self.init_table = _init_function_table()
+        self.pool = _BufferPool() if device.type == "cpu" else None
         self._fresh: dict = {}     # storage address -> (key, tensor) of the unit being initialized
         self._whole: set = set()   # keys a patched normal_ filled entirely
 
@@ -568,7 +606,8 @@ class _Materializer:
             key = prefix + attr
             if t is None or self.owner.get(key) != (mname, attr):
                 continue
-            real = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            real = (self.pool.take(tuple(t.shape), t.dtype) if self.pool is not None
+                    else torch.empty(t.shape, dtype=t.dtype, device=self.device))
             if isinstance(t, nn.Parameter):
                 real = nn.Parameter(real, requires_grad=t.requires_grad)
             if id(t) in self.covered:
@@ -748,7 +787,9 @@ class _Writer:
     through :func:`atomic_output` and is fsynced before its rename. ``put`` waits while more than
     ``max_queued`` bytes are queued (one bigger tensor is let through alone)."""
 
-    def __init__(self, progress: Optional[_Progress], max_queued: int = _MAX_QUEUED_BYTES):
+    def __init__(self, progress: Optional[_Progress], max_queued: int = _MAX_QUEUED_BYTES,
+                 pool: Optional[_BufferPool] = None):
+        self._pool = pool
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._queued, self._max_queued = 0, max_queued
@@ -810,6 +851,8 @@ class _Writer:
                             if n:
                                 fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
                                 flush.wrote(n)
+                            if self._pool is not None:
+                                self._pool.give(t)
                             del t
                             with self._cond:
                                 self._queued -= n
@@ -1105,7 +1148,8 @@ def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, fre
         (t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "layer"), default=0)
     queued = min(_MAX_QUEUED_BYTES, job.total_size)
     on_host = job.device.type == "cpu"
-    peak = _current_rss() + queued + (largest[1] + largest_layer + scratch if on_host else 0)
+    pooled = min(job.engine.pool.max_bytes, job.total_size) if job.engine.pool is not None else 0
+    peak = _current_rss() + queued + pooled + (largest[1] + largest_layer + scratch if on_host else 0)
     unit_name = largest[0][1] if largest[0][0] == "module" else job.engine.layers[largest[0][1]].name
     plan = WritePlan([(f, sizes[f], len(files[f])) for f in files], job.total_size, write_bytes, free, peak,
                      (unit_name, largest[1]), list(keep))
@@ -1144,7 +1188,7 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
     total = sum(_nbytes(state[k]) for k in todo)
     bar = _Progress(total, desc) if progress and total else None
     with _removing_temps_on_sigterm():
-        writer = _Writer(bar)
+        writer = _Writer(bar, pool=engine.pool)
         try:
             with _compute_threads(job.device):
                 for path, head, order in jobs:

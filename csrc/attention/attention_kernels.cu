@@ -1,5 +1,5 @@
-// CUDA kernels of the fused attention op (forward, multi-probe JVP, flash backward); the math is in
-// attention_cpu.cpp's header comment and docs/design.md, "Attention".
+// CUDA kernels of the fused attention op (forward, multi-probe JVP, flash backward, tangent backward); the
+// math is in attention_cpu.cpp's header comment and docs/design.md, "Attention".
 //
 // Design (FlashAttention-2 style):
 // * A block is 1-4 warps; each warp owns 16 rows for the whole kernel (query rows in fwd / jvp / dq,

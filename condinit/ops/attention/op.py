@@ -411,7 +411,8 @@ def _check_lens(name: str, lens, batch: int, n: int, what: str, device: torch.de
     if tuple(lens.shape) != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}] (one {what} length per batch entry), "
                          f"got {tuple(lens.shape)}")
-    if bool(((lens < 0) | (lens > n)).any()):
+    # (Reading the values would break a torch.compile graph: there the C++ kernels check them.)
+    if not torch.compiler.is_compiling() and bool(((lens < 0) | (lens > n)).any()):
         raise ValueError(f"{name} must be in [0, {n}] ({what} length at most its dimension), "
                          f"got {lens.tolist()}")
     return lens.to(device=device, dtype=torch.int32).contiguous()
@@ -479,12 +480,14 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl, jvp_bwd_impl):
+    def forward(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl,
+                jvp_bwd_impl):
         return _attention_fwd_op(q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl, jvp_bwd_impl = inputs
+        (q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl,
+         jvp_bwd_impl) = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -511,7 +514,8 @@ class _AttentionAD(_Attention):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl, jvp_impl, jvp_bwd_impl):
+    def vmap(info, in_dims, q, k, v, causal, scale, window_left, window_right, q_lens, kv_lens, fwd_impl, bwd_impl,
+             jvp_impl, jvp_bwd_impl):
         n = info.batch_size
         mask = _fold_mask(n, in_dims[7:9], causal, scale, window_left, window_right, q_lens, kv_lens)
         out, lse = _AttentionAD.apply(_fold(q, in_dims[0], n), _fold(k, in_dims[1], n),
@@ -566,7 +570,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     forward mode (``torch.func.jvp``, ``torch.autograd.forward_ad``: the fused JVP kernel), and
     under ``torch.func.vmap`` / ``jacfwd`` / ``jacrev`` and ``torch.compile``. Forward mode runs
     the primal and then the fused JVP; :func:`attention_jvp` does both in one pass, with several
-    probes at once.
+    probes at once. The forward-mode tangent is differentiable in reverse mode (a loss on
+    ``torch.func.jvp``'s tangent, under ``torch.autograd`` or ``torch.func.grad``): its gradients
+    come from the tangent backward op, O(N) memory.
 
     Examples:
         >>> q, k, v = torch.randn(2, 8, 128, 64), torch.randn(2, 2, 128, 64), torch.randn(2, 2, 128, 64)
@@ -632,7 +638,8 @@ class _AttentionJVP(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl)
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens,
+                                 jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -666,7 +673,8 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl):
-        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl)
+        return _attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens,
+                                 jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
