@@ -142,3 +142,22 @@ def test_capture_hands_over_the_call_and_position_embeddings():
         m(x)
     assert all(torch.equal(a, b) for got in seen[:2] for a, b in zip(got, cs))
     assert seen[2] is None
+
+
+def test_distributed_needs_a_process_group():
+    """distributed=True without torch.distributed initialized is an argument error at construction;
+    the default (None) stays off for a model without sharded layers."""
+    import torch.distributed as dist
+
+    from condinit.probe import JacobianMonitor
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    with pytest.raises(ValueError, match="distributed=True"):
+        JacobianMonitor(mha, every=1, distributed=True)
+    with pytest.raises(TypeError, match="distributed"):
+        JacobianMonitor(mha, every=1, distributed="yes")
+    mon = JacobianMonitor(mha, every=1)
+    assert mon.distributed is False
+    mon.close()
