@@ -56,13 +56,20 @@ class BackendUnavailableError(RuntimeError):
     """No backend can run this call, or the forced one cannot."""
 
 
+def _shown(allowed) -> str:
+    """A row's allowed values as `condinit info` and refusals print them."""
+    if isinstance(allowed, range):
+        return f"{allowed.start}..{allowed.stop - 1}"
+    return ", ".join(str(a).replace("torch.", "") for a in allowed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Impl:
     """One row of an op's table."""
     backend: str
     fn: Callable
     devices: tuple[str, ...]
-    limits: tuple[tuple[str, tuple], ...] = ()   # (call key, allowed values)
+    limits: tuple[tuple[str, tuple], ...] = ()   # (call key, allowed values: a tuple or a range)
     deterministic: bool = True
     native_op: Optional[str] = None              # condinit_C op that must have a kernel
     native_fn: Optional[str] = None              # condinit._C function that must exist
@@ -75,18 +82,17 @@ class Impl:
             if key not in call:
                 continue
             value = call[key]
-            shown = tuple(str(a).replace("torch.", "") for a in allowed)
+            shown = _shown(allowed)
             if isinstance(value, tuple):   # a set of features the call needs: all must be allowed
                 missing = tuple(x for x in value if x not in allowed)
                 if missing:
-                    return f"{key} {', '.join(map(str, missing))} not in {shown}"
+                    return f"{key} {', '.join(map(str, missing))} not in ({shown})"
             elif value not in allowed:
-                return f"{key} {str(value).replace('torch.', '')} not in {shown}"
+                return f"{key} {str(value).replace('torch.', '')} not in ({shown})"
         return None
 
     def describe(self) -> str:
-        parts = [f"{k}: {', '.join(str(a).replace('torch.', '') for a in allowed)}"
-                 for k, allowed in self.limits]
+        parts = [f"{k}: {_shown(allowed)}" for k, allowed in self.limits]
         if not self.deterministic:
             parts.append("not deterministic (only when forced)")
         return "; ".join(parts) or "any"
@@ -114,7 +120,8 @@ class Op:
 
         def deco(fn):
             self.impls[backend] = Impl(backend, fn, tuple(devices),
-                                       tuple((k, tuple(v)) for k, v in (limits or {}).items()),
+                                       tuple((k, v if isinstance(v, range) else tuple(v))
+                                             for k, v in (limits or {}).items()),
                                        deterministic, native_op, native_fn)
             return fn
 

@@ -413,7 +413,7 @@ def test_automatic_choice_on_cpu():
 
 @pytest.mark.parametrize("backend,dtype,head_dim,reason", [
     ("cuda", FP32, 64, "runs on cuda tensors only"),
-    ("triton", FP32, 24, "head_dim 24 not in"),
+    ("triton", FP32, 320, "head_dim 320 not in"),
     ("triton", F64, 64, "dtype float64 not in"),
 ])
 def test_forced_backend_that_cannot_run_raises(backend, dtype, head_dim, reason, rng):

@@ -296,6 +296,6 @@ def test_a_kernel_error_reaches_the_caller(rng, monkeypatch):
 
 
 def test_forced_backend_that_cannot_run_raises(rng):
-    q, k, v = make_qkv(1, 2, 1, 5, 5, 24, FP32, rng)
-    with pytest.raises(BackendUnavailableError, match="attention_jvp: backend 'triton' .*head_dim 24"):
+    q, k, v = make_qkv(1, 2, 1, 5, 5, 320, FP32, rng)
+    with pytest.raises(BackendUnavailableError, match="attention_jvp: backend 'triton' .*head_dim 320"):
         condinit.attention_jvp(q, k, v, q, backend="triton")

@@ -46,21 +46,21 @@ __all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "A
 # the kernels do not repeat them.
 # --------------------------------------------------------------------------------------------
 
-# Head dims the Triton and CUDA kernels are compiled, tuned and tested for.
+# Head dims the Triton and CUDA launch configurations are tuned for (and the test grids walk).
+# The kernels run any head dim up to 256 by padding to the next tuned tile width.
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Mask kinds a call can need (the "masks" limit of a row: the kinds it runs).
 MASK_KINDS = ("causal", "window", "lens")
-# The Triton and CUDA kernels run the causal mask only until their masked kernels land.
-_GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": KERNEL_HEAD_DIMS, "masks": ("causal",)}
+_GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": range(1, 257), "masks": MASK_KINDS}
 _ALL_MASKS = {"masks": MASK_KINDS}
 _ANY = (_backends.ANY_DEVICE,)
 
 ATTENTION_FWD = _backends.Op("attention_fwd")
 ATTENTION_BWD = _backends.Op("attention_bwd")
 ATTENTION_JVP = _backends.Op("attention_jvp")
-# Gradients through attention_jvp's tangent output. No Triton / CUDA kernel yet: on GPUs the
-# automatic choice is the tiled torch reference (O(N) memory, not fused).
+# Gradients through attention_jvp's tangent output (one tiled pass from the saved out, tangent
+# out and lse; O(N) memory on every backend).
 ATTENTION_JVP_BWD = _backends.Op("attention_jvp_bwd")
 
 
@@ -118,20 +118,37 @@ def _jvp_native(q, k, v, tq, tk, tv, *mask):
 for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (ATTENTION_JVP, _jvp_native)):
     _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES, **_ALL_MASKS},
                  native_op=_op.name)(_fn)
-    # The CUDA backward accumulates dQ with atomicAdd: its bits depend on the thread schedule,
-    # so the automatic choice never takes it (Triton's backward is deterministic).
-    _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name,
-                 deterministic=_op is not ATTENTION_BWD)(_fn)
+    # CUDA: bf16/fp16 on tensor cores need sm_80+ (the kernel refuses older GPUs by name); the
+    # backward runs separate dQ and dK/dV kernels, no atomics, so its bits are deterministic.
+    _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name)(_fn)
 
 
 # The tangent backward's C++ kernel takes float64 too: it computes in float64 and recomputes a
 # float32 lse in float64 (the forward on float64 runs on the reference, which saves a float64 lse).
+def _given_tangents(gtout, q, k, v, tq, tk, tv):
+    """The tangent backward kernels take every tangent: None becomes zeros ``[P, ...]``."""
+    z = lambda x: x.new_zeros((gtout.shape[0],) + tuple(x.shape))  # noqa: E731
+    return tuple(t if t is not None else z(x) for t, x in ((tq, q), (tk, k), (tv, v)))
+
+
+@ATTENTION_JVP_BWD.register("triton", devices=("cuda", "cpu"), limits=_GPU_LIMITS)
+def _jvp_bwd_triton(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask):
+    tq, tk, tv = _given_tangents(gtout, q, k, v, tq, tk, tv)
+    return _triton().attention_jvp_bwd(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask)
+
+
+@ATTENTION_JVP_BWD.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op="attention_jvp_bwd")
+def _jvp_bwd_cuda(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask):
+    tq, tk, tv = _given_tangents(gtout, q, k, v, tq, tk, tv)
+    return tuple(torch.ops.condinit_C.attention_jvp_bwd(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
+                                                        *mask))
+
+
 @ATTENTION_JVP_BWD.register("cpp-cpu", devices=("cpu",),
                             limits={"dtype": KERNEL_DTYPES + (torch.float64,), **_ALL_MASKS},
                             native_op="attention_jvp_bwd")
 def _jvp_bwd_native(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask):
-    z = lambda x: x.new_zeros((gtout.shape[0],) + tuple(x.shape))  # noqa: E731  (None = zero tangent)
-    tq, tk, tv = (t if t is not None else z(x) for t, x in ((tq, q), (tk, k), (tv, v)))
+    tq, tk, tv = _given_tangents(gtout, q, k, v, tq, tk, tv)
     return tuple(torch.ops.condinit_C.attention_jvp_bwd(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse,
                                                         *mask))
 
@@ -721,9 +738,8 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
         causal, window, q_lens, kv_lens, scale: as in :func:`attention` (rows that attend no
             key, padded queries included, get a zero tangent).
         backend: as in :func:`attention`, for the JVP. The backward uses the same backend where
-            its table has that row, else the automatic choice: the backward through the tangent
-            has kernels for ``"cpp-cpu"`` and ``"torch"`` only (on GPUs the tiled torch reference
-            runs).
+            its table has that row, else the automatic choice (the backward through the tangent
+            has torch, cpp-cpu, Triton and CUDA rows: ``condinit info``).
         grad_through_tangent: if True (default), gradients flow through both outputs. If False,
             ``tangent_out`` is returned detached (no gradient reaches q, k, v or the tangents
             through it) and the backward is the plain flash backward of ``out`` (5 tile
