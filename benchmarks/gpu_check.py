@@ -58,6 +58,7 @@ TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 # A section may be made to fail on purpose (tests of the parent's bookkeeping): "section:crash" or
 # "section:hang".
 FAULT_ENV = "CONDINIT_GPU_CHECK_FAULT"
+SEED_ENV = "CONDINIT_GPU_CHECK_SEED"
 
 
 # ============================================================================================= parent
@@ -507,7 +508,10 @@ def child_main(args):
     from condinit import _ext
     print(f"section {args.section}: condinit from {os.path.dirname(condinit.__file__)}; native extension: "
           f"{_ext.status()[1]}; torch {torch.__version__}", flush=True)
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))   # fresh inputs each run
+    # fresh inputs on every GPU run (the seed is logged, to replay a failure); fixed in the dry run
+    seed = os.environ.get(SEED_ENV) or (0 if ch.dry else int.from_bytes(os.urandom(4), "little"))
+    torch.manual_seed(int(seed))
+    print(f"section {args.section}: seed {seed} (replay with {SEED_ENV}={seed})", flush=True)
     if args.section == "tiny":
         section_tiny(ch)
     elif args.section == "init":
