@@ -127,6 +127,7 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
     from condinit.models import find_attention
     from condinit.probe import (InputCapture, JacobianOperator, condition_number_bound, frobenius_hutchinson,
                                 lanczos_svd)
+    from condinit.probe.capture import layer_position_embeddings
     from condinit.probe.operator import NonFiniteError
 
     layers = find_attention(model)
@@ -134,11 +135,20 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
         raise ValueError(f"no attention layer found in {type(model).__name__}")
     if max_layers is not None:
         layers = layers[:max_layers]
-    with InputCapture([l.module for l in layers]) as capture, torch.no_grad():
+    captured: dict = {}
+
+    def keep_first(i, module, x, call):
+        # the layer's input and the rotary (cos, sin) it is called with, so the operator is the
+        # attention the layer computes (RoPE included)
+        if i not in captured and x is not None:
+            pe = layer_position_embeddings(module, *call)
+            captured[i] = (x.clone(), None if pe is None else tuple(t.clone() for t in pe))
+
+    with InputCapture([l.module for l in layers], on_input=keep_first, call_info=True), torch.no_grad():
         model(**inputs)
     rows = []
     for i, l in enumerate(layers):
-        x = capture.inputs[i]
+        x, pe = captured.get(i, (None, None))
         if x is None:
             raise ValueError(f"layer {l.name}: no [B, N, D] input captured (the model's forward did not run it, "
                              f"or its input is not a 2-D or 3-D tensor)")
@@ -146,7 +156,8 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
         t0 = time.perf_counter()
         layer_seed = (seed + i) % SEED_MAX
         try:
-            op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32)
+            op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32,
+                                  position_embeddings=pe)
         except NonFiniteError as exc:
             # a diverged layer (or one fed by one): reported in its row, the others are still probed
             rows.append({"layer": l.index, "name": l.name, "causal": causal, "skipped": f"not probed: {exc}",
