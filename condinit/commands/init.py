@@ -57,7 +57,7 @@ def add_arguments(p):
     # an explicit default, unlike condinit.apply's seed=None (drawn): the output is reproducible
     p.add_argument("--seed", type=int, default=0, help="seed, 0 <= seed < 2**64 (default 0)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="storage dtype (default fp32)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to materialize (default cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tensors are computed (default cpu); files are written from the CPU")
     p.add_argument("--method", choices=METHODS, default="auto", help="orthogonalization method (default auto)")
     p.add_argument("--v-mode", choices=("identity", "identity_per_head"), default="identity",
                    help="W_V: identity over the whole matrix (default) or per head")
