@@ -48,3 +48,13 @@ def test_meanflow_example_runs_as_a_script_and_trains(capsys):
     losses = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines() if "loss" in line]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+def test_probe_hf_llama_example_runs_as_a_script(capsys):
+    pytest.importorskip("transformers")
+    runpy.run_path(str(ROOT / "examples" / "probe_hf_llama.py"), run_name="__main__")
+    rows = [line for line in capsys.readouterr().out.splitlines() if "kappa" in line]
+    assert [r.split(":")[0] for r in rows] == ["layers.0.self_attn", "layers.1.self_attn"]
+    for r in rows:
+        values = [float(t) for t in r.split()[2::2]]
+        assert len(values) == 3 and all(v > 0 and v < float("inf") for v in values)
