@@ -373,6 +373,8 @@ def render_plots(results: dict, summary: dict) -> dict:
                     color=INIT_COLORS.get(init), label=init)
         ax.set(xscale="log", xlabel=f"LR multiplier (base {t['config']['lr']:g})", ylabel=f"final {ylabel}",
                title=f"{task}: LR sweep (mean over seeds)")
+        ax.set_xticks([float(m) for m in t["lr_multipliers"]], [_fmt_mult(m) for m in t["lr_multipliers"]])
+        ax.minorticks_off()
         if not higher:
             finals = [v["metric_mean"] for s in t["inits"].values() for v in s["sweep"].values()
                       if math.isfinite(v["metric_mean"])]
