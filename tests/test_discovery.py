@@ -453,6 +453,16 @@ def test_squeezebert_heads_across_groups_and_per_head_identity_are_refused():
     assert all(torch.equal(t, state[k]) for k, t in model.state_dict().items())
 
 
+def test_streamed_writer_refuses_an_unwritable_v_before_the_first_file(tmp_path):
+    """The same refusal from write_pretrained, before any shard is written."""
+    from condinit.models.stream import write_pretrained
+    cfg = transformers.AutoConfig.for_model("squeezebert", **{**BASE, "num_attention_heads": 8, "embedding_size": 32})
+    out = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match="identity_per_head.*outside the input channels"):
+        write_pretrained(cfg, out, seed=0, v_mode="identity_per_head", max_shard_size="20KB")
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_projection_reshape_and_groups_are_validated():
     w3 = nn.Parameter(torch.randn(8, 2, 4))
     with pytest.raises(TypeError, match="matrix_shape"):

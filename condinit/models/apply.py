@@ -174,9 +174,10 @@ def _is_cross(name: str, mod: nn.Module) -> bool:
 
 
 def _discover_for_writing(model: nn.Module, layer_offset: int, inc, exc, include, exclude,
-                          strict: bool) -> Discovery:
+                          strict: bool, v_mode: str) -> Discovery:
     """:func:`_discover`, plus the checks every writer makes before its first write: some
-    attention found, nothing uncovered under ``strict``, floating-point projections."""
+    attention found, nothing uncovered under ``strict``, floating-point projections, and a V that
+    ``v_mode`` can write in every layer (a grouped convolution holds only block-diagonal entries)."""
     found = _discover(model, layer_offset, inc, exc)
     if not found.layers:
         raise _no_attention_error(model, include, exclude, found.uncovered)
@@ -188,6 +189,9 @@ def _discover_for_writing(model: nn.Module, layer_offset: int, inc, exc, include
         for p, proj in l.spec.projections():
             if not proj.weight.is_floating_point():
                 raise TypeError(f"{l.name}: {p} weight has dtype {proj.weight.dtype}, expected a floating dtype")
+        why = l.spec.v_identity_problem(v_mode)
+        if why is not None:
+            raise ValueError(f"{l.name}: v_mode={v_mode!r} cannot be written: {why}")
     return found
 
 
@@ -622,7 +626,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     progress = check_bool("progress", progress)
     strict = check_bool("strict", strict)
 
-    found = _discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict)
+    found = _discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered
     # checked against the projections' dtypes (known on meta models too), before anything is written
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],

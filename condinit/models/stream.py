@@ -1070,7 +1070,7 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
         model = model.to(dtype)
     model.eval()
 
-    found = _discover_for_writing(model, 0, inc, exc, include, exclude, strict)
+    found = _discover_for_writing(model, 0, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],
                                   [l.spec.v.weight.dtype for l in layers])
