@@ -1344,20 +1344,10 @@ def write_checkpoint(model_or_config, path, *, seed: int = 0, method: str = "aut
     of every layer in the header; the file is replaced atomically.
 
     Args:
-        model_or_config: as in :func:`write_pretrained`.
         path: the file.
-        seed: ``0 <= seed < 2**64``, for the conditioned Q/K (as ``condinit.apply(model, seed=seed)``)
-            and the own init of everything else. Not drawn: the same call writes the same bytes.
-        method, v_mode, qk_gain, v_gain, include, exclude, strict, memory_budget: as in
-            :func:`condinit.apply`.
-        dtype: storage dtype (``torch.bfloat16``, ...); default: the model's, or the config's
-            ``dtype``, or float32.
-        device: where tensors are computed (``"cpu"``, ``"cuda"``); they are written from the CPU.
-        model_class: the transformers class to build a config with.
-        family: the ``family`` field of the ``condinit`` metadata (default: the config's ``model_type``).
-        extra_metadata: more fields for the ``condinit`` metadata (e.g. ``{"preset": ...}``).
-        progress: a progress bar over the bytes written (tqdm; else a line every 10 s on stderr).
-        dry_run: plan, check and measure only (``report.plan``); nothing is written.
+        model_or_config, seed, method, v_mode, qk_gain, v_gain, dtype, device, model_class, include,
+            exclude, strict, memory_budget, family, extra_metadata, progress, dry_run: as in
+            :func:`write_pretrained`.
     Returns:
         :class:`PretrainedWriteReport` (``out_dir``: the file's directory).
 

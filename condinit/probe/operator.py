@@ -814,8 +814,9 @@ class JacobianOperator:
         lin = g.reshape(1, self.B, self.N, -1).split(tuple(s[0] for s in self._in_shapes), dim=-1)
         return torch.cat([torch.einsum("pbnk,bnD->pkD", l, self.X).reshape(1, -1) for l in lin], dim=1)[0]
 
-    def _cotangents(self, U: Tensor):
-        """[P, m] -> cotangents of the projections' outputs, each [P, B, N, rows]."""
+    def _head_cotangents(self, U: Tensor):
+        """[P, m] -> the per-head cotangents (dq, dk, dv) of the attention's inputs, each
+        [P, B, heads, N, d]: the flash VJP with the probes folded into the batch."""
         q, k, v, out, lse = self._primal()
         P = U.shape[0]
         with torch.no_grad():
@@ -824,38 +825,29 @@ class JacobianOperator:
             else:
                 dO = U.reshape(P, self.B, self.H, self.N, self.d)
             if self.dense_path:
-                dq, dk, dv = self._dense_vjp(dO, q, k, v)
-            else:
-                rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
-                dq, dk, dv = torch.ops.condinit.attention_bwd(
-                    dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
-                    rep(lse), self.causal, self.scale, *self._mask, self._impls["attention_bwd"])
-                dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
+                return self._dense_vjp(dO, q, k, v)
+            rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
+            dq, dk, dv = torch.ops.condinit.attention_bwd(
+                dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
+                rep(lse), self.causal, self.scale, *self._mask, self._impls["attention_bwd"])
+            return tuple(t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
+
+    def _cotangents(self, U: Tensor):
+        """[P, m] -> cotangents of the projections' outputs, each [P, B, N, rows] (back through
+        RoPE and QK-norm)."""
+        dq, dk, dv = self._head_cotangents(U)
+        with torch.no_grad():
             return (self._qk_cotangent(dq, self.q_norm), self._qk_cotangent(dk, self.k_norm), self._unheads(dv))
 
     @_no_autocast
     def _rmatmat_rows(self, U: Tensor) -> Tensor:
         """[P, m] -> [P, n]: the flash VJP with the probes folded into the batch."""
-        q, k, v, out, lse = self._primal()
         P = U.shape[0]
         with torch.no_grad():
-            if self._wo is not None:
-                dO = self._heads(U.reshape(P, self.B, self.N, -1) @ self._wo, self.H)
-            else:
-                dO = U.reshape(P, self.B, self.H, self.N, self.d)
-            if self.dense_path:
-                dq, dk, dv = self._dense_vjp(dO, q, k, v)
-            else:
-                rep = lambda t: t.expand(P, *t.shape).reshape(P * t.shape[0], *t.shape[1:])  # noqa: E731
-                dq, dk, dv = torch.ops.condinit.attention_bwd(
-                    dO.reshape(P * self.B, self.H, self.N, self.d).contiguous(), rep(q), rep(k), rep(v), rep(out),
-                    rep(lse), self.causal, self.scale, *self._mask, self._impls["attention_bwd"])
-                dq, dk, dv = (t.reshape(P, self.B, *t.shape[1:]) for t in (dq, dk, dv))
             if self._qkv_given is not None:
-                parts = (dq, dk, dv)
+                parts = self._head_cotangents(U)
             else:
-                # back through RoPE and QK-norm to the projections' outputs [P, B, N, rows]
-                lin = (self._qk_cotangent(dq, self.q_norm), self._qk_cotangent(dk, self.k_norm), self._unheads(dv))
+                lin = self._cotangents(U)      # [P, B, N, rows] per projection
                 if self.wrt == "qkv":
                     parts = tuple(self._heads(g, h) for g, h in zip(lin, (self.H, self.Hkv, self.Hkv)))
                 elif self.wrt == "input":
