@@ -207,6 +207,7 @@ import time  # noqa: E402
 
 from safetensors.torch import load_file  # noqa: E402
 
+from condinit.init import philox  # noqa: E402
 from condinit.init.philox import block_randn  # noqa: E402
 from condinit.models import stream  # noqa: E402
 from condinit.models.stream import own_init_stream, own_normal_, write_checkpoint  # noqa: E402
@@ -240,10 +241,11 @@ def test_own_normal_is_the_named_philox_stream(seed):
     assert not w2.is_contiguous() and torch.equal(w2.reshape(-1)[:n], z * 0.02)
 
 
-def test_chunking_does_not_change_the_bytes(tmp_path, monkeypatch):
+def test_chunking_does_not_change_the_bytes(tmp_path, monkeypatch, forced_backend):
     cfg = tiny_config(False)
     a = write_pretrained(cfg, tmp_path / "a", seed=4, max_shard_size=40_000)
-    monkeypatch.setattr(stream, "_OWN_CHUNK_BLOCKS", 1)        # one Philox block per call
+    forced_backend("normal=torch")                             # own-init normals by the torch composite,
+    monkeypatch.setattr(philox, "NORMAL_CHUNK", 1)             # one Philox block per draw
     monkeypatch.setattr(stream, "_MAX_QUEUED_BYTES", 1)        # the writer never runs ahead
     monkeypatch.setattr(stream._Writeback, "step", 4096)       # writeback started (and cache dropped) often
     b = write_pretrained(cfg, tmp_path / "b", seed=4, max_shard_size=40_000)

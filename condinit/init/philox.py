@@ -43,6 +43,17 @@ Native op (``condinit._C``, CPU and CUDA kernels under one schema)::
 
 writes the normals into ``out`` (float32, contiguous ``[len(block_ids), m, n]``, same device as the
 int64 ``block_ids``); ``seed_lo``/``seed_hi``/``stream`` are in ``[0, 2^32)``.
+
+**Scaled normals in the destination dtype** (the ``NORMAL`` table below, what
+:func:`condinit.models.stream.own_normal_` runs): ``out`` (contiguous, any shape) gets
+``mean + std * z``, element ``k`` of ``out`` being element ``k % (m n)`` of block
+``block_ids[k // (m n)]`` (the last block may be cut short). The value is defined by the torch
+composite: ``z * std`` then ``+ mean`` (when ``mean != 0``) in float32, then one rounding to
+``out``'s dtype by torch's conversion. The C++ CPU kernel (float32, float64, bfloat16, float16)
+gives the same bits in one pass over ``out``::
+
+    condinit_C::philox_normal(int seed_lo, int seed_hi, int stream, Tensor block_ids, int m, int n,
+                              float mean, float std, Tensor(a!) out) -> ()
 """
 from __future__ import annotations
 
@@ -54,7 +65,7 @@ import torch
 from condinit import _backends
 from condinit._validate import check_choice, check_int, check_seed, check_tensor
 
-__all__ = ["block_randn", "seed_from", "stream_id", "philox4x32_10", "philox_normals"]
+__all__ = ["block_randn", "seed_from", "stream_id", "philox4x32_10", "philox_normals", "NORMAL_DTYPES"]
 
 _MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53
@@ -369,4 +380,46 @@ def _randn_cpp(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, 
 @RANDN.register("cuda", devices=("cuda",), native_op="philox_randn")
 def _randn_cuda(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, out: torch.Tensor):
     torch.ops.condinit_C.philox_randn(*_native_args(seed, stream, block_ids, m, n, out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# mean + std * z rounded once to the destination's dtype (module doc, "Scaled normals"). Arguments
+# are validated by the caller (condinit.models.stream.own_normal_): ``block_ids`` a contiguous int64
+# tensor on ``out``'s device, ``out`` contiguous with (B - 1) m n < numel <= B m n elements.
+NORMAL = _backends.Op("normal")
+# destination dtypes of the fused C++ kernel
+NORMAL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# normals the composite draws per RANDN call (16 MiB of float32 scratch)
+NORMAL_CHUNK = 1 << 22
+
+
+@NORMAL.register("torch", devices=(_backends.ANY_DEVICE,))
+def _normal_composite(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, mean: float, std: float,
+                      out: torch.Tensor):
+    """The definition: the float32 normals drawn into a buffer (RANDN's choice for the device),
+    scaled and shifted there by torch, then copied (rounded) into ``out``."""
+    mn = m * n
+    flat = out.view(-1)
+    total, B = flat.numel(), block_ids.numel()
+    per = max(1, NORMAL_CHUNK // mn)      # blocks per draw
+    randn = RANDN.choose(out.device)
+    buf = torch.empty((min(per, B), m, n), dtype=torch.float32, device=out.device)
+    for b0 in range(0, B, per):
+        b1 = min(B, b0 + per)
+        z = buf[:b1 - b0]
+        RANDN(randn, seed, stream, block_ids[b0:b1], m, n, z)
+        lo, hi = b0 * mn, min(total, b1 * mn)
+        z = z.view(-1)[:hi - lo]
+        z.mul_(std)
+        if mean != 0.0:
+            z.add_(mean)
+        flat[lo:hi].copy_(z)
+    return out
+
+
+@NORMAL.register("cpp-cpu", devices=("cpu",), limits={"dtype": NORMAL_DTYPES}, native_op="philox_normal")
+def _normal_cpp(seed: int, stream: int, block_ids: torch.Tensor, m: int, n: int, mean: float, std: float,
+                out: torch.Tensor):
+    torch.ops.condinit_C.philox_normal(seed & _MASK32, seed >> 32, stream, block_ids, m, n, mean, std, out)
     return out

@@ -36,8 +36,10 @@ is drawn from condinit's counter-based generator (:func:`condinit.init.philox.bl
 the tensor's own stream: element ``e`` (row-major) of tensor ``name`` is lane ``e % 2**16`` of
 block ``(h31(name) << 32) + e // 2**16`` of stream ``s(name)``, with ``s`` and ``h31`` the first
 4 bytes and the next 31 bits of BLAKE2b(``"condinit own init\\0" + name``) (:func:`own_init_stream`),
-then ``mean + std * z`` rounded once to the tensor's dtype. A view of a tensor (e.g. one row) has a
-stream of its own named after the view. So these weights are bit-identical whatever the shard
+then ``mean + std * z`` rounded once to the tensor's dtype (the ``normal`` table of
+:mod:`condinit.init.philox`: on the CPU one pass of the C++ kernel, straight into the tensor's
+dtype; elsewhere the float32 normals scaled in a buffer and copied, with the same bits). A view of
+a tensor (e.g. one row) has a stream of its own named after the view. So these weights are bit-identical whatever the shard
 size, the chunking, the order of writing or the device (the generator is; ``docs/design.md``,
 "Random streams"). Any other random draw of an init (``uniform_``, ``trunc_normal_``, a tensor's own
 ``.normal_()`` method as transformers 4 models call it) comes from torch's generator, seeded per
@@ -45,13 +47,14 @@ unit from ``seed`` and the module's qualified name (and restored afterwards): st
 ``seed`` and the name only, but device dependent.
 
 **Memory**: one unit plus the tensors of the current shard computed ahead of their turn (at most
-another unit) plus the writer's queue (``_MAX_QUEUED_BYTES``, or one tensor when bigger) plus at most
-256 MB of written tensors' buffers kept for reuse (``_BufferPool``: no page faults on the next
-layer's tensors), whatever the model's size or ``max_shard_size``; the largest unit is usually the
-embedding matrix.
+another unit) plus the writer's queue (``_MAX_QUEUED_BYTES`` not yet written, besides a bigger
+tensor being written) plus at most 256 MB of written tensors' buffers kept for reuse
+(``_BufferPool``: no page faults on the next layer's tensors), whatever the model's size or
+``max_shard_size``; the largest unit is usually the embedding matrix.
 Written data goes to the page cache (not the process's resident memory); the writer starts its
 writeback to disk as it goes and drops what is on disk from the cache (``_Writeback``), so the disk
-works while tensors are computed and the cache holds only ~128 MB of the file being written.
+works while tensors are computed and the cache holds only ~128 MB of the file being written (a big
+tensor is written in 64 MB pieces for that).
 
 **Files**: each file is written atomically (:func:`condinit.models.checkpoint.atomic_output`); the
 writer thread ``fsync``s a shard before its rename. SIGTERM (and Ctrl-C, and any error) removes
@@ -106,7 +109,7 @@ from torch import nn
 from condinit._validate import check_bool, check_choice, check_int, check_seed
 from condinit.init.functional import V_MODES, check_gains, run_plan
 from condinit.init.orthogonalize import METHODS
-from condinit.init.philox import block_randn
+from condinit.init.philox import NORMAL, NORMAL_CHUNK
 
 from .adapters import describe
 from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionWarning, _covered,
@@ -130,10 +133,8 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 _SIZE_UNITS = {"TB": 10 ** 12, "GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3, "B": 1,
                "TIB": 2 ** 40, "GIB": 2 ** 30, "MIB": 2 ** 20, "KIB": 2 ** 10}
 
-# Own-init normals: elements per Philox block (the block id's low word counts blocks), and blocks
-# generated per call (4M float32 = 16 MiB of scratch).
+# Own-init normals: elements per Philox block (the block id's low word counts blocks)
 OWN_INIT_BLOCK = 1 << 16
-_OWN_CHUNK_BLOCKS = 64
 # Bytes of computed tensors waiting for the writer thread before the generator waits for it: enough
 # to keep the disk busy while the next unit is computed, small next to a shard.
 _MAX_QUEUED_BYTES = 64 * 2 ** 20
@@ -368,7 +369,7 @@ def own_normal_(tensor: torch.Tensor, seed: int, name: str, mean: float = 0.0, s
 
     Examples:
         >>> w = torch.empty(4096, 2048, dtype=torch.bfloat16)
-        >>> own_normal_(w, 0, "model.layers.0.mlp.up_proj.weight", std=0.02)
+        >>> _ = own_normal_(w, 0, "model.layers.0.mlp.up_proj.weight", std=0.02)
         >>> torch.equal(w[:1], own_normal_(torch.empty(1, 2048, dtype=torch.bfloat16), 0,
         ...                                "model.layers.0.mlp.up_proj.weight", std=0.02))
         True
@@ -387,18 +388,9 @@ def own_normal_(tensor: torch.Tensor, seed: int, name: str, mean: float = 0.0, s
     with torch.no_grad():
         dest = tensor if tensor.is_contiguous() else torch.empty(tensor.shape, dtype=tensor.dtype,
                                                                  device=tensor.device)
-        flat = dest.view(-1)
-        buf = torch.empty((min(blocks, _OWN_CHUNK_BLOCKS), 1, OWN_INIT_BLOCK), dtype=torch.float32,
-                          device=tensor.device)
-        for b0 in range(0, blocks, _OWN_CHUNK_BLOCKS):
-            b1 = min(blocks, b0 + _OWN_CHUNK_BLOCKS)
-            z = block_randn(seed, stream, range(first + b0, first + b1), (1, OWN_INIT_BLOCK), out=buf[:b1 - b0])
-            lo, hi = b0 * OWN_INIT_BLOCK, min(n, b1 * OWN_INIT_BLOCK)
-            z = z.view(-1)[:hi - lo]
-            z.mul_(std)
-            if mean != 0.0:
-                z.add_(mean)
-            flat[lo:hi].copy_(z)
+        backend = NORMAL.choose(dest.device, dtype=dest.dtype)
+        ids = torch.arange(first, first + blocks, dtype=torch.int64, device=dest.device)
+        NORMAL(backend, seed, stream, ids, 1, OWN_INIT_BLOCK, mean, std, dest)
         if dest is not tensor:
             tensor.copy_(dest)
     return tensor
@@ -785,7 +777,7 @@ class _Writer:
     ``begin(path, head)``, ``put(tensor)`` for each tensor in order, ``end()``; then ``finish()``
     (waits, raises the writer's error) or ``abort()`` (drops the file being written). Each file goes
     through :func:`atomic_output` and is fsynced before its rename. ``put`` waits while more than
-    ``max_queued`` bytes are queued (one bigger tensor is let through alone)."""
+    ``max_queued`` bytes are queued and not yet written (one bigger tensor is let through alone)."""
 
     def __init__(self, progress: Optional[_Progress], max_queued: int = _MAX_QUEUED_BYTES,
                  pool: Optional[_BufferPool] = None):
@@ -848,17 +840,25 @@ class _Writer:
                             t = item[1]
                             del item
                             n = _nbytes(t)
-                            if n:
-                                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-                                flush.wrote(n)
+                            # in pieces, writeback started after each: one big write (the 525 MB
+                            # embedding) would leave it to the kernel's dirty throttling (~300 MB/s
+                            # here instead of the disk's ~2.5 GB/s). Each piece written leaves the
+                            # queue, so the generator goes on before the end of a big tensor.
+                            data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if n else None
+                            piece = None
+                            for at in range(0, n, flush.step):
+                                piece = data[at:at + flush.step]
+                                fh.write(piece)
+                                flush.wrote(len(piece))
+                                with self._cond:
+                                    self._queued -= len(piece)
+                                    self._cond.notify_all()
+                                if self._progress is not None:
+                                    self._progress.update(len(piece))
+                            del data, piece
                             if self._pool is not None:
                                 self._pool.give(t)
                             del t
-                            with self._cond:
-                                self._queued -= n
-                                self._cond.notify_all()
-                            if self._progress is not None:
-                                self._progress.update(n)
                         fh.flush()
                         os.fsync(fh.fileno())
                 self.written.append(path)
@@ -1144,7 +1144,7 @@ def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, fre
     unit_bytes = {u: job.engine.unit_bytes(u) for u in units}
     largest = max(unit_bytes.items(), key=lambda kv: kv[1]) if unit_bytes else ((None, None), 0)
     largest_layer = max((b for u, b in unit_bytes.items() if u[0] == "layer"), default=0)
-    scratch = 4 * _OWN_CHUNK_BLOCKS * OWN_INIT_BLOCK + 3 * 4 * max(
+    scratch = 4 * NORMAL_CHUNK + 3 * 4 * max(
         (t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "layer"), default=0)
     queued = min(_MAX_QUEUED_BYTES, job.total_size)
     on_host = job.device.type == "cpu"
@@ -1166,7 +1166,9 @@ def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, fre
 
 def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
     """Write ``jobs`` (``[(path, head, order)]``) in order: tensors computed here, written by a
-    :class:`_Writer` thread. SIGTERM in the main thread removes the file being written."""
+    :class:`_Writer` thread. The first tensor's unit is computed on every core (the writer has
+    nothing to write before it; usually the embedding, the largest), the rest with
+    :func:`_compute_threads`. SIGTERM in the main thread removes the file being written."""
     engine, state = job.engine, job.state
     todo = {k for _, _, order in jobs for k in order}
     ready: dict = {}       # computed tensors not yet handed to the writer
@@ -1190,11 +1192,14 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
     with _removing_temps_on_sigterm():
         writer = _Writer(bar, pool=engine.pool)
         try:
+            ahead = {}
+            if jobs and jobs[0][2]:
+                ahead[jobs[0][2][0]] = compute(jobs[0][2][0])
             with _compute_threads(job.device):
                 for path, head, order in jobs:
                     writer.begin(path, head)
                     for k in order:
-                        writer.put(compute(k))
+                        writer.put(ahead.pop(k) if k in ahead else compute(k))
                     writer.end()
             writer.finish()
         except BaseException:

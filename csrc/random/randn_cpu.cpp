@@ -6,6 +6,8 @@
 //
 // writes block g = block_ids[b] into out[b] (float32 contiguous [B, m, n]): element e = i*n + j is
 // lane e % 4 of Philox4x32-10(counter = (e / 4, stream, lo32(g), hi32(g)), key = (seed_lo, seed_hi)).
+// condinit_C::philox_normal (below) writes mean + std * z of the same normals straight into a
+// float32 / float64 / bfloat16 / float16 tensor.
 //
 // Speed: threads take chunks of (block, quad) work items from a shared counter; each generates
 // tiles of kLanes quads: Philox with vpmuludq intrinsics (GCC cannot vectorize a 32x32->64-bit
@@ -49,9 +51,10 @@ constexpr int kLanes = 32;  // quads per tile: 128 normals
 // A tile: quads q0 .. q0 + kLanes - 1 of one block -> 4 * kLanes normals in element order.
 // Philox needs 32x32 -> 64-bit products, which GCC does not vectorize on x86 (there is no
 // vector mulhi for 32-bit lanes): the AVX-512 / AVX2 variants write the rounds with vpmuludq
-// intrinsics (even and odd lanes), and the square root with vsqrtps. The rest (log, sin/cos, the
-// interleaving store) are plain lane loops shared by all variants, which GCC vectorizes for each
-// variant's ISA (they are inlined into the target-specific functions).
+// intrinsics (AVX2: even and odd lanes; AVX-512: one quad per 64-bit lane), and the square root
+// with vsqrtps. The rest (log, sin/cos, the interleaving store) are plain lane loops shared by all
+// variants, which GCC vectorizes for each variant's ISA (they are inlined into the target-specific
+// functions).
 
 // pair p = 2 l + w uses words (x_{2w}, x_{2w+1}) of quad l and gives elements 2p, 2p + 1
 __attribute__((always_inline)) inline void spread_words(const uint32_t* c0, const uint32_t* c1,
@@ -111,49 +114,47 @@ inline void tile_default(uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g
 // in GCC 12 they merge into _mm512_undefined_epi32(), which -Wall reports as uninitialized.)
 typedef unsigned long long ci_v8du __attribute__((vector_size(64)));
 CONDINIT_AVX512 __attribute__((always_inline)) inline __m512i srl32_512(__m512i x) { return (__m512i)((ci_v8du)x >> 32); }
-CONDINIT_AVX512 __attribute__((always_inline)) inline __m512i sll32_512(__m512i x) { return (__m512i)((ci_v8du)x << 32); }
 CONDINIT_AVX512 __attribute__((always_inline)) inline __m512i mul_epu32_512(__m512i a, __m512i b) {
   return _mm512_maskz_mul_epu32((__mmask8)0xFF, a, b);
 }
 
 CONDINIT_AVX512 __attribute__((always_inline)) inline void tile_avx512(
     uint32_t q0, uint32_t stream, uint32_t g_lo, uint32_t g_hi, uint32_t k0, uint32_t k1, float* __restrict__ tile) {
-  constexpr int V = kLanes / 16;  // independent zmm chains per word: hides the multiply latency
+  // Each 64-bit lane carries one quad's counter word in its low half; the high half is don't-care
+  // (vpmuludq reads only low halves, and XOR keeps the halves apart). Then a product's low half is
+  // already in place and its high half one shift away: a round is two vpmuludq, two shifts and two
+  // XORs per 8 quads, with no blends; the low halves are packed into 32-bit lanes once at the end.
+  constexpr int V = kLanes / 8;  // independent zmm chains per word: hides the multiply latency
   static_assert(kLanes % 16 == 0, "whole zmm registers of quads");
-  const __m512i M0 = _mm512_set1_epi32((int)philox::kM0), M1 = _mm512_set1_epi32((int)philox::kM1);
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i M0 = _mm512_set1_epi64(philox::kM0), M1 = _mm512_set1_epi64(philox::kM1);
+  const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
   __m512i c0[V], c1[V], c2[V], c3[V];
   for (int v = 0; v < V; ++v) {
-    c0[v] = _mm512_add_epi32(_mm512_set1_epi32((int)(q0 + 16u * v)), iota);
-    c1[v] = _mm512_set1_epi32((int)stream);
-    c2[v] = _mm512_set1_epi32((int)g_lo);
-    c3[v] = _mm512_set1_epi32((int)g_hi);
+    c0[v] = _mm512_add_epi64(_mm512_set1_epi64((uint32_t)(q0 + 8u * v)), iota);  // low half: q mod 2^32
+    c1[v] = _mm512_set1_epi64(stream);
+    c2[v] = _mm512_set1_epi64(g_lo);
+    c3[v] = _mm512_set1_epi64(g_hi);
   }
   for (int r = 0; r < philox::kRounds; ++r) {
-    const __m512i rk0 = _mm512_set1_epi32((int)(k0 + (uint32_t)r * philox::kW0));
-    const __m512i rk1 = _mm512_set1_epi32((int)(k1 + (uint32_t)r * philox::kW1));
+    const __m512i rk0 = _mm512_set1_epi64((uint32_t)(k0 + (uint32_t)r * philox::kW0));
+    const __m512i rk1 = _mm512_set1_epi64((uint32_t)(k1 + (uint32_t)r * philox::kW1));
     for (int v = 0; v < V; ++v) {
-      // 64-bit products of the even lanes, and of the odd lanes shifted down
-      const __m512i e0 = mul_epu32_512(c0[v], M0), o0 = mul_epu32_512(srl32_512(c0[v]), M0);
-      const __m512i e1 = mul_epu32_512(c2[v], M1), o1 = mul_epu32_512(srl32_512(c2[v]), M1);
-      const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, srl32_512(e0), o0);
-      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, e0, sll32_512(o0));
-      const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, srl32_512(e1), o1);
-      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, e1, sll32_512(o1));
-      const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[v]), rk0);
-      const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[v]), rk1);
-      c0[v] = n0;
-      c1[v] = lo1;
-      c2[v] = n2;
-      c3[v] = lo0;
+      const __m512i p0 = mul_epu32_512(c0[v], M0);  // hi0 : lo0
+      const __m512i p1 = mul_epu32_512(c2[v], M1);  // hi1 : lo1
+      c0[v] = _mm512_ternarylogic_epi64(srl32_512(p1), c1[v], rk0, 0x96);  // hi1 ^ c1 ^ k0
+      c2[v] = _mm512_ternarylogic_epi64(srl32_512(p0), c3[v], rk1, 0x96);  // hi0 ^ c3 ^ k1
+      c1[v] = p1;
+      c3[v] = p0;
     }
   }
+  // low halves of two registers of 8 quads -> 16 consecutive 32-bit lanes
+  const __m512i low_halves = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   alignas(64) uint32_t w0[kLanes], w1[kLanes], w2[kLanes], w3[kLanes];
-  for (int v = 0; v < V; ++v) {
-    _mm512_store_si512(w0 + 16 * v, c0[v]);
-    _mm512_store_si512(w1 + 16 * v, c1[v]);
-    _mm512_store_si512(w2 + 16 * v, c2[v]);
-    _mm512_store_si512(w3 + 16 * v, c3[v]);
+  for (int v = 0; v < V; v += 2) {
+    _mm512_store_si512(w0 + 8 * v, _mm512_permutex2var_epi32(c0[v], low_halves, c0[v + 1]));
+    _mm512_store_si512(w1 + 8 * v, _mm512_permutex2var_epi32(c1[v], low_halves, c1[v + 1]));
+    _mm512_store_si512(w2 + 8 * v, _mm512_permutex2var_epi32(c2[v], low_halves, c2[v + 1]));
+    _mm512_store_si512(w3 + 8 * v, _mm512_permutex2var_epi32(c3[v], low_halves, c3[v + 1]));
   }
   alignas(64) uint32_t xr[2 * kLanes], xa[2 * kLanes];
   alignas(64) float rr[2 * kLanes];
@@ -268,6 +269,40 @@ void advise_huge_pages(void* ptr, size_t bytes) {
 #endif
 }
 
+// Work items: (block, quad) pairs in row-major order, in chunks of whole tiles. Threads take
+// chunks from a shared counter (dynamic scheduling) rather than one static range each: on a
+// machine whose cores are shared, a thread that gets descheduled does not hold up the others.
+// body(b, q, q_end) generates quads [q, q_end) of block b (Q quads per block; the last block may
+// have fewer, total counts them all).
+template <typename Body>
+void for_quad_chunks(int64_t total, int64_t Q, const Body& body) {
+  constexpr int64_t kChunk = int64_t(1) << 14;  // quads (64K normals, 256 KiB of float32 output)
+  const int64_t n_chunks = (total + kChunk - 1) / kChunk;
+  auto run = [&](int64_t begin, int64_t end) {
+    int64_t b = begin / Q, q = begin - b * Q;
+    for (int64_t pos = begin; pos < end;) {
+      const int64_t q_end = std::min(Q, q + (end - pos));
+      body(b, q, q_end);
+      pos += q_end - q;
+      q = q_end;
+      if (q == Q) {
+        ++b;
+        q = 0;
+      }
+    }
+  };
+  const int64_t n_threads = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  if (n_threads <= 1) {
+    run(0, total);
+    return;
+  }
+  std::atomic<int64_t> next_chunk{0};
+  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next_chunk.fetch_add(1); c < n_chunks; c = next_chunk.fetch_add(1))
+      run(c * kChunk, std::min(total, (c + 1) * kChunk));
+  });
+}
+
 void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at::Tensor& block_ids,
                       int64_t m, int64_t n, at::Tensor& out) {
   TORCH_CHECK(block_ids.device().is_cpu() && out.device().is_cpu(), "philox_randn: CPU tensors expected");
@@ -283,53 +318,206 @@ void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at
   const Kernels kern = pick_kernels();
   const uint32_t k0 = (uint32_t)seed_lo, k1 = (uint32_t)seed_hi, s = (uint32_t)stream;
 
-  // Work items: (block, quad) pairs in row-major order, in chunks of whole tiles. Threads take
-  // chunks from a shared counter (dynamic scheduling) rather than one static range each: on a
-  // machine whose cores are shared, a thread that gets descheduled does not hold up the others.
-  const int64_t total = B * Q;
-  constexpr int64_t kChunk = int64_t(1) << 14;  // quads (64K normals, 256 KiB of output)
-  const int64_t n_chunks = (total + kChunk - 1) / kChunk;
-  auto generate = [&](int64_t begin, int64_t end) {
-    int64_t b = begin / Q;
-    int64_t q = begin - b * Q;
-    int64_t pos = begin;
-    alignas(64) float tile[4 * kLanes];
-    while (pos < end) {
-      const uint64_t g = (uint64_t)gid[b];
-      const uint32_t g_lo = (uint32_t)g, g_hi = (uint32_t)(g >> 32);
-      const int64_t q_end = std::min(Q, q + (end - pos));  // stop at the block's or range's end
-      float* blk = dst + b * mn;
-      // whole tiles whose 4 * kLanes elements all lie inside the block: straight into out
-      const int64_t full_quads = std::min(q_end, mn / 4);  // quads entirely inside the block
-      const int64_t n_tiles = full_quads > q ? (full_quads - q) / kLanes : 0;
-      if (n_tiles > 0) {
-        kern.run((uint32_t)q, n_tiles, s, g_lo, g_hi, k0, k1, blk + 4 * q);
-        q += n_tiles * kLanes;
-      }
-      // the rest (< kLanes quads, or a block tail): through a tile buffer
-      while (q < q_end) {
-        kern.tile((uint32_t)q, s, g_lo, g_hi, k0, k1, tile);
-        const int64_t nq = std::min<int64_t>(kLanes, q_end - q);
-        const int64_t n_el = std::min<int64_t>(4 * nq, mn - 4 * q);
-        std::memcpy(blk + 4 * q, tile, sizeof(float) * n_el);
-        q += nq;
-      }
-      pos = b * Q + q;
-      if (q == Q) {
-        ++b;
-        q = 0;
-      }
+  for_quad_chunks(B * Q, Q, [&](int64_t b, int64_t q, int64_t q_end) {
+    const uint64_t g = (uint64_t)gid[b];
+    const uint32_t g_lo = (uint32_t)g, g_hi = (uint32_t)(g >> 32);
+    float* blk = dst + b * mn;
+    // whole tiles whose 4 * kLanes elements all lie inside the block: straight into out
+    const int64_t full_quads = std::min(q_end, mn / 4);  // quads entirely inside the block
+    const int64_t n_tiles = full_quads > q ? (full_quads - q) / kLanes : 0;
+    if (n_tiles > 0) {
+      kern.run((uint32_t)q, n_tiles, s, g_lo, g_hi, k0, k1, blk + 4 * q);
+      q += n_tiles * kLanes;
     }
-  };
-  const int64_t n_threads = std::min<int64_t>(at::get_num_threads(), n_chunks);
-  if (n_threads <= 1) {
-    generate(0, total);
-    return;
+    // the rest (< kLanes quads, or a block tail): through a tile buffer
+    alignas(64) float tile[4 * kLanes];
+    while (q < q_end) {
+      kern.tile((uint32_t)q, s, g_lo, g_hi, k0, k1, tile);
+      const int64_t nq = std::min<int64_t>(kLanes, q_end - q);
+      const int64_t n_el = std::min<int64_t>(4 * nq, mn - 4 * q);
+      std::memcpy(blk + 4 * q, tile, sizeof(float) * n_el);
+      q += nq;
+    }
+  });
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// condinit_C::philox_normal: mean + std * z written straight into the destination dtype.
+//
+//   philox_normal(int seed_lo, int seed_hi, int stream, Tensor block_ids, int m, int n, float mean,
+//                 float std, Tensor(a!) out) -> ()
+//
+// out: contiguous float32 / float64 / bfloat16 / float16 with (B - 1) m n < numel <= B m n elements
+// (B = len(block_ids)); element k of out is element k % (m n) of block block_ids[k / (m n)] (a
+// last block may be cut short). The value is what the composite `z * (float)std`, then
+// `+ (float)mean` when mean != 0, then `.to(dtype)` gives in torch, bit for bit: z the float32
+// normals of philox_randn, the affine step in float32 (no FMA: this file is fp-contract=off), then
+// one rounding to the destination dtype as torch's CPU conversion does it (round to nearest even;
+// a NaN becomes 0xFFFF in bfloat16 as torch's vectorized conversion writes it, and is quieted with
+// its sign kept in float16). Each tile of 4 * kLanes normals is generated into a stack array and
+// converted from there (one pass over the destination, instead of a float32 buffer written, scaled
+// and copied).
+
+// affine step in place on one tile (always inlined: vectorized for the caller's ISA)
+template <bool kMean>
+__attribute__((always_inline)) inline void affine_tile(float* __restrict__ tile, float scale, float shift) {
+  for (int i = 0; i < 4 * kLanes; ++i) {
+    float y = tile[i] * scale;
+    if (kMean) y = y + shift;
+    tile[i] = y;
   }
-  std::atomic<int64_t> next_chunk{0};
-  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next_chunk.fetch_add(1); c < n_chunks; c = next_chunk.fetch_add(1))
-      generate(c * kChunk, std::min(total, (c + 1) * kChunk));
+}
+
+__attribute__((always_inline)) inline void store_tile_f32(const float* __restrict__ y, float* __restrict__ dst) {
+  for (int i = 0; i < 4 * kLanes; ++i) dst[i] = y[i];
+}
+
+__attribute__((always_inline)) inline void store_tile_f64(const float* __restrict__ y, double* __restrict__ dst) {
+  for (int i = 0; i < 4 * kLanes; ++i) dst[i] = (double)y[i];
+}
+
+// round to nearest even on the bits (ATen's cvtfp32_bf16); NaN -> 0xFFFF like ATen's vector path
+__attribute__((always_inline)) inline void store_tile_bf16(const float* __restrict__ y, uint16_t* __restrict__ dst) {
+  for (int i = 0; i < 4 * kLanes; ++i) {
+    const uint32_t u = philox::float_bits(y[i]);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = (uint16_t)(y[i] != y[i] ? 0xFFFFu : r);
+  }
+}
+
+// c10::Half's software conversion (round to nearest even), what torch uses without F16C
+__attribute__((always_inline)) inline void store_tile_f16_soft(const float* __restrict__ y, uint16_t* __restrict__ dst) {
+  for (int i = 0; i < 4 * kLanes; ++i) dst[i] = c10::detail::fp16_ieee_from_fp32_value(y[i]);
+}
+
+#ifdef CONDINIT_X86_DISPATCH
+#define CONDINIT_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+CONDINIT_AVX512 __attribute__((always_inline)) inline void store_tile_f16_avx512(const float* __restrict__ y,
+                                                                                 uint16_t* __restrict__ dst) {
+  for (int i = 0; i < 4 * kLanes; i += 16)
+    // (maskz: the plain intrinsic merges into an undefined register, which GCC 12 -Wall reports)
+    _mm256_storeu_si256((__m256i*)(dst + i), _mm512_maskz_cvtps_ph((__mmask16)0xFFFF, _mm512_loadu_ps(y + i),
+                                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+CONDINIT_AVX2_F16C __attribute__((always_inline)) inline void store_tile_f16_f16c(const float* __restrict__ y,
+                                                                                  uint16_t* __restrict__ dst) {
+  for (int i = 0; i < 4 * kLanes; i += 8)
+    _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(y + i),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// n_el elements from quad q0 of one block into dst (whole tiles, the last one cut to n_el).
+#define CONDINIT_NORMAL_RUN_FN(NAME, TILE, STORE, ATTR, T, MEAN)                                       \
+  ATTR static void NAME(uint32_t q0, int64_t n_el, uint32_t stream, uint32_t g_lo, uint32_t g_hi,       \
+                        uint32_t k0, uint32_t k1, float scale, float shift, void* out) {                \
+    T* dst = (T*)out;                                                                                  \
+    alignas(64) float tile[4 * kLanes];                                                                \
+    for (int64_t t = 0; n_el > 0; ++t, dst += 4 * kLanes, n_el -= 4 * kLanes) {                        \
+      TILE(q0 + (uint32_t)(t * kLanes), stream, g_lo, g_hi, k0, k1, tile);                             \
+      affine_tile<MEAN>(tile, scale, shift);                                                           \
+      if (n_el >= 4 * kLanes) {                                                                        \
+        STORE(tile, dst);                                                                              \
+      } else {                                                                                         \
+        alignas(64) T part[4 * kLanes];                                                                \
+        STORE(tile, part);                                                                             \
+        std::memcpy(dst, part, sizeof(T) * n_el);                                                      \
+      }                                                                                                \
+    }                                                                                                  \
+  }
+
+// the 8 functions (destination dtype x mean or not) of one ISA, in the order of NormalKernels::fn
+#define CONDINIT_NORMAL_ISA(ISA, TILE, ATTR, STORE_F16)                                         \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_f32_0, TILE, store_tile_f32, ATTR, float, false)        \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_f32_1, TILE, store_tile_f32, ATTR, float, true)         \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_f64_0, TILE, store_tile_f64, ATTR, double, false)       \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_f64_1, TILE, store_tile_f64, ATTR, double, true)        \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_bf16_0, TILE, store_tile_bf16, ATTR, uint16_t, false)   \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_bf16_1, TILE, store_tile_bf16, ATTR, uint16_t, true)    \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_f16_0, TILE, STORE_F16, ATTR, uint16_t, false)          \
+  CONDINIT_NORMAL_RUN_FN(normal_##ISA##_f16_1, TILE, STORE_F16, ATTR, uint16_t, true)
+
+#ifdef CONDINIT_X86_DISPATCH
+CONDINIT_NORMAL_ISA(avx512, tile_avx512, CONDINIT_AVX512, store_tile_f16_avx512)
+CONDINIT_NORMAL_ISA(avx2, tile_avx2, CONDINIT_AVX2_F16C, store_tile_f16_f16c)
+#endif
+CONDINIT_NORMAL_ISA(default, tile_default, , store_tile_f16_soft)
+
+using NormalFn = void (*)(uint32_t, int64_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, float, float, void*);
+
+#define CONDINIT_NORMAL_TABLE(ISA)                                                                    \
+  {                                                                                                 \
+    normal_##ISA##_f32_0, normal_##ISA##_f32_1, normal_##ISA##_f64_0, normal_##ISA##_f64_1,          \
+        normal_##ISA##_bf16_0, normal_##ISA##_bf16_1, normal_##ISA##_f16_0, normal_##ISA##_f16_1     \
+  }
+
+// The kernel for a destination dtype, from the variant pick_kernels chose (the AVX2 one also needs
+// F16C, which every AVX2 CPU has).
+NormalFn pick_normal_kernel(at::ScalarType dtype, bool with_mean) {
+  int slot;
+  switch (dtype) {
+    case at::kFloat: slot = 0; break;
+    case at::kDouble: slot = 2; break;
+    case at::kBFloat16: slot = 4; break;
+    case at::kHalf: slot = 6; break;
+    default: TORCH_CHECK(false, "philox_normal: out must be float32, float64, bfloat16 or float16, got ", dtype);
+  }
+  slot += with_mean ? 1 : 0;
+  static const NormalFn fallback[8] = CONDINIT_NORMAL_TABLE(default);
+  const Kernels kern = pick_kernels();
+#ifdef CONDINIT_X86_DISPATCH
+  static const NormalFn k512[8] = CONDINIT_NORMAL_TABLE(avx512);
+  static const NormalFn k2[8] = CONDINIT_NORMAL_TABLE(avx2);
+  if (kern.run == run_avx512) return k512[slot];
+  if (kern.run == run_avx2) {
+    TORCH_CHECK(__builtin_cpu_supports("f16c"), "philox_normal: the AVX2 kernel needs F16C, which this CPU lacks");
+    return k2[slot];
+  }
+#endif
+  (void)kern;
+  return fallback[slot];
+}
+
+void philox_normal_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at::Tensor& block_ids, int64_t m,
+                       int64_t n, double mean, double std, at::Tensor& out) {
+  TORCH_CHECK(block_ids.device().is_cpu() && out.device().is_cpu(), "philox_normal: CPU tensors expected");
+  constexpr int64_t kU32 = int64_t(1) << 32;
+  TORCH_CHECK(0 <= seed_lo && seed_lo < kU32 && 0 <= seed_hi && seed_hi < kU32,
+              "philox_normal: seed_lo and seed_hi must be in [0, 2**32)");
+  TORCH_CHECK(0 <= stream && stream < kU32, "philox_normal: stream must be in [0, 2**32)");
+  TORCH_CHECK(m >= 1 && n >= 1, "philox_normal: m and n must be positive, got ", m, ", ", n);
+  TORCH_CHECK((m * n + 3) / 4 <= kU32, "philox_normal: a block holds at most 2**34 elements");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1,
+              "philox_normal: block_ids must be a 1-D int64 tensor");
+  const int64_t B = block_ids.numel();
+  const int64_t mn = m * n;
+  const int64_t numel = out.numel();
+  TORCH_CHECK(out.is_contiguous(), "philox_normal: out must be contiguous");
+  TORCH_CHECK(numel <= B * mn && (B == 0 || numel > (B - 1) * mn), "philox_normal: out has ", numel,
+              " elements; ", B, " blocks of ", mn, " need more than ", (B - 1) * mn, " and at most ", B * mn);
+  const NormalFn fn = pick_normal_kernel(out.scalar_type(), mean != 0.0);
+  if (numel == 0) return;
+  const at::Tensor ids = block_ids.contiguous();
+  const int64_t* gid = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(gid[b] >= 0, "philox_normal: block_ids must be >= 0");
+  char* dst = (char*)out.data_ptr();
+  const int64_t el_size = out.element_size();
+  // No advise_huge_pages here: out is usually a tensor of the model, used once. On a VM, 2 MiB pages
+  // tend to come from guest memory the host has not backed yet, and their first touch measured 3x
+  // slower than 4 KiB faults (recycled pages) for a fresh 525 MB embedding.
+  // torch's scalar arguments of mul_ / add_ on a float32 tensor: the doubles rounded to float32
+  const float scale = (float)std, shift = (float)mean;
+  const uint32_t k0 = (uint32_t)seed_lo, k1 = (uint32_t)seed_hi, s = (uint32_t)stream;
+  const int64_t Q = (mn + 3) / 4;
+  const int64_t last_el = numel - (B - 1) * mn;  // elements of the last block
+  const int64_t total = (B - 1) * Q + (last_el + 3) / 4;
+  for_quad_chunks(total, Q, [&](int64_t b, int64_t q, int64_t q_end) {
+    const uint64_t g = (uint64_t)gid[b];
+    const int64_t block_el = b == B - 1 ? last_el : mn;
+    const int64_t n_el = std::min(4 * q_end, block_el) - 4 * q;
+    fn((uint32_t)q, n_el, s, (uint32_t)g, (uint32_t)(g >> 32), k0, k1, scale, shift,
+       dst + (b * mn + 4 * q) * el_size);
   });
 }
 
@@ -340,6 +528,8 @@ void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at
 
 TORCH_LIBRARY_FRAGMENT(condinit_C, m) {
   m.def("philox_randn(int seed_lo, int seed_hi, int stream, Tensor block_ids, int m, int n, Tensor(a!) out) -> ()");
+  m.def("philox_normal(int seed_lo, int seed_hi, int stream, Tensor block_ids, int m, int n, float mean, float std, "
+        "Tensor(a!) out) -> ()");
 }
 
 namespace {
@@ -347,6 +537,13 @@ void philox_randn_cpu_op(int64_t seed_lo, int64_t seed_hi, int64_t stream, const
                          int64_t m, int64_t n, at::Tensor out) {
   condinit::philox_randn_cpu(seed_lo, seed_hi, stream, block_ids, m, n, out);
 }
+void philox_normal_cpu_op(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at::Tensor& block_ids,
+                          int64_t m, int64_t n, double mean, double std, at::Tensor out) {
+  condinit::philox_normal_cpu(seed_lo, seed_hi, stream, block_ids, m, n, mean, std, out);
+}
 }  // namespace
 
-TORCH_LIBRARY_IMPL(condinit_C, CPU, m) { m.impl("philox_randn", &philox_randn_cpu_op); }
+TORCH_LIBRARY_IMPL(condinit_C, CPU, m) {
+  m.impl("philox_randn", &philox_randn_cpu_op);
+  m.impl("philox_normal", &philox_normal_cpu_op);
+}
