@@ -480,15 +480,19 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
 }
 
 // ------------------------------------------------------------------------------------------------
-// Tangent backward (the backward of the JVP; docs/design.md, "Attention"). Two passes, each task
-// owning the rows it writes, so the result does not depend on the thread count or schedule:
-//   pass 1, per (batch, head, query tile): sweep the keys for r_p, finish D, sweep them again
-//           for dQ and dQ'_p (and store r_p and D for pass 2);
-//   pass 2, per (batch, kv head, key tile): walk the query heads of the group and their query
-//           tiles for dK, dV, dK'_p, dV'_p.
-// Both recompute P = exp(S - lse) and S'_p per tile. Per tile and probe the elementwise step is
-// tangent_row; the products are BLAS calls. Memory: four [BM x BN] tiles and the accumulators of
-// one tile per worker, plus O(N) row statistics.
+// Tangent backward (the backward of the JVP; docs/design.md, "Attention"). Two passes:
+//   pass 1, per (batch, head, query tile): sweep the keys for r_p (needs every key of the row
+//           before any gradient can use it), store r_p and finish D;
+//   pass 2, per (batch, head): for each key tile, walk the query tiles that attend it, form the
+//           tiles P, S'_p, gP, gS'_p, P'_p once and take all six gradients from them: dK, dV, dK'_p,
+//           dV'_p accumulate in the key tile's registers-sized buffers, dQ and dQ'_p in the
+//           head's rows of the output (the task owns them).
+// One probe costs 3 tile products in pass 1 and 15 in pass 2 (the formulas' minimum is 15); the
+// exponentials of a tile are computed twice. Each task owns every row it writes and sums in a
+// fixed order, so the result does not depend on the thread count or schedule. With GQA the
+// key-side gradients are kept per query head and summed over the group afterwards, in order.
+// Memory: four [BM x BN] tiles and one key tile's accumulators per worker, O(N) row statistics,
+// and with GQA the per-head key-side gradients (the size of 2 + 2P copies of q).
 
 template <typename T>
 struct JvpBwdArgs {
@@ -497,7 +501,9 @@ struct JvpBwdArgs {
   const T* dlt;  // d'_p = rowsum(gO'_p o O)                 [P, B, H, Nq]
   T* rvec;       // r_p = rowsum(P o S'_p), written by pass 1   [P, B, H, Nq]
   T* Dvec;       // rowsum(gO o O) + sum_p rowsum(gO'_p o O'_p) on entry; D after pass 1  [B, H, Nq]
-  T *dq, *dk, *dv, *dtq, *dtk, *dtv;
+  T *dq, *dtq;   // [B, H, Nq, d], [P, B, H, Nq, d]
+  T *dk, *dv;    // per query head: [B, H, Nk, d] (the outputs when H == Hkv, else summed over the group)
+  T *dtk, *dtv;  // per query head: [P, B, H, Nk, d]
 };
 
 // With S'_p, dP'_p = gO'_p V^T and gP of one row: gP += dP' o (S' - r) - S' d', S' <- P o (S' - r)
@@ -539,42 +545,32 @@ void tangent_scores_tile(T* SP, const T* Q, const T* TQ, const T* K, const T* TK
 }
 
 template <typename T>
-void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
+void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
   const T scale = a.scale;
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    const int64_t need = 4 * kBlockM * kBlockN + kBlockM * d * (1 + P) + kBlockM * P;
+    const int64_t need = 2 * kBlockM * kBlockN + kBlockM * P;
     if ((int64_t)buf.size() < need) buf.resize(need);
     T* S = buf.data();                 // [BM, BN] P
-    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p, then P'_p
-    T* dPt = SP + kBlockM * kBlockN;   // [BM, BN] dP'_p, then gS'_p
-    T* gP = dPt + kBlockM * kBlockN;   // [BM, BN] gP, then gS
-    T* dQ = gP + kBlockM * kBlockN;    // [BM, d]
-    T* dtQ = dQ + kBlockM * d;         // [P, BM, d]
-    T* r = dtQ + P * kBlockM * d;      // [P, BM]
+    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p
+    T* r = SP + kBlockM * kBlockN;     // [P, BM]
 
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
     const T* Q = a.q + (bh * Nq + i0) * d;
-    const T* gO = a.gout + (bh * Nq + i0) * d;
     const T* K = a.k + bhk * Nk * d;
-    const T* V = a.v + bhk * Nk * d;
     const T* L = a.lse + bh * Nq + i0;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
     const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
     auto TQ = [&](int64_t p) { return a.tq + ((p * BH + bh) * Nq + i0) * d; };
-    auto gtO = [&](int64_t p) { return a.gtout + ((p * BH + bh) * Nq + i0) * d; };
     auto TK = [&](int64_t p, int64_t j0) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
-    auto TV = [&](int64_t p, int64_t j0) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
-    auto rows = [&](const T* x, int64_t p) { return x + (p * BH + bh) * Nq + i0; };  // [P, B, H, Nq]
 
-    // Sweep 1: r_p, then D = (saved part) - sum_p r_p d'_p.
     std::fill(r, r + P * kBlockM, T(0));
     for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
@@ -585,55 +581,25 @@ void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
         for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
       }
     }
+    // D = (saved part) - sum_p r_p d'_p
     T* Drow = a.Dvec + bh * Nq + i0;
     for (int64_t p = 0; p < P; ++p) {
-      const T* dl = rows(a.dlt, p);
+      const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
       T* rout = a.rvec + (p * BH + bh) * Nq + i0;
       for (int64_t i = 0; i < m; ++i) {
         rout[i] = r[p * kBlockM + i];
         Drow[i] -= r[p * kBlockM + i] * dl[i];
       }
     }
-
-    // Sweep 2: dQ = s (gS K + sum_p gS'_p K'_p), dQ'_p = s gS'_p K.
-    std::fill(dQ, dQ + m * d, T(0));
-    std::fill(dtQ, dtQ + P * kBlockM * d, T(0));
-    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
-      const int64_t n = std::min(kBlockN, jend - j0);
-      tm.build(sm, i0, mv, mv, j0, n);
-      probs_tile(S, Q, K + j0 * d, L, tm, d, scale);
-      gemm(false, true, mv, n, d, T(1), gO, d, V + j0 * d, d, T(0), gP, kBlockN);            // gO V^T
-      for (int64_t p = 0; p < P; ++p) {
-        const T* dl = rows(a.dlt, p);
-        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), tm, d, scale);
-        gemm(false, true, mv, n, d, T(1), gtO(p), d, V + j0 * d, d, T(0), dPt, kBlockN);    // dP'
-        gemm(false, true, mv, n, d, T(1), gtO(p), d, TV(p, j0), d, T(1), gP, kBlockN);      // gO' V'^T
-        tm.fill_outside(dPt, kBlockN, T(0));  // masked V, V' may hold NaN
-        tm.fill_outside(gP, kBlockN, T(0));
-        for (int64_t i = 0; i < mv; ++i)
-          tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, n,
-                      r[p * kBlockM + i], dl[i]);
-        tm.fill_outside(dPt, kBlockN, T(0));  // gS' = P o (dP' - d'): a NaN d' stays in its row
-        mm_keys(tm, d, scale, dPt, kBlockN, TK(p, j0), d, dQ, d);                            // gS' K'
-        mm_keys(tm, d, scale, dPt, kBlockN, K + j0 * d, d, dtQ + p * kBlockM * d, d);        // gS' K
-      }
-      for (int64_t i = 0; i < mv; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
-      tm.fill_outside(gP, kBlockN, T(0));
-      mm_keys(tm, d, scale, gP, kBlockN, K + j0 * d, d, dQ, d);                              // gS K
-    }
-    std::copy(dQ, dQ + m * d, a.dq + (bh * Nq + i0) * d);
-    for (int64_t p = 0; p < P; ++p)
-      std::copy(dtQ + p * kBlockM * d, dtQ + p * kBlockM * d + m * d, a.dtq + ((p * BH + bh) * Nq + i0) * d);
   });
 }
 
 template <typename T>
-void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
+void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
-  const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
   const T scale = a.scale;
-  run_tasks(BHk * nkt, [&](int64_t t, int64_t) {
+  run_tasks(BH, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
     const int64_t need = 4 * kBlockM * kBlockN + 2 * kBlockN * d * (1 + P);
     if ((int64_t)buf.size() < need) buf.resize(need);
@@ -646,30 +612,34 @@ void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     T* dtK = dV + kBlockN * d;         // [P, BN, d]
     T* dtV = dtK + P * kBlockN * d;    // [P, BN, d]
 
-    const int64_t kt = t / BHk;  // first key tiles are seen by the most queries under causal
-    const int64_t bhk = t % BHk, b = bhk / Hkv, hk = bhk % Hkv;
-    const int64_t j0 = kt * kBlockN, n = std::min(kBlockN, Nk - j0);
-    const T* K = a.k + (bhk * Nk + j0) * d;
-    const T* V = a.v + (bhk * Nk + j0) * d;
-    auto TK = [&](int64_t p) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
-    auto TV = [&](int64_t p) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
-    std::fill(dK, dK + n * d, T(0));
-    std::fill(dV, dV + n * d, T(0));
-    std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
-
+    const int64_t bh = t, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
-    const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
-    // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
-    const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
+    T* dQ = a.dq + bh * Nq * d;
+    std::fill(dQ, dQ + Nq * d, T(0));
+    for (int64_t p = 0; p < P; ++p) {
+      T* dtQ = a.dtq + (p * BH + bh) * Nq * d;
+      std::fill(dtQ, dtQ + Nq * d, T(0));
+    }
     TileMask tm;
-    for (int64_t g = 0; g < G && qstart < qend; ++g) {
-      const int64_t h = hk * G + g, bh = b * H + h;
+    for (int64_t j0 = 0; j0 < Nk; j0 += kBlockN) {
+      const int64_t n = std::min(kBlockN, Nk - j0);
+      const T* K = a.k + (bhk * Nk + j0) * d;
+      const T* V = a.v + (bhk * Nk + j0) * d;
+      auto TK = [&](int64_t p) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
+      auto TV = [&](int64_t p) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
+      std::fill(dK, dK + n * d, T(0));
+      std::fill(dV, dV + n * d, T(0));
+      std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
+      const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
+      // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
+      const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
       for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < qend; i0 += kBlockM) {
         const int64_t m = std::min(kBlockM, qend - i0);
         const T* Q = a.q + (bh * Nq + i0) * d;
         const T* gO = a.gout + (bh * Nq + i0) * d;
         const T* L = a.lse + bh * Nq + i0;
         const T* Drow = a.Dvec + bh * Nq + i0;
+        T* dQi = dQ + i0 * d;
         tm.build(sm, i0, m, m, j0, nv);
         probs_tile(S, Q, K, L, tm, d, scale);
         mm_queries(tm, d, T(1), S, kBlockN, gO, d, dV, d);                                  // dV += P^T gO
@@ -679,8 +649,7 @@ void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
           const T* gtO = a.gtout + ((p * BH + bh) * Nq + i0) * d;
           const T* r = a.rvec + (p * BH + bh) * Nq + i0;
           const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
-          T* dtKp = dtK + p * kBlockN * d;
-          T* dtVp = dtV + p * kBlockN * d;
+          T* dtQi = a.dtq + ((p * BH + bh) * Nq + i0) * d;
           tangent_scores_tile(SP, Q, TQ, K, TK(p), tm, d, scale);
           gemm(false, true, m, nv, d, T(1), gtO, d, V, d, T(0), dPt, kBlockN);             // dP'
           gemm(false, true, m, nv, d, T(1), gtO, d, TV(p), d, T(1), gP, kBlockN);          // gO' V'^T
@@ -692,19 +661,37 @@ void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
           tm.fill_outside(dPt, kBlockN, T(0));
           mm_queries(tm, d, T(1), SP, kBlockN, gtO, d, dV, d);                             // dV += P'^T gO'
           mm_queries(tm, d, scale, dPt, kBlockN, TQ, d, dK, d);                            // dK += s gS'^T Q'
-          mm_queries(tm, d, scale, dPt, kBlockN, Q, d, dtKp, d);                           // dK' = s gS'^T Q
-          mm_queries(tm, d, T(1), S, kBlockN, gtO, d, dtVp, d);                            // dV' = P^T gO'
+          mm_queries(tm, d, scale, dPt, kBlockN, Q, d, dtK + p * kBlockN * d, d);          // dK' += s gS'^T Q
+          mm_queries(tm, d, T(1), S, kBlockN, gtO, d, dtV + p * kBlockN * d, d);           // dV' += P^T gO'
+          mm_keys(tm, d, scale, dPt, kBlockN, TK(p), d, dQi, d);                           // dQ += s gS' K'
+          mm_keys(tm, d, scale, dPt, kBlockN, K, d, dtQi, d);                              // dQ' += s gS' K
         }
         for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, nv, Drow[i]);  // gS
         tm.fill_outside(gP, kBlockN, T(0));
         mm_queries(tm, d, scale, gP, kBlockN, Q, d, dK, d);                                // dK += s gS^T Q
+        mm_keys(tm, d, scale, gP, kBlockN, K, d, dQi, d);                                  // dQ += s gS K
+      }
+      std::copy(dK, dK + n * d, a.dk + (bh * Nk + j0) * d);
+      std::copy(dV, dV + n * d, a.dv + (bh * Nk + j0) * d);
+      for (int64_t p = 0; p < P; ++p) {
+        std::copy(dtK + p * kBlockN * d, dtK + p * kBlockN * d + n * d, a.dtk + ((p * BH + bh) * Nk + j0) * d);
+        std::copy(dtV + p * kBlockN * d, dtV + p * kBlockN * d + n * d, a.dtv + ((p * BH + bh) * Nk + j0) * d);
       }
     }
-    std::copy(dK, dK + n * d, a.dk + (bhk * Nk + j0) * d);
-    std::copy(dV, dV + n * d, a.dv + (bhk * Nk + j0) * d);
-    for (int64_t p = 0; p < P; ++p) {
-      std::copy(dtK + p * kBlockN * d, dtK + p * kBlockN * d + n * d, a.dtk + ((p * BHk + bhk) * Nk + j0) * d);
-      std::copy(dtV + p * kBlockN * d, dtV + p * kBlockN * d + n * d, a.dtv + ((p * BHk + bhk) * Nk + j0) * d);
+  });
+}
+
+// out[(c, b, hk)] = sum_g parts[(c, b, hk * G + g)] over rows of `row` elements, g in order: the
+// per-query-head key-side gradients of a GQA group summed deterministically.
+template <typename T>
+void sum_groups(const T* parts, T* out, int64_t outer, int64_t Hkv, int64_t G, int64_t row) {
+  at::parallel_for(0, outer * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const T* src = parts + o * G * row;
+      T* dst = out + o * row;
+      std::copy(src, src + row, dst);
+      for (int64_t g = 1; g < G; ++g)
+        for (int64_t c = 0; c < row; ++c) dst[c] += src[g * row + c];
     }
   });
 }
@@ -954,21 +941,38 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
                                                        /*lse_in_compute_type=*/true))
                              : c(lse_);
   Tensor rvec = at::empty({P, D.B, D.H, D.Nq}, q.options());
-  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
-  Tensor dv = at::empty(v.sizes(), v.options());
-  Tensor dtq = at::empty(tq.sizes(), tq.options()), dtk = at::empty(tk.sizes(), tk.options());
-  Tensor dtv = at::empty(tv.sizes(), tv.options());
+  Tensor dq = at::empty(q.sizes(), q.options()), dtq = at::empty(tq.sizes(), tq.options());
+  // Key-side gradients per query head (the outputs themselves without GQA), summed over the group.
+  const int64_t G = D.H / D.Hkv;
+  auto per_head = [&](const Tensor& x) {
+    auto sizes = x.sizes().vec();
+    sizes[sizes.size() - 3] = D.H;
+    return at::empty(sizes, x.options());
+  };
+  Tensor dk_h = per_head(k), dv_h = per_head(v), dtk_h = per_head(tk), dtv_h = per_head(tv);
   AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_jvp_bwd_cpu", [&] {
     JvpBwdArgs<scalar_t> a{(scalar_t)scale,
                            gout.data_ptr<scalar_t>(), gtout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
                            k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
                            tk.data_ptr<scalar_t>(), tv.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
                            dlt.data_ptr<scalar_t>(), rvec.data_ptr<scalar_t>(), Dvec.data_ptr<scalar_t>(),
-                           dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                           dtq.data_ptr<scalar_t>(), dtk.data_ptr<scalar_t>(), dtv.data_ptr<scalar_t>()};
-    jvp_bwd_query_pass<scalar_t>(D, a);  // r and D are complete before pass 2 reads them
-    jvp_bwd_key_pass<scalar_t>(D, a);
+                           dq.data_ptr<scalar_t>(), dtq.data_ptr<scalar_t>(),
+                           dk_h.data_ptr<scalar_t>(), dv_h.data_ptr<scalar_t>(),
+                           dtk_h.data_ptr<scalar_t>(), dtv_h.data_ptr<scalar_t>()};
+    jvp_bwd_r_pass<scalar_t>(D, a);  // r and D are complete before pass 2 reads them
+    jvp_bwd_grad_pass<scalar_t>(D, a);
   });
+  auto grouped = [&](const Tensor& parts, const Tensor& like) {
+    if (G == 1) return parts;
+    Tensor out = at::empty(like.sizes(), like.options());
+    if (out.numel() == 0) return out;
+    AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_jvp_bwd_sum_groups", [&] {
+      sum_groups<scalar_t>(parts.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), parts.numel() / (D.H * D.Nk * D.d),
+                           D.Hkv, G, D.Nk * D.d);
+    });
+    return out;
+  };
+  Tensor dk = grouped(dk_h, k), dv = grouped(dv_h, v), dtk = grouped(dtk_h, tk), dtv = grouped(dtv_h, tv);
   return {dq.to(dt), dk.to(dt), dv.to(dt), dtq.to(dt), dtk.to(dt), dtv.to(dt)};
 }
 
