@@ -52,8 +52,15 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kBlockM = 64;   // queries per tile
-constexpr int64_t kBlockN = 128;  // keys per tile
+// Tiles: the backward kernels work on [kBlockM x kBlockN] tiles (four live at once per worker),
+// the forward / JVP on [kFwdM x kFwdN] ones (fewer, larger products: MKL's per-call packing is a
+// visible share of the time at 64 x 128). Measured on a 2-core AVX-512 machine: larger backward
+// tiles gave no gain, larger forward tiles 10-20 %.
+constexpr int64_t kBlockM = 64;    // queries per backward tile
+constexpr int64_t kBlockN = 128;   // keys per backward tile
+constexpr int64_t kFwdM = 128;     // queries per forward tile
+constexpr int64_t kFwdN = 256;     // keys per forward tile
+constexpr int64_t kMaxM = kFwdM > kBlockM ? kFwdM : kBlockM;
 
 // ------------------------------------------------------------------------------------------------
 // Row-major GEMM on raw tiles: C[M x N] = alpha op(A)[M x K] op(B)[K x N] + beta C.
@@ -230,7 +237,7 @@ inline SeqMask seq_mask(const MaskArgs& M, int64_t b, int64_t Nq, int64_t Nk) {
 struct TileMask {
   bool full;
   int64_t m, n;
-  int64_t lo[kBlockM], hi[kBlockM];
+  int64_t lo[kMaxM], hi[kMaxM];
 
   // Rows i >= mv of the tile are not valid queries (all masked).
   void build(const SeqMask& sm, int64_t i0, int64_t m_, int64_t mv, int64_t j0, int64_t n_) {
@@ -258,35 +265,39 @@ struct TileMask {
   }
 };
 
-// C[m x d] += alpha A[m x n] X[n x d] (contraction over the tile's keys; A is 0 outside the mask).
+// C[g m x d] += alpha A[g m x n] X[n x d] (contraction over the tile's keys; A is 0 outside the
+// mask), A and C holding `groups` stacked [m x .] blocks that share the tile's mask row for row.
 // A plain product would let a NaN / Inf in a row of X that only masked pairs touch through
 // (0 * NaN = NaN); then each query row takes its allowed keys only.
 template <typename T>
 void mm_keys(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* X, int64_t ldx,
-             T* C, int64_t ldc) {
+             T* C, int64_t ldc, int64_t groups = 1) {
   if (tm.full || all_finite(X, tm.n * ldx)) {
-    gemm(false, false, tm.m, d, tm.n, alpha, A, lda, X, ldx, T(1), C, ldc);
+    gemm(false, false, groups * tm.m, d, tm.n, alpha, A, lda, X, ldx, T(1), C, ldc);
     return;
   }
-  for (int64_t i = 0; i < tm.m; ++i) {
+  for (int64_t r = 0; r < groups * tm.m; ++r) {
+    const int64_t i = r % tm.m;
     if (tm.hi[i] > tm.lo[i])
-      gemm(false, false, 1, d, tm.hi[i] - tm.lo[i], alpha, A + i * lda + tm.lo[i], lda,
-           X + tm.lo[i] * ldx, ldx, T(1), C + i * ldc, ldc);
+      gemm(false, false, 1, d, tm.hi[i] - tm.lo[i], alpha, A + r * lda + tm.lo[i], lda,
+           X + tm.lo[i] * ldx, ldx, T(1), C + r * ldc, ldc);
   }
 }
 
-// C[n x d] += alpha A[m x n]^T Y[m x d] (contraction over the tile's queries), exact in the same
-// way: each query row adds to its allowed keys only when Y holds non-finite values.
+// C[n x d] += alpha A[g m x n]^T Y[g m x d] (contraction over the tile's queries and `groups`
+// stacked blocks sharing the tile's mask), exact in the same way: each query row adds to its
+// allowed keys only when Y holds non-finite values.
 template <typename T>
 void mm_queries(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* Y, int64_t ldy,
-                T* C, int64_t ldc) {
-  if (tm.full || all_finite(Y, tm.m * ldy)) {
-    gemm(true, false, tm.n, d, tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
+                T* C, int64_t ldc, int64_t groups = 1) {
+  if (tm.full || all_finite(Y, groups * tm.m * ldy)) {
+    gemm(true, false, tm.n, d, groups * tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
     return;
   }
-  for (int64_t i = 0; i < tm.m; ++i) {
+  for (int64_t r = 0; r < groups * tm.m; ++r) {
+    const int64_t i = r % tm.m;
     if (tm.hi[i] > tm.lo[i])
-      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + i * lda + tm.lo[i], lda, Y + i * ldy, ldy,
+      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + r * lda + tm.lo[i], lda, Y + r * ldy, ldy,
            T(1), C + tm.lo[i] * ldc, ldc);
   }
 }
@@ -314,31 +325,27 @@ struct Dims {
 
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
 // lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
+// The primal and the probes are stacked row-wise so that shared operands go through one product:
+// [S; Q'_p K^T] = s [Q; Q'_p] K^T, then S'_p += s Q K'_p^T, and [acc; accT_p] += [P~; P~ o S'_p] V,
+// then accT_p += P~ V'_p: 2 + 2P products per tile instead of 2 + 4P.
 template <typename T>
 void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, const T* tq,
                     const T* tk, const T* tv, T* out, T* tout, T* lse) {
+  constexpr int64_t BM = kFwdM, BN = kFwdN;
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv;
-  const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
+  const int64_t G = H / Hkv, R = 1 + P;  // R stacked row groups: the primal, then each probe
+  const int64_t nqt = (Nq + BM - 1) / BM;
   const int64_t BH = B * H;
   const T ninf = -std::numeric_limits<T>::infinity();
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     // Per-task buffers: O(tile) memory.
     thread_local std::vector<T> buf;
-    const int64_t need = 2 * kBlockM * kBlockN + kBlockM * d * (1 + P) + kBlockM * (3 + P);
+    const int64_t need = R * BM * BN + 2 * R * BM * d + BM * (3 + P);
     if ((int64_t)buf.size() < need) buf.resize(need);
-    T* S = buf.data();                    // [BM, BN] scores, then P~
-    T* SP = S + kBlockM * kBlockN;        // [BM, BN] S'_p, then P~ o S'_p
-    T* acc = SP + kBlockM * kBlockN;      // [BM, d]
-    T* accT = acc + kBlockM * d;          // [P, BM, d]
-    T* mrow = accT + P * kBlockM * d;     // [BM]
-    T* lrow = mrow + kBlockM;             // [BM]
-    T* alpha = lrow + kBlockM;            // [BM]
-    T* rrow = alpha + kBlockM;            // [P, BM]
 
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G;
-    const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
+    const int64_t i0 = qt * BM, m = std::min(BM, Nq - i0);
     const T* Q = q + (bh * Nq + i0) * d;
     const T* K = k + (b * Hkv + hk) * Nk * d;
     const T* V = v + (b * Hkv + hk) * Nk * d;
@@ -348,44 +355,55 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
 
-    std::fill(acc, acc + m * d, T(0));
-    std::fill(accT, accT + P * kBlockM * d, T(0));
+    T* SS = buf.data();                   // [R mv, BN]: S then P~; group 1 + p: S'_p then P~ o S'_p
+    T* QS = SS + R * BM * BN;             // [R mv, d]: Q, then Q'_p
+    T* AC = QS + R * BM * d;              // [R mv, d]: acc = P~ V, then accT_p
+    T* mrow = AC + R * BM * d;            // [BM]
+    T* lrow = mrow + BM;                  // [BM]
+    T* alpha = lrow + BM;                 // [BM]
+    T* rrow = alpha + BM;                 // [P, BM]
+    auto group = [&](T* base, int64_t g, int64_t ld) { return base + g * mv * ld; };
+    std::copy(Q, Q + mv * d, QS);
+    for (int64_t p = 0; p < P; ++p) {
+      const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
+      std::copy(TQ, TQ + mv * d, group(QS, 1 + p, d));
+    }
+    std::fill(AC, AC + R * mv * d, T(0));
     std::fill(mrow, mrow + m, ninf);
     std::fill(lrow, lrow + m, T(0));
-    std::fill(rrow, rrow + P * kBlockM, T(0));
+    std::fill(rrow, rrow + P * BM, T(0));
 
-    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
-      const int64_t n = std::min(kBlockN, jend - j0);
+    for (int64_t j0 = jbegin; j0 < jend; j0 += BN) {
+      const int64_t n = std::min(BN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      gemm(false, true, mv, n, d, scale, Q, d, K + j0 * d, d, T(0), S, kBlockN);
-      tm.fill_outside(S, kBlockN, ninf);
+      gemm(false, true, R * mv, n, d, scale, QS, d, K + j0 * d, d, T(0), SS, BN);     // S; Q'_p K^T
+      for (int64_t p = 0; p < P; ++p) {
+        const T* TK = tk + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
+        gemm(false, true, mv, n, d, scale, Q, d, TK, d, T(1), group(SS, 1 + p, BN), BN);   // S'_p
+        tm.fill_outside(group(SS, 1 + p, BN), BN, T(0));  // masked K / K' may hold NaN
+      }
+      tm.fill_outside(SS, BN, ninf);
       for (int64_t i = 0; i < mv; ++i) {
-        T* row = S + i * kBlockN;
+        T* row = SS + i * BN;
         const T mnew = std::max(mrow[i], row_max(row, n));
         const T a = mnew == ninf ? T(1) : std::exp(mrow[i] - mnew);
         const T mu = mnew == ninf ? T(0) : mnew;  // a row with nothing visible yet: P~ = 0
         lrow[i] = a * lrow[i] + exp_shift_sum(row, n, mu);
         mrow[i] = mnew;
         alpha[i] = a;
-        if (a != T(1)) scale_row(acc + i * d, d, a);
       }
-      mm_keys(tm, d, T(1), S, kBlockN, V + j0 * d, d, acc, d);
-
       for (int64_t p = 0; p < P; ++p) {
-        const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
-        const T* TK = tk + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
+        T* r = rrow + p * BM;
+        T* SPp = group(SS, 1 + p, BN);
+        for (int64_t i = 0; i < mv; ++i) r[i] = alpha[i] * r[i] + mul_rowsum(SS + i * BN, SPp + i * BN, n);
+      }
+      for (int64_t g = 0; g < R; ++g)
+        for (int64_t i = 0; i < mv; ++i)
+          if (alpha[i] != T(1)) scale_row(group(AC, g, d) + i * d, d, alpha[i]);
+      mm_keys(tm, d, T(1), SS, BN, V + j0 * d, d, AC, d, R);                          // [acc; accT_p] += [P~; P~ o S'_p] V
+      for (int64_t p = 0; p < P; ++p) {
         const T* TV = tv + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
-        T* AT = accT + p * kBlockM * d;
-        T* r = rrow + p * kBlockM;
-        gemm(false, true, mv, n, d, scale, TQ, d, K + j0 * d, d, T(0), SP, kBlockN);
-        gemm(false, true, mv, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
-        tm.fill_outside(SP, kBlockN, T(0));  // masked K / K' may hold NaN
-        for (int64_t i = 0; i < mv; ++i) {
-          r[i] = alpha[i] * r[i] + mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
-          if (alpha[i] != T(1)) scale_row(AT + i * d, d, alpha[i]);
-        }
-        mm_keys(tm, d, T(1), S, kBlockN, TV, d, AT, d);
-        mm_keys(tm, d, T(1), SP, kBlockN, V + j0 * d, d, AT, d);
+        mm_keys(tm, d, T(1), SS, BN, TV, d, group(AC, 1 + p, d), d);                 // accT_p += P~ V'_p
       }
     }
 
@@ -404,12 +422,13 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
         continue;
       }
       const T inv = T(1) / l;
-      for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+      const T* acc = AC + i * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = acc[c] * inv;
       lse[row] = mrow[i] + std::log(l);
       for (int64_t p = 0; p < P; ++p) {
         T* to = tout + (p * BH * Nq + row) * d;
-        const T* at = accT + p * kBlockM * d + i * d;
-        const T rl = rrow[p * kBlockM + i] * inv;
+        const T* at = group(AC, 1 + p, d) + i * d;
+        const T rl = rrow[p * BM + i] * inv;
         for (int64_t c = 0; c < d; ++c) to[c] = at[c] * inv - rl * o[c];
       }
     }
@@ -521,64 +540,77 @@ void tangent_row(const T* __restrict p, T* __restrict sp, T* __restrict dpt, T* 
   }
 }
 
-// S <- P = exp(s Q K^T - lse) of an [m x n] tile (0 where masked and on rows that see no key).
+// S <- P = exp(S - lse) of an [m x n] tile of scores (0 where masked and on rows that see no key).
 template <typename T>
-void probs_tile(T* S, const T* Q, const T* K, const T* L, const TileMask& tm, int64_t d, T scale) {
-  const int64_t m = tm.m, n = tm.n;
-  gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
+void probs_from_scores(T* S, const T* L, const TileMask& tm) {
   tm.fill_outside(S, kBlockN, -std::numeric_limits<T>::infinity());
-  for (int64_t i = 0; i < m; ++i) {
+  for (int64_t i = 0; i < tm.m; ++i) {
     T* row = S + i * kBlockN;
-    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
-    else exp_shift_sum(row, n, L[i]);
+    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + tm.n, T(0));  // nothing visible
+    else exp_shift_sum(row, tm.n, L[i]);
   }
   tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
 }
 
-// SP <- S' = s (Q' K^T + Q K'^T) of an [m x n] tile, 0 at masked pairs (masked K, K' may hold NaN).
+// SS <- [P; S'_1; ...; S'_P] of an [m x n] tile from the stacked query rows QS = [Q; Q'_1; ...]
+// ([(1 + P) m x d]): one product s QS K^T gives the scores and every Q'_p K^T, then
+// S'_p += s Q K'_p^T. S'_p is 0 at masked pairs (masked K, K' may hold NaN).
 template <typename T>
-void tangent_scores_tile(T* SP, const T* Q, const T* TQ, const T* K, const T* TK, const TileMask& tm,
-                         int64_t d, T scale) {
-  gemm(false, true, tm.m, tm.n, d, scale, TQ, d, K, d, T(0), SP, kBlockN);
-  gemm(false, true, tm.m, tm.n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
-  tm.fill_outside(SP, kBlockN, T(0));
+void scores_tile(T* SS, const T* QS, const T* K, const T* const* TK, const T* L, const TileMask& tm,
+                 int64_t d, int64_t P, T scale) {
+  const int64_t m = tm.m, n = tm.n;
+  gemm(false, true, (1 + P) * m, n, d, scale, QS, d, K, d, T(0), SS, kBlockN);
+  for (int64_t p = 0; p < P; ++p) {
+    T* SP = SS + (1 + p) * m * kBlockN;
+    gemm(false, true, m, n, d, scale, QS, d, TK[p], d, T(1), SP, kBlockN);
+    tm.fill_outside(SP, kBlockN, T(0));
+  }
+  probs_from_scores(SS, L, tm);
+}
+
+// Rows [i0, i0 + m) of x (row length d) and of each probe's xt_p, stacked: [x; xt_1; ...; xt_P].
+template <typename T>
+void stack_rows(T* dst, const T* x, const T* xt, int64_t probe_stride, int64_t P, int64_t m, int64_t d) {
+  std::copy(x, x + m * d, dst);
+  for (int64_t p = 0; p < P; ++p) std::copy(xt + p * probe_stride, xt + p * probe_stride + m * d, dst + (1 + p) * m * d);
 }
 
 template <typename T>
 void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
+  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv, R = 1 + P;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
   const T scale = a.scale;
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    const int64_t need = 2 * kBlockM * kBlockN + kBlockM * P;
+    thread_local std::vector<const T*> tk;
+    const int64_t need = R * kBlockM * kBlockN + R * kBlockM * d + kBlockM * P;
     if ((int64_t)buf.size() < need) buf.resize(need);
-    T* S = buf.data();                 // [BM, BN] P
-    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p
-    T* r = SP + kBlockM * kBlockN;     // [P, BM]
+    tk.resize(P);
+    T* SS = buf.data();                  // [R BM, BN] P, S'_p
+    T* QS = SS + R * kBlockM * kBlockN;  // [R m, d] Q, Q'_p
+    T* r = QS + R * kBlockM * d;         // [P, BM]
 
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
-    const T* Q = a.q + (bh * Nq + i0) * d;
     const T* K = a.k + bhk * Nk * d;
     const T* L = a.lse + bh * Nq + i0;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
     const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
-    auto TQ = [&](int64_t p) { return a.tq + ((p * BH + bh) * Nq + i0) * d; };
-    auto TK = [&](int64_t p, int64_t j0) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
+    stack_rows(QS, a.q + (bh * Nq + i0) * d, a.tq + (bh * Nq + i0) * d, BH * Nq * d, P, mv, d);
 
     std::fill(r, r + P * kBlockM, T(0));
     for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      probs_tile(S, Q, K + j0 * d, L, tm, d, scale);
+      for (int64_t p = 0; p < P; ++p) tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
+      scores_tile(SS, QS, K + j0 * d, tk.data(), L, tm, d, P, scale);
       for (int64_t p = 0; p < P; ++p) {
-        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), tm, d, scale);
-        for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
+        T* SP = SS + (1 + p) * mv * kBlockN;
+        for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(SS + i * kBlockN, SP + i * kBlockN, n);
       }
     }
     // D = (saved part) - sum_p r_p d'_p
@@ -597,23 +629,31 @@ void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
 template <typename T>
 void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
+  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv, R = 1 + P;
   const T scale = a.scale;
   run_tasks(BH, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    const int64_t need = 4 * kBlockM * kBlockN + 2 * kBlockN * d * (1 + P);
+    thread_local std::vector<const T*> tk;
+    const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R + 2 * R * Nq * d;
     if ((int64_t)buf.size() < need) buf.resize(need);
-    T* S = buf.data();                 // [BM, BN] P
-    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p, then P'_p
-    T* dPt = SP + kBlockM * kBlockN;   // [BM, BN] dP'_p, then gS'_p
-    T* gP = dPt + kBlockM * kBlockN;   // [BM, BN] gP, then gS
-    T* dK = gP + kBlockM * kBlockN;    // [BN, d]
-    T* dV = dK + kBlockN * d;          // [BN, d]
-    T* dtK = dV + kBlockN * d;         // [P, BN, d]
-    T* dtV = dtK + P * kBlockN * d;    // [P, BN, d]
+    tk.resize(P);
+    T* SS = buf.data();                  // [R BM, BN] P, then S'_p -> P'_p
+    T* GG = SS + R * kBlockM * kBlockN;  // [R BM, BN] gP -> gS, then dP'_p -> gS'_p
+    T* dK = GG + R * kBlockM * kBlockN;  // [BN, d]
+    T* dV = dK + kBlockN * d;            // [BN, d]
+    T* dtK = dV + kBlockN * d;           // [P, BN, d]
+    T* dtV = dtK + P * kBlockN * d;      // [P, BN, d]
+    T* QS = dtV + P * kBlockN * d;       // per query tile: [R m, d] Q, Q'_p
+    T* GO = QS + R * Nq * d;             // per query tile: [R m, d] gO, gO'_p
 
     const int64_t bh = t, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
+    // The head's query-side operands stacked per query tile, once: [Q; Q'_p] and [gO; gO'_p].
+    for (int64_t i0 = 0; i0 < Nq; i0 += kBlockM) {
+      const int64_t m = std::min(kBlockM, Nq - i0);
+      stack_rows(QS + R * i0 * d, a.q + (bh * Nq + i0) * d, a.tq + (bh * Nq + i0) * d, BH * Nq * d, P, m, d);
+      stack_rows(GO + R * i0 * d, a.gout + (bh * Nq + i0) * d, a.gtout + (bh * Nq + i0) * d, BH * Nq * d, P, m, d);
+    }
     T* dQ = a.dq + bh * Nq * d;
     std::fill(dQ, dQ + Nq * d, T(0));
     for (int64_t p = 0; p < P; ++p) {
@@ -625,7 +665,7 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
       const int64_t n = std::min(kBlockN, Nk - j0);
       const T* K = a.k + (bhk * Nk + j0) * d;
       const T* V = a.v + (bhk * Nk + j0) * d;
-      auto TK = [&](int64_t p) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
+      for (int64_t p = 0; p < P; ++p) tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
       auto TV = [&](int64_t p) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
       std::fill(dK, dK + n * d, T(0));
       std::fill(dV, dV + n * d, T(0));
@@ -634,42 +674,41 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
       // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
       const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
       for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < qend; i0 += kBlockM) {
-        const int64_t m = std::min(kBlockM, qend - i0);
-        const T* Q = a.q + (bh * Nq + i0) * d;
-        const T* gO = a.gout + (bh * Nq + i0) * d;
+        // Whole tiles (rows past qend attend none of these keys: masked, exact zeros), so that the
+        // stacked operands of the tile line up.
+        const int64_t m = std::min(kBlockM, Nq - i0);
+        const T* QSi = QS + R * i0 * d;
+        const T* GOi = GO + R * i0 * d;
         const T* L = a.lse + bh * Nq + i0;
         const T* Drow = a.Dvec + bh * Nq + i0;
         T* dQi = dQ + i0 * d;
-        tm.build(sm, i0, m, m, j0, nv);
-        probs_tile(S, Q, K, L, tm, d, scale);
-        mm_queries(tm, d, T(1), S, kBlockN, gO, d, dV, d);                                  // dV += P^T gO
-        gemm(false, true, m, nv, d, T(1), gO, d, V, d, T(0), gP, kBlockN);                 // gO V^T
+        auto group = [&](T* base, int64_t g) { return base + g * m * kBlockN; };
+        tm.build(sm, i0, m, std::clamp<int64_t>(sm.Lq - i0, 0, m), j0, nv);
+        scores_tile(SS, QSi, K, tk.data(), L, tm, d, P, scale);                               // P, S'_p
+        gemm(false, true, R * m, nv, d, T(1), GOi, d, V, d, T(0), GG, kBlockN);              // gO V^T, dP'_p
+        for (int64_t p = 0; p < P; ++p)
+          gemm(false, true, m, nv, d, T(1), GOi + (1 + p) * m * d, d, TV(p), d, T(1), GG, kBlockN);  // gO'_p V'_p^T
+        tm.fill_outside(GG, kBlockN, T(0));  // masked V, V' may hold NaN
         for (int64_t p = 0; p < P; ++p) {
-          const T* TQ = a.tq + ((p * BH + bh) * Nq + i0) * d;
-          const T* gtO = a.gtout + ((p * BH + bh) * Nq + i0) * d;
           const T* r = a.rvec + (p * BH + bh) * Nq + i0;
           const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
-          T* dtQi = a.dtq + ((p * BH + bh) * Nq + i0) * d;
-          tangent_scores_tile(SP, Q, TQ, K, TK(p), tm, d, scale);
-          gemm(false, true, m, nv, d, T(1), gtO, d, V, d, T(0), dPt, kBlockN);             // dP'
-          gemm(false, true, m, nv, d, T(1), gtO, d, TV(p), d, T(1), gP, kBlockN);          // gO' V'^T
-          tm.fill_outside(dPt, kBlockN, T(0));  // masked V, V' may hold NaN
-          tm.fill_outside(gP, kBlockN, T(0));
+          T* SP = group(SS, 1 + p);
+          T* dPt = group(GG, 1 + p);
+          tm.fill_outside(dPt, kBlockN, T(0));
           for (int64_t i = 0; i < m; ++i)
-            tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, nv, r[i], dl[i]);
+            tangent_row(SS + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, GG + i * kBlockN, nv, r[i], dl[i]);
           tm.fill_outside(SP, kBlockN, T(0));   // P', gS': a NaN row statistic stays in its row
           tm.fill_outside(dPt, kBlockN, T(0));
-          mm_queries(tm, d, T(1), SP, kBlockN, gtO, d, dV, d);                             // dV += P'^T gO'
-          mm_queries(tm, d, scale, dPt, kBlockN, TQ, d, dK, d);                            // dK += s gS'^T Q'
-          mm_queries(tm, d, scale, dPt, kBlockN, Q, d, dtK + p * kBlockN * d, d);          // dK' += s gS'^T Q
-          mm_queries(tm, d, T(1), S, kBlockN, gtO, d, dtV + p * kBlockN * d, d);           // dV' += P^T gO'
-          mm_keys(tm, d, scale, dPt, kBlockN, TK(p), d, dQi, d);                           // dQ += s gS' K'
-          mm_keys(tm, d, scale, dPt, kBlockN, K, d, dtQi, d);                              // dQ' += s gS' K
+          mm_queries(tm, d, T(1), SS, kBlockN, GOi + (1 + p) * m * d, d, dtV + p * kBlockN * d, d);  // dV' += P^T gO'
+          mm_queries(tm, d, scale, dPt, kBlockN, QSi, d, dtK + p * kBlockN * d, d);        // dK' += s gS'^T Q
+          mm_keys(tm, d, scale, dPt, kBlockN, K, d, a.dtq + ((p * BH + bh) * Nq + i0) * d, d);  // dQ' += s gS' K
+          mm_keys(tm, d, scale, dPt, kBlockN, tk[p], d, dQi, d);                          // dQ += s gS' K'
         }
-        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, nv, Drow[i]);  // gS
-        tm.fill_outside(gP, kBlockN, T(0));
-        mm_queries(tm, d, scale, gP, kBlockN, Q, d, dK, d);                                // dK += s gS^T Q
-        mm_keys(tm, d, scale, gP, kBlockN, K, d, dQi, d);                                  // dQ += s gS K
+        mm_queries(tm, d, T(1), SS, kBlockN, GOi, d, dV, d, R);                            // dV += [P; P'_p]^T [gO; gO'_p]
+        for (int64_t i = 0; i < m; ++i) ds_row(SS + i * kBlockN, GG + i * kBlockN, nv, Drow[i]);  // gS
+        tm.fill_outside(GG, kBlockN, T(0));
+        mm_queries(tm, d, scale, GG, kBlockN, QSi, d, dK, d, R);                           // dK += s [gS; gS'_p]^T [Q; Q'_p]
+        mm_keys(tm, d, scale, GG, kBlockN, K, d, dQi, d);                                  // dQ += s gS K
       }
       std::copy(dK, dK + n * d, a.dk + (bh * Nk + j0) * d);
       std::copy(dV, dV + n * d, a.dv + (bh * Nk + j0) * d);
