@@ -25,6 +25,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -77,8 +78,17 @@ void gemm_aten(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const
   c.addmm_(a, b, beta, alpha);  // beta == 0 ignores C (no NaN propagation from stale buffers)
 }
 
+// fp32 plain products C (+)= A B of at least a few rows go to oneDNN's brgemm micro-kernel through
+// ATen (JIT-compiled per shape for the machine's vector ISA, no operand packing: 10-20 % faster
+// than MKL's sgemm on these tile shapes on an AVX-512 machine); the rest to BLAS.
 inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  if (!ta && !tb && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) && M >= 8 && N >= 8 && K >= 8) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, beta == 1.0f, A, B, C, /*is_vnni=*/false);
+    return;
+  }
+#endif
   if (sgemm_ == nullptr) return gemm_aten<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
   const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
@@ -147,12 +157,12 @@ T mul_rowsum(const T* __restrict p, T* __restrict w, int64_t n) {
   return sum;
 }
 
-// dS <- P o (dP - D) (in place in dp).
+// dS <- c P o (dP - D) (in place in dp).
 template <typename T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void ds_row(const T* __restrict p, T* __restrict dp, int64_t n, T D) {
+void ds_row(const T* __restrict p, T* __restrict dp, int64_t n, T D, T c = T(1)) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - D);
+  for (int64_t j = 0; j < n; ++j) dp[j] = c * (p[j] * (dp[j] - D));
 }
 
 template <typename T>
@@ -327,10 +337,12 @@ struct Dims {
 // lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
 // The primal and the probes are stacked row-wise so that shared operands go through one product:
 // [S; Q'_p K^T] = s [Q; Q'_p] K^T, then S'_p += s Q K'_p^T, and [acc; accT_p] += [P~; P~ o S'_p] V,
-// then accT_p += P~ V'_p: 2 + 2P products per tile instead of 2 + 4P.
+// then accT_p += P~ V'_p: 2 + 2P products per tile instead of 2 + 4P. The keys come transposed
+// (kt, tkt: [.., d, Nk]) and the stacked queries scaled by s, so that every product is a plain
+// C (+)= A B (see gemm).
 template <typename T>
-void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, const T* tq,
-                    const T* tk, const T* tv, T* out, T* tout, T* lse) {
+void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v, const T* tq,
+                    const T* tkt, const T* tv, T* out, T* tout, T* lse) {
   constexpr int64_t BM = kFwdM, BN = kFwdN;
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, R = 1 + P;  // R stacked row groups: the primal, then each probe
@@ -347,7 +359,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G;
     const int64_t i0 = qt * BM, m = std::min(BM, Nq - i0);
     const T* Q = q + (bh * Nq + i0) * d;
-    const T* K = k + (b * Hkv + hk) * Nk * d;
+    const T* KT = kt + (b * Hkv + hk) * d * Nk;  // [d, Nk]
     const T* V = v + (b * Hkv + hk) * Nk * d;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
@@ -363,10 +375,11 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     T* alpha = lrow + BM;                 // [BM]
     T* rrow = alpha + BM;                 // [P, BM]
     auto group = [&](T* base, int64_t g, int64_t ld) { return base + g * mv * ld; };
-    std::copy(Q, Q + mv * d, QS);
+    for (int64_t c = 0; c < mv * d; ++c) QS[c] = scale * Q[c];  // s Q, s Q'_p
     for (int64_t p = 0; p < P; ++p) {
       const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
-      std::copy(TQ, TQ + mv * d, group(QS, 1 + p, d));
+      T* dst = group(QS, 1 + p, d);
+      for (int64_t c = 0; c < mv * d; ++c) dst[c] = scale * TQ[c];
     }
     std::fill(AC, AC + R * mv * d, T(0));
     std::fill(mrow, mrow + m, ninf);
@@ -376,10 +389,10 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     for (int64_t j0 = jbegin; j0 < jend; j0 += BN) {
       const int64_t n = std::min(BN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      gemm(false, true, R * mv, n, d, scale, QS, d, K + j0 * d, d, T(0), SS, BN);     // S; Q'_p K^T
+      gemm(false, false, R * mv, n, d, T(1), QS, d, KT + j0, Nk, T(0), SS, BN);        // S; s Q'_p K^T
       for (int64_t p = 0; p < P; ++p) {
-        const T* TK = tk + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
-        gemm(false, true, mv, n, d, scale, Q, d, TK, d, T(1), group(SS, 1 + p, BN), BN);   // S'_p
+        const T* TKT = tkt + ((p * B + b) * Hkv + hk) * d * Nk + j0;
+        gemm(false, false, mv, n, d, T(1), QS, d, TKT, Nk, T(1), group(SS, 1 + p, BN), BN);  // S'_p
         tm.fill_outside(group(SS, 1 + p, BN), BN, T(0));  // masked K / K' may hold NaN
       }
       tm.fill_outside(SS, BN, ninf);
@@ -517,6 +530,8 @@ template <typename T>
 struct JvpBwdArgs {
   T scale;
   const T *gout, *gtout, *q, *k, *v, *tq, *tk, *tv, *lse;
+  const T *kts, *tkts;  // s K^T, s K'_p^T: [B, Hkv, d, Nk], [P, B, Hkv, d, Nk]
+  const T *vt, *tvt;    // V^T, V'_p^T: the same layouts
   const T* dlt;  // d'_p = rowsum(gO'_p o O)                 [P, B, H, Nq]
   T* rvec;       // r_p = rowsum(P o S'_p), written by pass 1   [P, B, H, Nq]
   T* Dvec;       // rowsum(gO o O) + sum_p rowsum(gO'_p o O'_p) on entry; D after pass 1  [B, H, Nq]
@@ -526,17 +541,17 @@ struct JvpBwdArgs {
 };
 
 // With S'_p, dP'_p = gO'_p V^T and gP of one row: gP += dP' o (S' - r) - S' d', S' <- P o (S' - r)
-// (= P'_p), dP' <- P o (dP' - d') (= gS'_p).
+// (= P'_p), dP' <- c P o (dP' - d') (= c gS'_p).
 template <typename T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void tangent_row(const T* __restrict p, T* __restrict sp, T* __restrict dpt, T* __restrict gp, int64_t n,
-                 T r, T dl) {
+                 T r, T dl, T c) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const T s = sp[j], t = dpt[j];
     gp[j] += t * (s - r) - s * dl;
     sp[j] = p[j] * (s - r);
-    dpt[j] = p[j] * (t - dl);
+    dpt[j] = c * (p[j] * (t - dl));
   }
 }
 
@@ -553,16 +568,17 @@ void probs_from_scores(T* S, const T* L, const TileMask& tm) {
 }
 
 // SS <- [P; S'_1; ...; S'_P] of an [m x n] tile from the stacked query rows QS = [Q; Q'_1; ...]
-// ([(1 + P) m x d]): one product s QS K^T gives the scores and every Q'_p K^T, then
-// S'_p += s Q K'_p^T. S'_p is 0 at masked pairs (masked K, K' may hold NaN).
+// ([(1 + P) m x d]) and the scaled, transposed keys KTs = s K^T, TKTs[p] = s K'_p^T (leading
+// dimension ldk): one product QS KTs gives the scores and every s Q'_p K^T, then S'_p += Q TKTs[p].
+// S'_p is 0 at masked pairs (masked K, K' may hold NaN).
 template <typename T>
-void scores_tile(T* SS, const T* QS, const T* K, const T* const* TK, const T* L, const TileMask& tm,
-                 int64_t d, int64_t P, T scale) {
+void scores_tile(T* SS, const T* QS, const T* KTs, const T* const* TKTs, int64_t ldk, const T* L,
+                 const TileMask& tm, int64_t d, int64_t P) {
   const int64_t m = tm.m, n = tm.n;
-  gemm(false, true, (1 + P) * m, n, d, scale, QS, d, K, d, T(0), SS, kBlockN);
+  gemm(false, false, (1 + P) * m, n, d, T(1), QS, d, KTs, ldk, T(0), SS, kBlockN);
   for (int64_t p = 0; p < P; ++p) {
     T* SP = SS + (1 + p) * m * kBlockN;
-    gemm(false, true, m, n, d, scale, QS, d, TK[p], d, T(1), SP, kBlockN);
+    gemm(false, false, m, n, d, T(1), QS, d, TKTs[p], ldk, T(1), SP, kBlockN);
     tm.fill_outside(SP, kBlockN, T(0));
   }
   probs_from_scores(SS, L, tm);
@@ -580,13 +596,12 @@ void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv, R = 1 + P;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
-  const T scale = a.scale;
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    thread_local std::vector<const T*> tk;
+    thread_local std::vector<const T*> tkt;
     const int64_t need = R * kBlockM * kBlockN + R * kBlockM * d + kBlockM * P;
     if ((int64_t)buf.size() < need) buf.resize(need);
-    tk.resize(P);
+    tkt.resize(P);
     T* SS = buf.data();                  // [R BM, BN] P, S'_p
     T* QS = SS + R * kBlockM * kBlockN;  // [R m, d] Q, Q'_p
     T* r = QS + R * kBlockM * d;         // [P, BM]
@@ -594,7 +609,7 @@ void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
-    const T* K = a.k + bhk * Nk * d;
+    const T* KTs = a.kts + bhk * d * Nk;
     const T* L = a.lse + bh * Nq + i0;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
@@ -606,8 +621,8 @@ void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      for (int64_t p = 0; p < P; ++p) tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
-      scores_tile(SS, QS, K + j0 * d, tk.data(), L, tm, d, P, scale);
+      for (int64_t p = 0; p < P; ++p) tkt[p] = a.tkts + (p * BHk + bhk) * d * Nk + j0;
+      scores_tile(SS, QS, KTs + j0, tkt.data(), Nk, L, tm, d, P);
       for (int64_t p = 0; p < P; ++p) {
         T* SP = SS + (1 + p) * mv * kBlockN;
         for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(SS + i * kBlockN, SP + i * kBlockN, n);
@@ -633,10 +648,11 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const T scale = a.scale;
   run_tasks(BH, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    thread_local std::vector<const T*> tk;
+    thread_local std::vector<const T*> tk, tkt;
     const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R + 2 * R * Nq * d;
     if ((int64_t)buf.size() < need) buf.resize(need);
     tk.resize(P);
+    tkt.resize(P);
     T* SS = buf.data();                  // [R BM, BN] P, then S'_p -> P'_p
     T* GG = SS + R * kBlockM * kBlockN;  // [R BM, BN] gP -> gS, then dP'_p -> gS'_p
     T* dK = GG + R * kBlockM * kBlockN;  // [BN, d]
@@ -664,9 +680,13 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     for (int64_t j0 = 0; j0 < Nk; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, Nk - j0);
       const T* K = a.k + (bhk * Nk + j0) * d;
-      const T* V = a.v + (bhk * Nk + j0) * d;
-      for (int64_t p = 0; p < P; ++p) tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
-      auto TV = [&](int64_t p) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
+      const T* KTs = a.kts + bhk * d * Nk + j0;
+      const T* VT = a.vt + bhk * d * Nk + j0;
+      for (int64_t p = 0; p < P; ++p) {
+        tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
+        tkt[p] = a.tkts + (p * BHk + bhk) * d * Nk + j0;
+      }
+      auto TVT = [&](int64_t p) { return a.tvt + (p * BHk + bhk) * d * Nk + j0; };
       std::fill(dK, dK + n * d, T(0));
       std::fill(dV, dV + n * d, T(0));
       std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
@@ -684,10 +704,10 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
         T* dQi = dQ + i0 * d;
         auto group = [&](T* base, int64_t g) { return base + g * m * kBlockN; };
         tm.build(sm, i0, m, std::clamp<int64_t>(sm.Lq - i0, 0, m), j0, nv);
-        scores_tile(SS, QSi, K, tk.data(), L, tm, d, P, scale);                               // P, S'_p
-        gemm(false, true, R * m, nv, d, T(1), GOi, d, V, d, T(0), GG, kBlockN);              // gO V^T, dP'_p
+        scores_tile(SS, QSi, KTs, tkt.data(), Nk, L, tm, d, P);                             // P, S'_p
+        gemm(false, false, R * m, nv, d, T(1), GOi, d, VT, Nk, T(0), GG, kBlockN);          // gO V^T, dP'_p
         for (int64_t p = 0; p < P; ++p)
-          gemm(false, true, m, nv, d, T(1), GOi + (1 + p) * m * d, d, TV(p), d, T(1), GG, kBlockN);  // gO'_p V'_p^T
+          gemm(false, false, m, nv, d, T(1), GOi + (1 + p) * m * d, d, TVT(p), Nk, T(1), GG, kBlockN);  // gO'_p V'_p^T
         tm.fill_outside(GG, kBlockN, T(0));  // masked V, V' may hold NaN
         for (int64_t p = 0; p < P; ++p) {
           const T* r = a.rvec + (p * BH + bh) * Nq + i0;
@@ -696,19 +716,21 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
           T* dPt = group(GG, 1 + p);
           tm.fill_outside(dPt, kBlockN, T(0));
           for (int64_t i = 0; i < m; ++i)
-            tangent_row(SS + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, GG + i * kBlockN, nv, r[i], dl[i]);
+            tangent_row(SS + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, GG + i * kBlockN, nv, r[i], dl[i],
+                        scale);
           tm.fill_outside(SP, kBlockN, T(0));   // P', gS': a NaN row statistic stays in its row
           tm.fill_outside(dPt, kBlockN, T(0));
+          // dPt now holds s gS'_p (and GG below s gS): the products need no alpha (see gemm)
           mm_queries(tm, d, T(1), SS, kBlockN, GOi + (1 + p) * m * d, d, dtV + p * kBlockN * d, d);  // dV' += P^T gO'
-          mm_queries(tm, d, scale, dPt, kBlockN, QSi, d, dtK + p * kBlockN * d, d);        // dK' += s gS'^T Q
-          mm_keys(tm, d, scale, dPt, kBlockN, K, d, a.dtq + ((p * BH + bh) * Nq + i0) * d, d);  // dQ' += s gS' K
-          mm_keys(tm, d, scale, dPt, kBlockN, tk[p], d, dQi, d);                          // dQ += s gS' K'
+          mm_queries(tm, d, T(1), dPt, kBlockN, QSi, d, dtK + p * kBlockN * d, d);         // dK' += s gS'^T Q
+          mm_keys(tm, d, T(1), dPt, kBlockN, K, d, a.dtq + ((p * BH + bh) * Nq + i0) * d, d);  // dQ' += s gS' K
+          mm_keys(tm, d, T(1), dPt, kBlockN, tk[p], d, dQi, d);                           // dQ += s gS' K'
         }
         mm_queries(tm, d, T(1), SS, kBlockN, GOi, d, dV, d, R);                            // dV += [P; P'_p]^T [gO; gO'_p]
-        for (int64_t i = 0; i < m; ++i) ds_row(SS + i * kBlockN, GG + i * kBlockN, nv, Drow[i]);  // gS
+        for (int64_t i = 0; i < m; ++i) ds_row(SS + i * kBlockN, GG + i * kBlockN, nv, Drow[i], scale);  // s gS
         tm.fill_outside(GG, kBlockN, T(0));
-        mm_queries(tm, d, scale, GG, kBlockN, QSi, d, dK, d, R);                           // dK += s [gS; gS'_p]^T [Q; Q'_p]
-        mm_keys(tm, d, scale, GG, kBlockN, K, d, dQi, d);                                  // dQ += s gS K
+        mm_queries(tm, d, T(1), GG, kBlockN, QSi, d, dK, d, R);                            // dK += s [gS; gS'_p]^T [Q; Q'_p]
+        mm_keys(tm, d, T(1), GG, kBlockN, K, d, dQi, d);                                   // dQ += s gS K
       }
       std::copy(dK, dK + n * d, a.dk + (bh * Nk + j0) * d);
       std::copy(dV, dV + n * d, a.dv + (bh * Nk + j0) * d);
@@ -801,11 +823,13 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
                                                bool lse_in_compute_type = false) {
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const Dims D = dims_of(q_, k_, mask, P);
-  Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
-  Tensor tq, tk, tv;
+  // Keys transposed to [.., d, Nk] (one O(N d) copy; see fwd_jvp_kernel).
+  auto transposed = [&](const Tensor& x) { return x.to(ct).transpose(-1, -2).contiguous(); };
+  Tensor q = q_.to(ct).contiguous(), kt = transposed(k_), v = v_.to(ct).contiguous();
+  Tensor tq, tkt, tv;
   if (P > 0) {
     tq = tq_->to(ct).contiguous();
-    tk = tk_->to(ct).contiguous();
+    tkt = transposed(*tk_);
     tv = tv_->to(ct).contiguous();
   }
   Tensor out = at::empty(q.sizes(), q.options());
@@ -814,9 +838,9 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
   if (D.B * D.H > 0) {
     AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_fwd_cpu", [&] {
       const scalar_t* nul = nullptr;
-      fwd_jvp_kernel<scalar_t>(D, (scalar_t)scale, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+      fwd_jvp_kernel<scalar_t>(D, (scalar_t)scale, q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
                                v.data_ptr<scalar_t>(), P ? tq.data_ptr<scalar_t>() : nul,
-                               P ? tk.data_ptr<scalar_t>() : nul, P ? tv.data_ptr<scalar_t>() : nul,
+                               P ? tkt.data_ptr<scalar_t>() : nul, P ? tv.data_ptr<scalar_t>() : nul,
                                out.data_ptr<scalar_t>(), P ? tout.data_ptr<scalar_t>() : nullptr,
                                lse.data_ptr<scalar_t>());
     });
@@ -970,6 +994,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   auto c = [&](const Tensor& x) { return x.to(ct).contiguous(); };
   Tensor q = c(q_), k = c(k_), v = c(v_), tq = c(tq_), tk = c(tk_), tv = c(tv_);
   Tensor gout = c(gout_), gtout = c(gtout_), out = c(out_);
+  // Transposed copies ([.., d, Nk]; the keys scaled by s) for plain products (see gemm): O(N d).
+  auto transposed = [&](const Tensor& x, double f) {
+    return (f == 1.0 ? x : x * f).transpose(-1, -2).contiguous();
+  };
+  Tensor kts = transposed(k, scale), tkts = transposed(tk, scale), vt = transposed(v, 1.0), tvt = transposed(tv, 1.0);
   // Row statistics from the saved outputs (O(N)): d'_p = rowsum(gO'_p o O) and the part of D that
   // does not need r; pass 1 subtracts sum_p r_p d'_p.
   Tensor dlt = (gtout * out.unsqueeze(0)).sum(-1).contiguous();
@@ -994,6 +1023,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
                            gout.data_ptr<scalar_t>(), gtout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
                            k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
                            tk.data_ptr<scalar_t>(), tv.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                           kts.data_ptr<scalar_t>(), tkts.data_ptr<scalar_t>(), vt.data_ptr<scalar_t>(),
+                           tvt.data_ptr<scalar_t>(),
                            dlt.data_ptr<scalar_t>(), rvec.data_ptr<scalar_t>(), Dvec.data_ptr<scalar_t>(),
                            dq.data_ptr<scalar_t>(), dtq.data_ptr<scalar_t>(),
                            dk_h.data_ptr<scalar_t>(), dv_h.data_ptr<scalar_t>(),
