@@ -25,6 +25,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -52,8 +53,15 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kBlockM = 64;   // queries per tile
-constexpr int64_t kBlockN = 128;  // keys per tile
+// Tiles: the backward kernels work on [kBlockM x kBlockN] tiles (four live at once per worker),
+// the forward / JVP on [kFwdM x kFwdN] ones (fewer, larger products: MKL's per-call packing is a
+// visible share of the time at 64 x 128). Measured on a 2-core AVX-512 machine: larger backward
+// tiles gave no gain, larger forward tiles 10-20 %.
+constexpr int64_t kBlockM = 64;    // queries per backward tile
+constexpr int64_t kBlockN = 128;   // keys per backward tile
+constexpr int64_t kFwdM = 128;     // queries per forward tile
+constexpr int64_t kFwdN = 256;     // keys per forward tile
+constexpr int64_t kMaxM = kFwdM > kBlockM ? kFwdM : kBlockM;
 
 // ------------------------------------------------------------------------------------------------
 // Row-major GEMM on raw tiles: C[M x N] = alpha op(A)[M x K] op(B)[K x N] + beta C.
@@ -70,8 +78,17 @@ void gemm_aten(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const
   c.addmm_(a, b, beta, alpha);  // beta == 0 ignores C (no NaN propagation from stale buffers)
 }
 
+// fp32 plain products C (+)= A B of at least a few rows go to oneDNN's brgemm micro-kernel through
+// ATen (JIT-compiled per shape for the machine's vector ISA, no operand packing: 10-20 % faster
+// than MKL's sgemm on these tile shapes on an AVX-512 machine); the rest to BLAS.
 inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  if (!ta && !tb && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) && M >= 8 && N >= 8 && K >= 8) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, beta == 1.0f, A, B, C, /*is_vnni=*/false);
+    return;
+  }
+#endif
   if (sgemm_ == nullptr) return gemm_aten<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
   const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
@@ -140,12 +157,12 @@ T mul_rowsum(const T* __restrict p, T* __restrict w, int64_t n) {
   return sum;
 }
 
-// dS <- P o (dP - D) (in place in dp).
+// dS <- c P o (dP - D) (in place in dp).
 template <typename T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void ds_row(const T* __restrict p, T* __restrict dp, int64_t n, T D) {
+void ds_row(const T* __restrict p, T* __restrict dp, int64_t n, T D, T c = T(1)) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - D);
+  for (int64_t j = 0; j < n; ++j) dp[j] = c * (p[j] * (dp[j] - D));
 }
 
 template <typename T>
@@ -230,7 +247,7 @@ inline SeqMask seq_mask(const MaskArgs& M, int64_t b, int64_t Nq, int64_t Nk) {
 struct TileMask {
   bool full;
   int64_t m, n;
-  int64_t lo[kBlockM], hi[kBlockM];
+  int64_t lo[kMaxM], hi[kMaxM];
 
   // Rows i >= mv of the tile are not valid queries (all masked).
   void build(const SeqMask& sm, int64_t i0, int64_t m_, int64_t mv, int64_t j0, int64_t n_) {
@@ -258,35 +275,39 @@ struct TileMask {
   }
 };
 
-// C[m x d] += alpha A[m x n] X[n x d] (contraction over the tile's keys; A is 0 outside the mask).
+// C[g m x d] += alpha A[g m x n] X[n x d] (contraction over the tile's keys; A is 0 outside the
+// mask), A and C holding `groups` stacked [m x .] blocks that share the tile's mask row for row.
 // A plain product would let a NaN / Inf in a row of X that only masked pairs touch through
 // (0 * NaN = NaN); then each query row takes its allowed keys only.
 template <typename T>
 void mm_keys(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* X, int64_t ldx,
-             T* C, int64_t ldc) {
+             T* C, int64_t ldc, int64_t groups = 1) {
   if (tm.full || all_finite(X, tm.n * ldx)) {
-    gemm(false, false, tm.m, d, tm.n, alpha, A, lda, X, ldx, T(1), C, ldc);
+    gemm(false, false, groups * tm.m, d, tm.n, alpha, A, lda, X, ldx, T(1), C, ldc);
     return;
   }
-  for (int64_t i = 0; i < tm.m; ++i) {
+  for (int64_t r = 0; r < groups * tm.m; ++r) {
+    const int64_t i = r % tm.m;
     if (tm.hi[i] > tm.lo[i])
-      gemm(false, false, 1, d, tm.hi[i] - tm.lo[i], alpha, A + i * lda + tm.lo[i], lda,
-           X + tm.lo[i] * ldx, ldx, T(1), C + i * ldc, ldc);
+      gemm(false, false, 1, d, tm.hi[i] - tm.lo[i], alpha, A + r * lda + tm.lo[i], lda,
+           X + tm.lo[i] * ldx, ldx, T(1), C + r * ldc, ldc);
   }
 }
 
-// C[n x d] += alpha A[m x n]^T Y[m x d] (contraction over the tile's queries), exact in the same
-// way: each query row adds to its allowed keys only when Y holds non-finite values.
+// C[n x d] += alpha A[g m x n]^T Y[g m x d] (contraction over the tile's queries and `groups`
+// stacked blocks sharing the tile's mask), exact in the same way: each query row adds to its
+// allowed keys only when Y holds non-finite values.
 template <typename T>
 void mm_queries(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* Y, int64_t ldy,
-                T* C, int64_t ldc) {
-  if (tm.full || all_finite(Y, tm.m * ldy)) {
-    gemm(true, false, tm.n, d, tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
+                T* C, int64_t ldc, int64_t groups = 1) {
+  if (tm.full || all_finite(Y, groups * tm.m * ldy)) {
+    gemm(true, false, tm.n, d, groups * tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
     return;
   }
-  for (int64_t i = 0; i < tm.m; ++i) {
+  for (int64_t r = 0; r < groups * tm.m; ++r) {
+    const int64_t i = r % tm.m;
     if (tm.hi[i] > tm.lo[i])
-      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + i * lda + tm.lo[i], lda, Y + i * ldy, ldy,
+      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + r * lda + tm.lo[i], lda, Y + r * ldy, ldy,
            T(1), C + tm.lo[i] * ldc, ldc);
   }
 }
@@ -314,33 +335,31 @@ struct Dims {
 
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
 // lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
+// The primal and the probes are stacked row-wise so that shared operands go through one product:
+// [S; Q'_p K^T] = s [Q; Q'_p] K^T, then S'_p += s Q K'_p^T, and [acc; accT_p] += [P~; P~ o S'_p] V,
+// then accT_p += P~ V'_p: 2 + 2P products per tile instead of 2 + 4P. The keys come transposed
+// (kt, tkt: [.., d, Nk]) and the stacked queries scaled by s, so that every product is a plain
+// C (+)= A B (see gemm).
 template <typename T>
-void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, const T* tq,
-                    const T* tk, const T* tv, T* out, T* tout, T* lse) {
+void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v, const T* tq,
+                    const T* tkt, const T* tv, T* out, T* tout, T* lse) {
+  constexpr int64_t BM = kFwdM, BN = kFwdN;
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv;
-  const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
+  const int64_t G = H / Hkv, R = 1 + P;  // R stacked row groups: the primal, then each probe
+  const int64_t nqt = (Nq + BM - 1) / BM;
   const int64_t BH = B * H;
   const T ninf = -std::numeric_limits<T>::infinity();
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     // Per-task buffers: O(tile) memory.
     thread_local std::vector<T> buf;
-    const int64_t need = 2 * kBlockM * kBlockN + kBlockM * d * (1 + P) + kBlockM * (3 + P);
+    const int64_t need = R * BM * BN + 2 * R * BM * d + BM * (3 + P);
     if ((int64_t)buf.size() < need) buf.resize(need);
-    T* S = buf.data();                    // [BM, BN] scores, then P~
-    T* SP = S + kBlockM * kBlockN;        // [BM, BN] S'_p, then P~ o S'_p
-    T* acc = SP + kBlockM * kBlockN;      // [BM, d]
-    T* accT = acc + kBlockM * d;          // [P, BM, d]
-    T* mrow = accT + P * kBlockM * d;     // [BM]
-    T* lrow = mrow + kBlockM;             // [BM]
-    T* alpha = lrow + kBlockM;            // [BM]
-    T* rrow = alpha + kBlockM;            // [P, BM]
 
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G;
-    const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
+    const int64_t i0 = qt * BM, m = std::min(BM, Nq - i0);
     const T* Q = q + (bh * Nq + i0) * d;
-    const T* K = k + (b * Hkv + hk) * Nk * d;
+    const T* KT = kt + (b * Hkv + hk) * d * Nk;  // [d, Nk]
     const T* V = v + (b * Hkv + hk) * Nk * d;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
@@ -348,44 +367,56 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
     const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
 
-    std::fill(acc, acc + m * d, T(0));
-    std::fill(accT, accT + P * kBlockM * d, T(0));
+    T* SS = buf.data();                   // [R mv, BN]: S then P~; group 1 + p: S'_p then P~ o S'_p
+    T* QS = SS + R * BM * BN;             // [R mv, d]: Q, then Q'_p
+    T* AC = QS + R * BM * d;              // [R mv, d]: acc = P~ V, then accT_p
+    T* mrow = AC + R * BM * d;            // [BM]
+    T* lrow = mrow + BM;                  // [BM]
+    T* alpha = lrow + BM;                 // [BM]
+    T* rrow = alpha + BM;                 // [P, BM]
+    auto group = [&](T* base, int64_t g, int64_t ld) { return base + g * mv * ld; };
+    for (int64_t c = 0; c < mv * d; ++c) QS[c] = scale * Q[c];  // s Q, s Q'_p
+    for (int64_t p = 0; p < P; ++p) {
+      const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
+      T* dst = group(QS, 1 + p, d);
+      for (int64_t c = 0; c < mv * d; ++c) dst[c] = scale * TQ[c];
+    }
+    std::fill(AC, AC + R * mv * d, T(0));
     std::fill(mrow, mrow + m, ninf);
     std::fill(lrow, lrow + m, T(0));
-    std::fill(rrow, rrow + P * kBlockM, T(0));
+    std::fill(rrow, rrow + P * BM, T(0));
 
-    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
-      const int64_t n = std::min(kBlockN, jend - j0);
+    for (int64_t j0 = jbegin; j0 < jend; j0 += BN) {
+      const int64_t n = std::min(BN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      gemm(false, true, mv, n, d, scale, Q, d, K + j0 * d, d, T(0), S, kBlockN);
-      tm.fill_outside(S, kBlockN, ninf);
+      gemm(false, false, R * mv, n, d, T(1), QS, d, KT + j0, Nk, T(0), SS, BN);        // S; s Q'_p K^T
+      for (int64_t p = 0; p < P; ++p) {
+        const T* TKT = tkt + ((p * B + b) * Hkv + hk) * d * Nk + j0;
+        gemm(false, false, mv, n, d, T(1), QS, d, TKT, Nk, T(1), group(SS, 1 + p, BN), BN);  // S'_p
+        tm.fill_outside(group(SS, 1 + p, BN), BN, T(0));  // masked K / K' may hold NaN
+      }
+      tm.fill_outside(SS, BN, ninf);
       for (int64_t i = 0; i < mv; ++i) {
-        T* row = S + i * kBlockN;
+        T* row = SS + i * BN;
         const T mnew = std::max(mrow[i], row_max(row, n));
         const T a = mnew == ninf ? T(1) : std::exp(mrow[i] - mnew);
         const T mu = mnew == ninf ? T(0) : mnew;  // a row with nothing visible yet: P~ = 0
         lrow[i] = a * lrow[i] + exp_shift_sum(row, n, mu);
         mrow[i] = mnew;
         alpha[i] = a;
-        if (a != T(1)) scale_row(acc + i * d, d, a);
       }
-      mm_keys(tm, d, T(1), S, kBlockN, V + j0 * d, d, acc, d);
-
       for (int64_t p = 0; p < P; ++p) {
-        const T* TQ = tq + ((p * B + b) * H + h) * Nq * d + i0 * d;
-        const T* TK = tk + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
+        T* r = rrow + p * BM;
+        T* SPp = group(SS, 1 + p, BN);
+        for (int64_t i = 0; i < mv; ++i) r[i] = alpha[i] * r[i] + mul_rowsum(SS + i * BN, SPp + i * BN, n);
+      }
+      for (int64_t g = 0; g < R; ++g)
+        for (int64_t i = 0; i < mv; ++i)
+          if (alpha[i] != T(1)) scale_row(group(AC, g, d) + i * d, d, alpha[i]);
+      mm_keys(tm, d, T(1), SS, BN, V + j0 * d, d, AC, d, R);                          // [acc; accT_p] += [P~; P~ o S'_p] V
+      for (int64_t p = 0; p < P; ++p) {
         const T* TV = tv + ((p * B + b) * Hkv + hk) * Nk * d + j0 * d;
-        T* AT = accT + p * kBlockM * d;
-        T* r = rrow + p * kBlockM;
-        gemm(false, true, mv, n, d, scale, TQ, d, K + j0 * d, d, T(0), SP, kBlockN);
-        gemm(false, true, mv, n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
-        tm.fill_outside(SP, kBlockN, T(0));  // masked K / K' may hold NaN
-        for (int64_t i = 0; i < mv; ++i) {
-          r[i] = alpha[i] * r[i] + mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
-          if (alpha[i] != T(1)) scale_row(AT + i * d, d, alpha[i]);
-        }
-        mm_keys(tm, d, T(1), S, kBlockN, TV, d, AT, d);
-        mm_keys(tm, d, T(1), SP, kBlockN, V + j0 * d, d, AT, d);
+        mm_keys(tm, d, T(1), SS, BN, TV, d, group(AC, 1 + p, d), d);                 // accT_p += P~ V'_p
       }
     }
 
@@ -404,12 +435,13 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* k, const T* v, 
         continue;
       }
       const T inv = T(1) / l;
-      for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+      const T* acc = AC + i * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = acc[c] * inv;
       lse[row] = mrow[i] + std::log(l);
       for (int64_t p = 0; p < P; ++p) {
         T* to = tout + (p * BH * Nq + row) * d;
-        const T* at = accT + p * kBlockM * d + i * d;
-        const T rl = rrow[p * kBlockM + i] * inv;
+        const T* at = group(AC, 1 + p, d) + i * d;
+        const T rl = rrow[p * BM + i] * inv;
         for (int64_t c = 0; c < d; ++c) to[c] = at[c] * inv - rl * o[c];
       }
     }
@@ -480,231 +512,247 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
 }
 
 // ------------------------------------------------------------------------------------------------
-// Tangent backward (the backward of the JVP; docs/design.md, "Attention"). Two passes, each task
-// owning the rows it writes, so the result does not depend on the thread count or schedule:
-//   pass 1, per (batch, head, query tile): sweep the keys for r_p, finish D, sweep them again
-//           for dQ and dQ'_p (and store r_p and D for pass 2);
-//   pass 2, per (batch, kv head, key tile): walk the query heads of the group and their query
-//           tiles for dK, dV, dK'_p, dV'_p.
-// Both recompute P = exp(S - lse) and S'_p per tile. Per tile and probe the elementwise step is
-// tangent_row; the products are BLAS calls. Memory: four [BM x BN] tiles and the accumulators of
-// one tile per worker, plus O(N) row statistics.
+// Tangent backward (the backward of the JVP; docs/design.md, "Attention"). Two passes:
+//   pass 1, per (batch, head, query tile): sweep the keys for r_p (needs every key of the row
+//           before any gradient can use it), store r_p and finish D;
+//   pass 2, per (batch, head): for each key tile, walk the query tiles that attend it, form the
+//           tiles P, S'_p, gP, gS'_p, P'_p once and take all six gradients from them: dK, dV, dK'_p,
+//           dV'_p accumulate in the key tile's registers-sized buffers, dQ and dQ'_p in the
+//           head's rows of the output (the task owns them).
+// One probe costs 3 tile products in pass 1 and 15 in pass 2 (the formulas' minimum is 15); the
+// exponentials of a tile are computed twice. Each task owns every row it writes and sums in a
+// fixed order, so the result does not depend on the thread count or schedule. With GQA the
+// key-side gradients are kept per query head and summed over the group afterwards, in order.
+// Memory: four [BM x BN] tiles and one key tile's accumulators per worker, O(N) row statistics,
+// and with GQA the per-head key-side gradients (the size of 2 + 2P copies of q).
 
 template <typename T>
 struct JvpBwdArgs {
   T scale;
   const T *gout, *gtout, *q, *k, *v, *tq, *tk, *tv, *lse;
+  const T *kts, *tkts;  // s K^T, s K'_p^T: [B, Hkv, d, Nk], [P, B, Hkv, d, Nk]
+  const T *vt, *tvt;    // V^T, V'_p^T: the same layouts
   const T* dlt;  // d'_p = rowsum(gO'_p o O)                 [P, B, H, Nq]
   T* rvec;       // r_p = rowsum(P o S'_p), written by pass 1   [P, B, H, Nq]
   T* Dvec;       // rowsum(gO o O) + sum_p rowsum(gO'_p o O'_p) on entry; D after pass 1  [B, H, Nq]
-  T *dq, *dk, *dv, *dtq, *dtk, *dtv;
+  T *dq, *dtq;   // [B, H, Nq, d], [P, B, H, Nq, d]
+  T *dk, *dv;    // per query head: [B, H, Nk, d] (the outputs when H == Hkv, else summed over the group)
+  T *dtk, *dtv;  // per query head: [P, B, H, Nk, d]
 };
 
 // With S'_p, dP'_p = gO'_p V^T and gP of one row: gP += dP' o (S' - r) - S' d', S' <- P o (S' - r)
-// (= P'_p), dP' <- P o (dP' - d') (= gS'_p).
+// (= P'_p), dP' <- c P o (dP' - d') (= c gS'_p).
 template <typename T>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void tangent_row(const T* __restrict p, T* __restrict sp, T* __restrict dpt, T* __restrict gp, int64_t n,
-                 T r, T dl) {
+                 T r, T dl, T c) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const T s = sp[j], t = dpt[j];
     gp[j] += t * (s - r) - s * dl;
     sp[j] = p[j] * (s - r);
-    dpt[j] = p[j] * (t - dl);
+    dpt[j] = c * (p[j] * (t - dl));
   }
 }
 
-// S <- P = exp(s Q K^T - lse) of an [m x n] tile (0 where masked and on rows that see no key).
+// S <- P = exp(S - lse) of an [m x n] tile of scores (0 where masked and on rows that see no key).
 template <typename T>
-void probs_tile(T* S, const T* Q, const T* K, const T* L, const TileMask& tm, int64_t d, T scale) {
-  const int64_t m = tm.m, n = tm.n;
-  gemm(false, true, m, n, d, scale, Q, d, K, d, T(0), S, kBlockN);
+void probs_from_scores(T* S, const T* L, const TileMask& tm) {
   tm.fill_outside(S, kBlockN, -std::numeric_limits<T>::infinity());
-  for (int64_t i = 0; i < m; ++i) {
+  for (int64_t i = 0; i < tm.m; ++i) {
     T* row = S + i * kBlockN;
-    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + n, T(0));  // nothing visible
-    else exp_shift_sum(row, n, L[i]);
+    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + tm.n, T(0));  // nothing visible
+    else exp_shift_sum(row, tm.n, L[i]);
   }
   tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
 }
 
-// SP <- S' = s (Q' K^T + Q K'^T) of an [m x n] tile, 0 at masked pairs (masked K, K' may hold NaN).
+// SS <- [P; S'_1; ...; S'_P] of an [m x n] tile from the stacked query rows QS = [Q; Q'_1; ...]
+// ([(1 + P) m x d]) and the scaled, transposed keys KTs = s K^T, TKTs[p] = s K'_p^T (leading
+// dimension ldk): one product QS KTs gives the scores and every s Q'_p K^T, then S'_p += Q TKTs[p].
+// S'_p is 0 at masked pairs (masked K, K' may hold NaN).
 template <typename T>
-void tangent_scores_tile(T* SP, const T* Q, const T* TQ, const T* K, const T* TK, const TileMask& tm,
-                         int64_t d, T scale) {
-  gemm(false, true, tm.m, tm.n, d, scale, TQ, d, K, d, T(0), SP, kBlockN);
-  gemm(false, true, tm.m, tm.n, d, scale, Q, d, TK, d, T(1), SP, kBlockN);
-  tm.fill_outside(SP, kBlockN, T(0));
+void scores_tile(T* SS, const T* QS, const T* KTs, const T* const* TKTs, int64_t ldk, const T* L,
+                 const TileMask& tm, int64_t d, int64_t P) {
+  const int64_t m = tm.m, n = tm.n;
+  gemm(false, false, (1 + P) * m, n, d, T(1), QS, d, KTs, ldk, T(0), SS, kBlockN);
+  for (int64_t p = 0; p < P; ++p) {
+    T* SP = SS + (1 + p) * m * kBlockN;
+    gemm(false, false, m, n, d, T(1), QS, d, TKTs[p], ldk, T(1), SP, kBlockN);
+    tm.fill_outside(SP, kBlockN, T(0));
+  }
+  probs_from_scores(SS, L, tm);
+}
+
+// Rows [i0, i0 + m) of x (row length d) and of each probe's xt_p, stacked: [x; xt_1; ...; xt_P].
+template <typename T>
+void stack_rows(T* dst, const T* x, const T* xt, int64_t probe_stride, int64_t P, int64_t m, int64_t d) {
+  std::copy(x, x + m * d, dst);
+  for (int64_t p = 0; p < P; ++p) std::copy(xt + p * probe_stride, xt + p * probe_stride + m * d, dst + (1 + p) * m * d);
 }
 
 template <typename T>
-void jvp_bwd_query_pass(const Dims& D, const JvpBwdArgs<T>& a) {
+void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
+  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv, R = 1 + P;
   const int64_t nqt = (Nq + kBlockM - 1) / kBlockM;
-  const T scale = a.scale;
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    const int64_t need = 4 * kBlockM * kBlockN + kBlockM * d * (1 + P) + kBlockM * P;
+    thread_local std::vector<const T*> tkt;
+    const int64_t need = R * kBlockM * kBlockN + R * kBlockM * d + kBlockM * P;
     if ((int64_t)buf.size() < need) buf.resize(need);
-    T* S = buf.data();                 // [BM, BN] P
-    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p, then P'_p
-    T* dPt = SP + kBlockM * kBlockN;   // [BM, BN] dP'_p, then gS'_p
-    T* gP = dPt + kBlockM * kBlockN;   // [BM, BN] gP, then gS
-    T* dQ = gP + kBlockM * kBlockN;    // [BM, d]
-    T* dtQ = dQ + kBlockM * d;         // [P, BM, d]
-    T* r = dtQ + P * kBlockM * d;      // [P, BM]
+    tkt.resize(P);
+    T* SS = buf.data();                  // [R BM, BN] P, S'_p
+    T* QS = SS + R * kBlockM * kBlockN;  // [R m, d] Q, Q'_p
+    T* r = QS + R * kBlockM * d;         // [P, BM]
 
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
-    const T* Q = a.q + (bh * Nq + i0) * d;
-    const T* gO = a.gout + (bh * Nq + i0) * d;
-    const T* K = a.k + bhk * Nk * d;
-    const T* V = a.v + bhk * Nk * d;
+    const T* KTs = a.kts + bhk * d * Nk;
     const T* L = a.lse + bh * Nq + i0;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
     const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
-    auto TQ = [&](int64_t p) { return a.tq + ((p * BH + bh) * Nq + i0) * d; };
-    auto gtO = [&](int64_t p) { return a.gtout + ((p * BH + bh) * Nq + i0) * d; };
-    auto TK = [&](int64_t p, int64_t j0) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
-    auto TV = [&](int64_t p, int64_t j0) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
-    auto rows = [&](const T* x, int64_t p) { return x + (p * BH + bh) * Nq + i0; };  // [P, B, H, Nq]
+    stack_rows(QS, a.q + (bh * Nq + i0) * d, a.tq + (bh * Nq + i0) * d, BH * Nq * d, P, mv, d);
 
-    // Sweep 1: r_p, then D = (saved part) - sum_p r_p d'_p.
     std::fill(r, r + P * kBlockM, T(0));
     for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      probs_tile(S, Q, K + j0 * d, L, tm, d, scale);
+      for (int64_t p = 0; p < P; ++p) tkt[p] = a.tkts + (p * BHk + bhk) * d * Nk + j0;
+      scores_tile(SS, QS, KTs + j0, tkt.data(), Nk, L, tm, d, P);
       for (int64_t p = 0; p < P; ++p) {
-        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), tm, d, scale);
-        for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(S + i * kBlockN, SP + i * kBlockN, n);
+        T* SP = SS + (1 + p) * mv * kBlockN;
+        for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(SS + i * kBlockN, SP + i * kBlockN, n);
       }
     }
+    // D = (saved part) - sum_p r_p d'_p
     T* Drow = a.Dvec + bh * Nq + i0;
     for (int64_t p = 0; p < P; ++p) {
-      const T* dl = rows(a.dlt, p);
+      const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
       T* rout = a.rvec + (p * BH + bh) * Nq + i0;
       for (int64_t i = 0; i < m; ++i) {
         rout[i] = r[p * kBlockM + i];
         Drow[i] -= r[p * kBlockM + i] * dl[i];
       }
     }
-
-    // Sweep 2: dQ = s (gS K + sum_p gS'_p K'_p), dQ'_p = s gS'_p K.
-    std::fill(dQ, dQ + m * d, T(0));
-    std::fill(dtQ, dtQ + P * kBlockM * d, T(0));
-    for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
-      const int64_t n = std::min(kBlockN, jend - j0);
-      tm.build(sm, i0, mv, mv, j0, n);
-      probs_tile(S, Q, K + j0 * d, L, tm, d, scale);
-      gemm(false, true, mv, n, d, T(1), gO, d, V + j0 * d, d, T(0), gP, kBlockN);            // gO V^T
-      for (int64_t p = 0; p < P; ++p) {
-        const T* dl = rows(a.dlt, p);
-        tangent_scores_tile(SP, Q, TQ(p), K + j0 * d, TK(p, j0), tm, d, scale);
-        gemm(false, true, mv, n, d, T(1), gtO(p), d, V + j0 * d, d, T(0), dPt, kBlockN);    // dP'
-        gemm(false, true, mv, n, d, T(1), gtO(p), d, TV(p, j0), d, T(1), gP, kBlockN);      // gO' V'^T
-        tm.fill_outside(dPt, kBlockN, T(0));  // masked V, V' may hold NaN
-        tm.fill_outside(gP, kBlockN, T(0));
-        for (int64_t i = 0; i < mv; ++i)
-          tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, n,
-                      r[p * kBlockM + i], dl[i]);
-        tm.fill_outside(dPt, kBlockN, T(0));  // gS' = P o (dP' - d'): a NaN d' stays in its row
-        mm_keys(tm, d, scale, dPt, kBlockN, TK(p, j0), d, dQ, d);                            // gS' K'
-        mm_keys(tm, d, scale, dPt, kBlockN, K + j0 * d, d, dtQ + p * kBlockM * d, d);        // gS' K
-      }
-      for (int64_t i = 0; i < mv; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, n, Drow[i]);  // gS
-      tm.fill_outside(gP, kBlockN, T(0));
-      mm_keys(tm, d, scale, gP, kBlockN, K + j0 * d, d, dQ, d);                              // gS K
-    }
-    std::copy(dQ, dQ + m * d, a.dq + (bh * Nq + i0) * d);
-    for (int64_t p = 0; p < P; ++p)
-      std::copy(dtQ + p * kBlockM * d, dtQ + p * kBlockM * d + m * d, a.dtq + ((p * BH + bh) * Nq + i0) * d);
   });
 }
 
 template <typename T>
-void jvp_bwd_key_pass(const Dims& D, const JvpBwdArgs<T>& a) {
+void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
-  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv;
-  const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
+  const int64_t G = H / Hkv, BH = B * H, BHk = B * Hkv, R = 1 + P;
   const T scale = a.scale;
-  run_tasks(BHk * nkt, [&](int64_t t, int64_t) {
+  run_tasks(BH, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
-    const int64_t need = 4 * kBlockM * kBlockN + 2 * kBlockN * d * (1 + P);
+    thread_local std::vector<const T*> tk, tkt;
+    const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R + 2 * R * Nq * d;
     if ((int64_t)buf.size() < need) buf.resize(need);
-    T* S = buf.data();                 // [BM, BN] P
-    T* SP = S + kBlockM * kBlockN;     // [BM, BN] S'_p, then P'_p
-    T* dPt = SP + kBlockM * kBlockN;   // [BM, BN] dP'_p, then gS'_p
-    T* gP = dPt + kBlockM * kBlockN;   // [BM, BN] gP, then gS
-    T* dK = gP + kBlockM * kBlockN;    // [BN, d]
-    T* dV = dK + kBlockN * d;          // [BN, d]
-    T* dtK = dV + kBlockN * d;         // [P, BN, d]
-    T* dtV = dtK + P * kBlockN * d;    // [P, BN, d]
+    tk.resize(P);
+    tkt.resize(P);
+    T* SS = buf.data();                  // [R BM, BN] P, then S'_p -> P'_p
+    T* GG = SS + R * kBlockM * kBlockN;  // [R BM, BN] gP -> gS, then dP'_p -> gS'_p
+    T* dK = GG + R * kBlockM * kBlockN;  // [BN, d]
+    T* dV = dK + kBlockN * d;            // [BN, d]
+    T* dtK = dV + kBlockN * d;           // [P, BN, d]
+    T* dtV = dtK + P * kBlockN * d;      // [P, BN, d]
+    T* QS = dtV + P * kBlockN * d;       // per query tile: [R m, d] Q, Q'_p
+    T* GO = QS + R * Nq * d;             // per query tile: [R m, d] gO, gO'_p
 
-    const int64_t kt = t / BHk;  // first key tiles are seen by the most queries under causal
-    const int64_t bhk = t % BHk, b = bhk / Hkv, hk = bhk % Hkv;
-    const int64_t j0 = kt * kBlockN, n = std::min(kBlockN, Nk - j0);
-    const T* K = a.k + (bhk * Nk + j0) * d;
-    const T* V = a.v + (bhk * Nk + j0) * d;
-    auto TK = [&](int64_t p) { return a.tk + ((p * BHk + bhk) * Nk + j0) * d; };
-    auto TV = [&](int64_t p) { return a.tv + ((p * BHk + bhk) * Nk + j0) * d; };
-    std::fill(dK, dK + n * d, T(0));
-    std::fill(dV, dV + n * d, T(0));
-    std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
-
+    const int64_t bh = t, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
-    const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
-    // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
-    const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
+    // The head's query-side operands stacked per query tile, once: [Q; Q'_p] and [gO; gO'_p].
+    for (int64_t i0 = 0; i0 < Nq; i0 += kBlockM) {
+      const int64_t m = std::min(kBlockM, Nq - i0);
+      stack_rows(QS + R * i0 * d, a.q + (bh * Nq + i0) * d, a.tq + (bh * Nq + i0) * d, BH * Nq * d, P, m, d);
+      stack_rows(GO + R * i0 * d, a.gout + (bh * Nq + i0) * d, a.gtout + (bh * Nq + i0) * d, BH * Nq * d, P, m, d);
+    }
+    T* dQ = a.dq + bh * Nq * d;
+    std::fill(dQ, dQ + Nq * d, T(0));
+    for (int64_t p = 0; p < P; ++p) {
+      T* dtQ = a.dtq + (p * BH + bh) * Nq * d;
+      std::fill(dtQ, dtQ + Nq * d, T(0));
+    }
     TileMask tm;
-    for (int64_t g = 0; g < G && qstart < qend; ++g) {
-      const int64_t h = hk * G + g, bh = b * H + h;
+    for (int64_t j0 = 0; j0 < Nk; j0 += kBlockN) {
+      const int64_t n = std::min(kBlockN, Nk - j0);
+      const T* K = a.k + (bhk * Nk + j0) * d;
+      const T* KTs = a.kts + bhk * d * Nk + j0;
+      const T* VT = a.vt + bhk * d * Nk + j0;
+      for (int64_t p = 0; p < P; ++p) {
+        tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
+        tkt[p] = a.tkts + (p * BHk + bhk) * d * Nk + j0;
+      }
+      auto TVT = [&](int64_t p) { return a.tvt + (p * BHk + bhk) * d * Nk + j0; };
+      std::fill(dK, dK + n * d, T(0));
+      std::fill(dV, dV + n * d, T(0));
+      std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
+      const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
+      // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
+      const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
       for (int64_t i0 = (qstart / kBlockM) * kBlockM; i0 < qend; i0 += kBlockM) {
-        const int64_t m = std::min(kBlockM, qend - i0);
-        const T* Q = a.q + (bh * Nq + i0) * d;
-        const T* gO = a.gout + (bh * Nq + i0) * d;
+        // Whole tiles (rows past qend attend none of these keys: masked, exact zeros), so that the
+        // stacked operands of the tile line up.
+        const int64_t m = std::min(kBlockM, Nq - i0);
+        const T* QSi = QS + R * i0 * d;
+        const T* GOi = GO + R * i0 * d;
         const T* L = a.lse + bh * Nq + i0;
         const T* Drow = a.Dvec + bh * Nq + i0;
-        tm.build(sm, i0, m, m, j0, nv);
-        probs_tile(S, Q, K, L, tm, d, scale);
-        mm_queries(tm, d, T(1), S, kBlockN, gO, d, dV, d);                                  // dV += P^T gO
-        gemm(false, true, m, nv, d, T(1), gO, d, V, d, T(0), gP, kBlockN);                 // gO V^T
+        T* dQi = dQ + i0 * d;
+        auto group = [&](T* base, int64_t g) { return base + g * m * kBlockN; };
+        tm.build(sm, i0, m, std::clamp<int64_t>(sm.Lq - i0, 0, m), j0, nv);
+        scores_tile(SS, QSi, KTs, tkt.data(), Nk, L, tm, d, P);                             // P, S'_p
+        gemm(false, false, R * m, nv, d, T(1), GOi, d, VT, Nk, T(0), GG, kBlockN);          // gO V^T, dP'_p
+        for (int64_t p = 0; p < P; ++p)
+          gemm(false, false, m, nv, d, T(1), GOi + (1 + p) * m * d, d, TVT(p), Nk, T(1), GG, kBlockN);  // gO'_p V'_p^T
+        tm.fill_outside(GG, kBlockN, T(0));  // masked V, V' may hold NaN
         for (int64_t p = 0; p < P; ++p) {
-          const T* TQ = a.tq + ((p * BH + bh) * Nq + i0) * d;
-          const T* gtO = a.gtout + ((p * BH + bh) * Nq + i0) * d;
           const T* r = a.rvec + (p * BH + bh) * Nq + i0;
           const T* dl = a.dlt + (p * BH + bh) * Nq + i0;
-          T* dtKp = dtK + p * kBlockN * d;
-          T* dtVp = dtV + p * kBlockN * d;
-          tangent_scores_tile(SP, Q, TQ, K, TK(p), tm, d, scale);
-          gemm(false, true, m, nv, d, T(1), gtO, d, V, d, T(0), dPt, kBlockN);             // dP'
-          gemm(false, true, m, nv, d, T(1), gtO, d, TV(p), d, T(1), gP, kBlockN);          // gO' V'^T
-          tm.fill_outside(dPt, kBlockN, T(0));  // masked V, V' may hold NaN
-          tm.fill_outside(gP, kBlockN, T(0));
+          T* SP = group(SS, 1 + p);
+          T* dPt = group(GG, 1 + p);
+          tm.fill_outside(dPt, kBlockN, T(0));
           for (int64_t i = 0; i < m; ++i)
-            tangent_row(S + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, gP + i * kBlockN, nv, r[i], dl[i]);
+            tangent_row(SS + i * kBlockN, SP + i * kBlockN, dPt + i * kBlockN, GG + i * kBlockN, nv, r[i], dl[i],
+                        scale);
           tm.fill_outside(SP, kBlockN, T(0));   // P', gS': a NaN row statistic stays in its row
           tm.fill_outside(dPt, kBlockN, T(0));
-          mm_queries(tm, d, T(1), SP, kBlockN, gtO, d, dV, d);                             // dV += P'^T gO'
-          mm_queries(tm, d, scale, dPt, kBlockN, TQ, d, dK, d);                            // dK += s gS'^T Q'
-          mm_queries(tm, d, scale, dPt, kBlockN, Q, d, dtKp, d);                           // dK' = s gS'^T Q
-          mm_queries(tm, d, T(1), S, kBlockN, gtO, d, dtVp, d);                            // dV' = P^T gO'
+          // dPt now holds s gS'_p (and GG below s gS): the products need no alpha (see gemm)
+          mm_queries(tm, d, T(1), SS, kBlockN, GOi + (1 + p) * m * d, d, dtV + p * kBlockN * d, d);  // dV' += P^T gO'
+          mm_queries(tm, d, T(1), dPt, kBlockN, QSi, d, dtK + p * kBlockN * d, d);         // dK' += s gS'^T Q
+          mm_keys(tm, d, T(1), dPt, kBlockN, K, d, a.dtq + ((p * BH + bh) * Nq + i0) * d, d);  // dQ' += s gS' K
+          mm_keys(tm, d, T(1), dPt, kBlockN, tk[p], d, dQi, d);                           // dQ += s gS' K'
         }
-        for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, gP + i * kBlockN, nv, Drow[i]);  // gS
-        tm.fill_outside(gP, kBlockN, T(0));
-        mm_queries(tm, d, scale, gP, kBlockN, Q, d, dK, d);                                // dK += s gS^T Q
+        mm_queries(tm, d, T(1), SS, kBlockN, GOi, d, dV, d, R);                            // dV += [P; P'_p]^T [gO; gO'_p]
+        for (int64_t i = 0; i < m; ++i) ds_row(SS + i * kBlockN, GG + i * kBlockN, nv, Drow[i], scale);  // s gS
+        tm.fill_outside(GG, kBlockN, T(0));
+        mm_queries(tm, d, T(1), GG, kBlockN, QSi, d, dK, d, R);                            // dK += s [gS; gS'_p]^T [Q; Q'_p]
+        mm_keys(tm, d, T(1), GG, kBlockN, K, d, dQi, d);                                   // dQ += s gS K
+      }
+      std::copy(dK, dK + n * d, a.dk + (bh * Nk + j0) * d);
+      std::copy(dV, dV + n * d, a.dv + (bh * Nk + j0) * d);
+      for (int64_t p = 0; p < P; ++p) {
+        std::copy(dtK + p * kBlockN * d, dtK + p * kBlockN * d + n * d, a.dtk + ((p * BH + bh) * Nk + j0) * d);
+        std::copy(dtV + p * kBlockN * d, dtV + p * kBlockN * d + n * d, a.dtv + ((p * BH + bh) * Nk + j0) * d);
       }
     }
-    std::copy(dK, dK + n * d, a.dk + (bhk * Nk + j0) * d);
-    std::copy(dV, dV + n * d, a.dv + (bhk * Nk + j0) * d);
-    for (int64_t p = 0; p < P; ++p) {
-      std::copy(dtK + p * kBlockN * d, dtK + p * kBlockN * d + n * d, a.dtk + ((p * BHk + bhk) * Nk + j0) * d);
-      std::copy(dtV + p * kBlockN * d, dtV + p * kBlockN * d + n * d, a.dtv + ((p * BHk + bhk) * Nk + j0) * d);
+  });
+}
+
+// out[(c, b, hk)] = sum_g parts[(c, b, hk * G + g)] over rows of `row` elements, g in order: the
+// per-query-head key-side gradients of a GQA group summed deterministically.
+template <typename T>
+void sum_groups(const T* parts, T* out, int64_t outer, int64_t Hkv, int64_t G, int64_t row) {
+  at::parallel_for(0, outer * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const T* src = parts + o * G * row;
+      T* dst = out + o * row;
+      std::copy(src, src + row, dst);
+      for (int64_t g = 1; g < G; ++g)
+        for (int64_t c = 0; c < row; ++c) dst[c] += src[g * row + c];
     }
   });
 }
@@ -775,11 +823,13 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
                                                bool lse_in_compute_type = false) {
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const Dims D = dims_of(q_, k_, mask, P);
-  Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
-  Tensor tq, tk, tv;
+  // Keys transposed to [.., d, Nk] (one O(N d) copy; see fwd_jvp_kernel).
+  auto transposed = [&](const Tensor& x) { return x.to(ct).transpose(-1, -2).contiguous(); };
+  Tensor q = q_.to(ct).contiguous(), kt = transposed(k_), v = v_.to(ct).contiguous();
+  Tensor tq, tkt, tv;
   if (P > 0) {
     tq = tq_->to(ct).contiguous();
-    tk = tk_->to(ct).contiguous();
+    tkt = transposed(*tk_);
     tv = tv_->to(ct).contiguous();
   }
   Tensor out = at::empty(q.sizes(), q.options());
@@ -788,9 +838,9 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
   if (D.B * D.H > 0) {
     AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_fwd_cpu", [&] {
       const scalar_t* nul = nullptr;
-      fwd_jvp_kernel<scalar_t>(D, (scalar_t)scale, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+      fwd_jvp_kernel<scalar_t>(D, (scalar_t)scale, q.data_ptr<scalar_t>(), kt.data_ptr<scalar_t>(),
                                v.data_ptr<scalar_t>(), P ? tq.data_ptr<scalar_t>() : nul,
-                               P ? tk.data_ptr<scalar_t>() : nul, P ? tv.data_ptr<scalar_t>() : nul,
+                               P ? tkt.data_ptr<scalar_t>() : nul, P ? tv.data_ptr<scalar_t>() : nul,
                                out.data_ptr<scalar_t>(), P ? tout.data_ptr<scalar_t>() : nullptr,
                                lse.data_ptr<scalar_t>());
     });
@@ -944,6 +994,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   auto c = [&](const Tensor& x) { return x.to(ct).contiguous(); };
   Tensor q = c(q_), k = c(k_), v = c(v_), tq = c(tq_), tk = c(tk_), tv = c(tv_);
   Tensor gout = c(gout_), gtout = c(gtout_), out = c(out_);
+  // Transposed copies ([.., d, Nk]; the keys scaled by s) for plain products (see gemm): O(N d).
+  auto transposed = [&](const Tensor& x, double f) {
+    return (f == 1.0 ? x : x * f).transpose(-1, -2).contiguous();
+  };
+  Tensor kts = transposed(k, scale), tkts = transposed(tk, scale), vt = transposed(v, 1.0), tvt = transposed(tv, 1.0);
   // Row statistics from the saved outputs (O(N)): d'_p = rowsum(gO'_p o O) and the part of D that
   // does not need r; pass 1 subtracts sum_p r_p d'_p.
   Tensor dlt = (gtout * out.unsqueeze(0)).sum(-1).contiguous();
@@ -954,21 +1009,40 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
                                                        /*lse_in_compute_type=*/true))
                              : c(lse_);
   Tensor rvec = at::empty({P, D.B, D.H, D.Nq}, q.options());
-  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
-  Tensor dv = at::empty(v.sizes(), v.options());
-  Tensor dtq = at::empty(tq.sizes(), tq.options()), dtk = at::empty(tk.sizes(), tk.options());
-  Tensor dtv = at::empty(tv.sizes(), tv.options());
+  Tensor dq = at::empty(q.sizes(), q.options()), dtq = at::empty(tq.sizes(), tq.options());
+  // Key-side gradients per query head (the outputs themselves without GQA), summed over the group.
+  const int64_t G = D.H / D.Hkv;
+  auto per_head = [&](const Tensor& x) {
+    auto sizes = x.sizes().vec();
+    sizes[sizes.size() - 3] = D.H;
+    return at::empty(sizes, x.options());
+  };
+  Tensor dk_h = per_head(k), dv_h = per_head(v), dtk_h = per_head(tk), dtv_h = per_head(tv);
   AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_jvp_bwd_cpu", [&] {
     JvpBwdArgs<scalar_t> a{(scalar_t)scale,
                            gout.data_ptr<scalar_t>(), gtout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
                            k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
                            tk.data_ptr<scalar_t>(), tv.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                           kts.data_ptr<scalar_t>(), tkts.data_ptr<scalar_t>(), vt.data_ptr<scalar_t>(),
+                           tvt.data_ptr<scalar_t>(),
                            dlt.data_ptr<scalar_t>(), rvec.data_ptr<scalar_t>(), Dvec.data_ptr<scalar_t>(),
-                           dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                           dtq.data_ptr<scalar_t>(), dtk.data_ptr<scalar_t>(), dtv.data_ptr<scalar_t>()};
-    jvp_bwd_query_pass<scalar_t>(D, a);  // r and D are complete before pass 2 reads them
-    jvp_bwd_key_pass<scalar_t>(D, a);
+                           dq.data_ptr<scalar_t>(), dtq.data_ptr<scalar_t>(),
+                           dk_h.data_ptr<scalar_t>(), dv_h.data_ptr<scalar_t>(),
+                           dtk_h.data_ptr<scalar_t>(), dtv_h.data_ptr<scalar_t>()};
+    jvp_bwd_r_pass<scalar_t>(D, a);  // r and D are complete before pass 2 reads them
+    jvp_bwd_grad_pass<scalar_t>(D, a);
   });
+  auto grouped = [&](const Tensor& parts, const Tensor& like) {
+    if (G == 1) return parts;
+    Tensor out = at::empty(like.sizes(), like.options());
+    if (out.numel() == 0) return out;
+    AT_DISPATCH_FLOATING_TYPES(ct, "condinit_attention_jvp_bwd_sum_groups", [&] {
+      sum_groups<scalar_t>(parts.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), parts.numel() / (D.H * D.Nk * D.d),
+                           D.Hkv, G, D.Nk * D.d);
+    });
+    return out;
+  };
+  Tensor dk = grouped(dk_h, k), dv = grouped(dv_h, v), dtk = grouped(dtk_h, tk), dtv = grouped(dtv_h, tv);
   return {dq.to(dt), dk.to(dt), dv.to(dt), dtq.to(dt), dtk.to(dt), dtv.to(dt)};
 }
 
