@@ -10,7 +10,7 @@
 //   bwd: flash backward from the saved lse: D = rowsum(dO o O), P = exp(S - lse), dP = dO V^T,
 //        dS = P o (dP - D), dQ = s dS K, dK = s dS^T Q, dV = P^T dO.
 //   jvp_bwd: gradients of a loss on (O, O'_p) w.r.t. (Q, K, V, Q'_p, K'_p, V'_p) from the saved
-//        O, O'_p, lse: r_p = rowsum(P o S'_p) (recomputed), d'_p = rowsum(gO'_p o O),
+//        O, O'_p, lse: r_p = rowsum(P o S'_p) (recomputed: not an output of jvp), d'_p = rowsum(gO'_p o O),
 //        D = rowsum(gO o O) + sum_p (rowsum(gO'_p o O'_p) - r_p d'_p), gS'_p = P o (gO'_p V^T - d'_p),
 //        gP = gO V^T + sum_p (gO'_p V'_p^T + dP'_p o (S'_p - r_p) - S'_p d'_p), gS = P o (gP - D).
 // Layouts: q [B, H, Nq, d]; k, v [B, Hkv, Nk, d] with Hkv | H (q head h reads kv head h / (H / Hkv));
@@ -19,9 +19,9 @@
 //
 // CPU strategy: parallel over (batch, head, query tile) with a shared work counter (causal tiles
 // differ in cost, so threads pull the most expensive tiles first); every tile matrix product is
-// one BLAS call (MKL sgemm through libtorch, 64 x 128 x d is big enough to amortize the call); the
-// exponentials use a polynomial exp that GCC vectorizes (target_clones picks AVX-512/AVX2 at run
-// time, no -march needed). fp16/bf16 inputs are computed in fp32, fp64 in fp64.
+// one call, the primal and probe operands stacked where they share a factor (see gemm for which
+// library runs it); the exponentials use a polynomial exp that GCC vectorizes (target_clones picks
+// AVX-512/AVX2 at run time, no -march needed). fp16/bf16 inputs are computed in fp32, fp64 in fp64.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -333,13 +333,27 @@ struct Dims {
   MaskArgs mask;
 };
 
+// x [..., N, d] -> f x as [..., ceil(N / block), d, block]: each block of `block` rows transposed
+// (zero-padded to a whole block). A tile of keys starting at a multiple of `block` then reads its
+// K^T / V^T with leading dimension `block` whatever N is, so the tile products see a few fixed
+// shapes (brgemm compiles a kernel per shape) and one O(N d) copy serves every query tile.
+Tensor blocked_transpose(const Tensor& x, int64_t block, double f) {
+  const int64_t N = x.size(-2), d = x.size(-1), nb = (N + block - 1) / block;
+  Tensor y = f == 1.0 ? x : x * f;
+  if (nb * block != N) y = at::constant_pad_nd(y, {0, 0, 0, nb * block - N});
+  auto sizes = y.sizes().vec();
+  sizes.resize(sizes.size() - 2);
+  sizes.insert(sizes.end(), {nb, block, d});
+  return y.reshape(sizes).transpose(-1, -2).contiguous();
+}
+
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
 // lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
 // The primal and the probes are stacked row-wise so that shared operands go through one product:
 // [S; Q'_p K^T] = s [Q; Q'_p] K^T, then S'_p += s Q K'_p^T, and [acc; accT_p] += [P~; P~ o S'_p] V,
 // then accT_p += P~ V'_p: 2 + 2P products per tile instead of 2 + 4P. The keys come transposed
-// (kt, tkt: [.., d, Nk]) and the stacked queries scaled by s, so that every product is a plain
-// C (+)= A B (see gemm).
+// in blocks of kFwdN (kt, tkt: see blocked_transpose) and the stacked queries scaled by s, so that
+// every product is a plain C (+)= A B (see gemm); key tiles start at multiples of kFwdN.
 template <typename T>
 void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v, const T* tq,
                     const T* tkt, const T* tv, T* out, T* tout, T* lse) {
@@ -347,7 +361,7 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v,
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, R = 1 + P;  // R stacked row groups: the primal, then each probe
   const int64_t nqt = (Nq + BM - 1) / BM;
-  const int64_t BH = B * H;
+  const int64_t BH = B * H, kblocks = (Nk + BN - 1) / BN;
   const T ninf = -std::numeric_limits<T>::infinity();
   run_tasks(BH * nqt, [&](int64_t t, int64_t) {
     // Per-task buffers: O(tile) memory.
@@ -359,12 +373,12 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v,
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G;
     const int64_t i0 = qt * BM, m = std::min(BM, Nq - i0);
     const T* Q = q + (bh * Nq + i0) * d;
-    const T* KT = kt + (b * Hkv + hk) * d * Nk;  // [d, Nk]
+    const T* KT = kt + (b * Hkv + hk) * kblocks * d * BN;  // [kblocks, d, BN]
     const T* V = v + (b * Hkv + hk) * Nk * d;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
-    // Keys [jbegin, jend) can be attended by the tile's valid rows.
-    const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
+    // Keys [jbegin, jend) can be attended by the tile's valid rows (jbegin rounded down to a block).
+    const int64_t jbegin = mv > 0 ? sm.lo(i0) / BN * BN : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
 
     T* SS = buf.data();                   // [R mv, BN]: S then P~; group 1 + p: S'_p then P~ o S'_p
@@ -389,10 +403,11 @@ void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v,
     for (int64_t j0 = jbegin; j0 < jend; j0 += BN) {
       const int64_t n = std::min(BN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      gemm(false, false, R * mv, n, d, T(1), QS, d, KT + j0, Nk, T(0), SS, BN);        // S; s Q'_p K^T
+      const int64_t blk = (j0 / BN) * d * BN;
+      gemm(false, false, R * mv, n, d, T(1), QS, d, KT + blk, BN, T(0), SS, BN);       // S; s Q'_p K^T
       for (int64_t p = 0; p < P; ++p) {
-        const T* TKT = tkt + ((p * B + b) * Hkv + hk) * d * Nk + j0;
-        gemm(false, false, mv, n, d, T(1), QS, d, TKT, Nk, T(1), group(SS, 1 + p, BN), BN);  // S'_p
+        const T* TKT = tkt + ((p * B + b) * Hkv + hk) * kblocks * d * BN + blk;
+        gemm(false, false, mv, n, d, T(1), QS, d, TKT, BN, T(1), group(SS, 1 + p, BN), BN);  // S'_p
         tm.fill_outside(group(SS, 1 + p, BN), BN, T(0));  // masked K / K' may hold NaN
       }
       tm.fill_outside(SS, BN, ninf);
@@ -530,7 +545,7 @@ template <typename T>
 struct JvpBwdArgs {
   T scale;
   const T *gout, *gtout, *q, *k, *v, *tq, *tk, *tv, *lse;
-  const T *kts, *tkts;  // s K^T, s K'_p^T: [B, Hkv, d, Nk], [P, B, Hkv, d, Nk]
+  const T *kts, *tkts;  // s K^T, s K'_p^T by blocks of kBlockN keys (blocked_transpose)
   const T *vt, *tvt;    // V^T, V'_p^T: the same layouts
   const T* dlt;  // d'_p = rowsum(gO'_p o O)                 [P, B, H, Nq]
   T* rvec;       // r_p = rowsum(P o S'_p), written by pass 1   [P, B, H, Nq]
@@ -568,8 +583,9 @@ void probs_from_scores(T* S, const T* L, const TileMask& tm) {
 }
 
 // SS <- [P; S'_1; ...; S'_P] of an [m x n] tile from the stacked query rows QS = [Q; Q'_1; ...]
-// ([(1 + P) m x d]) and the scaled, transposed keys KTs = s K^T, TKTs[p] = s K'_p^T (leading
-// dimension ldk): one product QS KTs gives the scores and every s Q'_p K^T, then S'_p += Q TKTs[p].
+// ([(1 + P) m x d]) and the tile's scaled, transposed keys KTs = s K^T, TKTs[p] = s K'_p^T
+// (leading dimension ldk): one product QS KTs gives the scores and every s Q'_p K^T, then
+// S'_p += Q TKTs[p].
 // S'_p is 0 at masked pairs (masked K, K' may hold NaN).
 template <typename T>
 void scores_tile(T* SS, const T* QS, const T* KTs, const T* const* TKTs, int64_t ldk, const T* L,
@@ -609,11 +625,12 @@ void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     const int64_t qt = nqt - 1 - t / BH;  // last (most expensive under causal) tiles first
     const int64_t bh = t % BH, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Nq - i0);
-    const T* KTs = a.kts + bhk * d * Nk;
+    const int64_t kblocks = (Nk + kBlockN - 1) / kBlockN;
+    const T* KTs = a.kts + bhk * kblocks * d * kBlockN;
     const T* L = a.lse + bh * Nq + i0;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
     const int64_t mv = std::clamp<int64_t>(sm.Lq - i0, 0, m);  // valid query rows of the tile
-    const int64_t jbegin = mv > 0 ? sm.lo(i0) : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
+    const int64_t jbegin = mv > 0 ? sm.lo(i0) / kBlockN * kBlockN : 0, jend = mv > 0 ? sm.hi(i0 + mv - 1) : 0;
     TileMask tm;
     stack_rows(QS, a.q + (bh * Nq + i0) * d, a.tq + (bh * Nq + i0) * d, BH * Nq * d, P, mv, d);
 
@@ -621,8 +638,9 @@ void jvp_bwd_r_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     for (int64_t j0 = jbegin; j0 < jend; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, jend - j0);
       tm.build(sm, i0, mv, mv, j0, n);
-      for (int64_t p = 0; p < P; ++p) tkt[p] = a.tkts + (p * BHk + bhk) * d * Nk + j0;
-      scores_tile(SS, QS, KTs + j0, tkt.data(), Nk, L, tm, d, P);
+      const int64_t blk = (j0 / kBlockN) * d * kBlockN;
+      for (int64_t p = 0; p < P; ++p) tkt[p] = a.tkts + (p * BHk + bhk) * kblocks * d * kBlockN + blk;
+      scores_tile(SS, QS, KTs + blk, tkt.data(), kBlockN, L, tm, d, P);
       for (int64_t p = 0; p < P; ++p) {
         T* SP = SS + (1 + p) * mv * kBlockN;
         for (int64_t i = 0; i < mv; ++i) r[p * kBlockM + i] += mul_rowsum(SS + i * kBlockN, SP + i * kBlockN, n);
@@ -680,13 +698,14 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     for (int64_t j0 = 0; j0 < Nk; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, Nk - j0);
       const T* K = a.k + (bhk * Nk + j0) * d;
-      const T* KTs = a.kts + bhk * d * Nk + j0;
-      const T* VT = a.vt + bhk * d * Nk + j0;
+      const int64_t kblocks = (Nk + kBlockN - 1) / kBlockN, blk = (j0 / kBlockN) * d * kBlockN;
+      const T* KTs = a.kts + bhk * kblocks * d * kBlockN + blk;
+      const T* VT = a.vt + bhk * kblocks * d * kBlockN + blk;
       for (int64_t p = 0; p < P; ++p) {
         tk[p] = a.tk + ((p * BHk + bhk) * Nk + j0) * d;
-        tkt[p] = a.tkts + (p * BHk + bhk) * d * Nk + j0;
+        tkt[p] = a.tkts + (p * BHk + bhk) * kblocks * d * kBlockN + blk;
       }
-      auto TVT = [&](int64_t p) { return a.tvt + (p * BHk + bhk) * d * Nk + j0; };
+      auto TVT = [&](int64_t p) { return a.tvt + (p * BHk + bhk) * kblocks * d * kBlockN + blk; };
       std::fill(dK, dK + n * d, T(0));
       std::fill(dV, dV + n * d, T(0));
       std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
@@ -704,10 +723,10 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
         T* dQi = dQ + i0 * d;
         auto group = [&](T* base, int64_t g) { return base + g * m * kBlockN; };
         tm.build(sm, i0, m, std::clamp<int64_t>(sm.Lq - i0, 0, m), j0, nv);
-        scores_tile(SS, QSi, KTs, tkt.data(), Nk, L, tm, d, P);                             // P, S'_p
-        gemm(false, false, R * m, nv, d, T(1), GOi, d, VT, Nk, T(0), GG, kBlockN);          // gO V^T, dP'_p
+        scores_tile(SS, QSi, KTs, tkt.data(), kBlockN, L, tm, d, P);                        // P, S'_p
+        gemm(false, false, R * m, nv, d, T(1), GOi, d, VT, kBlockN, T(0), GG, kBlockN);     // gO V^T, dP'_p
         for (int64_t p = 0; p < P; ++p)
-          gemm(false, false, m, nv, d, T(1), GOi + (1 + p) * m * d, d, TVT(p), Nk, T(1), GG, kBlockN);  // gO'_p V'_p^T
+          gemm(false, false, m, nv, d, T(1), GOi + (1 + p) * m * d, d, TVT(p), kBlockN, T(1), GG, kBlockN);  // gO'_p V'_p^T
         tm.fill_outside(GG, kBlockN, T(0));  // masked V, V' may hold NaN
         for (int64_t p = 0; p < P; ++p) {
           const T* r = a.rvec + (p * BH + bh) * Nq + i0;
@@ -823,8 +842,8 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
                                                bool lse_in_compute_type = false) {
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const Dims D = dims_of(q_, k_, mask, P);
-  // Keys transposed to [.., d, Nk] (one O(N d) copy; see fwd_jvp_kernel).
-  auto transposed = [&](const Tensor& x) { return x.to(ct).transpose(-1, -2).contiguous(); };
+  // Keys transposed by blocks (one O(N d) copy; see fwd_jvp_kernel).
+  auto transposed = [&](const Tensor& x) { return blocked_transpose(x.to(ct), kFwdN, 1.0); };
   Tensor q = q_.to(ct).contiguous(), kt = transposed(k_), v = v_.to(ct).contiguous();
   Tensor tq, tkt, tv;
   if (P > 0) {
@@ -994,11 +1013,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   auto c = [&](const Tensor& x) { return x.to(ct).contiguous(); };
   Tensor q = c(q_), k = c(k_), v = c(v_), tq = c(tq_), tk = c(tk_), tv = c(tv_);
   Tensor gout = c(gout_), gtout = c(gtout_), out = c(out_);
-  // Transposed copies ([.., d, Nk]; the keys scaled by s) for plain products (see gemm): O(N d).
-  auto transposed = [&](const Tensor& x, double f) {
-    return (f == 1.0 ? x : x * f).transpose(-1, -2).contiguous();
-  };
-  Tensor kts = transposed(k, scale), tkts = transposed(tk, scale), vt = transposed(v, 1.0), tvt = transposed(tv, 1.0);
+  // Copies transposed by blocks (the keys scaled by s) for plain products (see gemm): O(N d).
+  Tensor kts = blocked_transpose(k, kBlockN, scale), tkts = blocked_transpose(tk, kBlockN, scale);
+  Tensor vt = blocked_transpose(v, kBlockN, 1.0), tvt = blocked_transpose(tv, kBlockN, 1.0);
   // Row statistics from the saved outputs (O(N)): d'_p = rowsum(gO'_p o O) and the part of D that
   // does not need r; pass 1 subtracts sum_p r_p d'_p.
   Tensor dlt = (gtout * out.unsqueeze(0)).sum(-1).contiguous();
