@@ -312,6 +312,29 @@ void mm_queries(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda,
   }
 }
 
+// C^T[d x n] += A^T[d x g m] X[g m x n]: the key-side gradient of mm_queries accumulated
+// transposed, from the query-side operand transposed (columns col0.. of the block AT [d x lda]:
+// its column col0 + r is row r of the stacked operand), so that the product is a plain C += A B
+// (see gemm). Exact in the same way as mm_queries: each query row adds to its allowed keys only
+// when the block holds non-finite values.
+template <typename T>
+void mm_queries_t(const TileMask& tm, int64_t d, const T* AT, int64_t lda, int64_t col0, const T* X, int64_t ldx,
+                  T* CT, int64_t ldc, int64_t groups = 1) {
+  if (tm.full || all_finite(AT, d * lda)) {
+    gemm(false, false, d, tm.n, groups * tm.m, T(1), AT + col0, lda, X, ldx, T(1), CT, ldc);
+    return;
+  }
+  for (int64_t r = 0; r < groups * tm.m; ++r) {
+    const int64_t i = r % tm.m, lo = tm.lo[i], hi = tm.hi[i];
+    for (int64_t c = 0; c < d && hi > lo; ++c) {
+      const T a = AT[c * lda + col0 + r];
+      T* crow = CT + c * ldc;
+      const T* xrow = X + r * ldx;
+      for (int64_t j = lo; j < hi; ++j) crow[j] += a * xrow[j];
+    }
+  }
+}
+
 // Runs body(task, worker) for task in [0, ntask) on at::get_num_threads() workers pulling tasks
 // from a shared counter (tasks are ordered most expensive first by the callers).
 template <typename F>
@@ -667,18 +690,21 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   run_tasks(BH, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
     thread_local std::vector<const T*> tk, tkt;
-    const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R + 2 * R * Nq * d;
+    const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R + 4 * R * Nq * d;
     if ((int64_t)buf.size() < need) buf.resize(need);
     tk.resize(P);
     tkt.resize(P);
     T* SS = buf.data();                  // [R BM, BN] P, then S'_p -> P'_p
     T* GG = SS + R * kBlockM * kBlockN;  // [R BM, BN] gP -> gS, then dP'_p -> gS'_p
-    T* dK = GG + R * kBlockM * kBlockN;  // [BN, d]
-    T* dV = dK + kBlockN * d;            // [BN, d]
-    T* dtK = dV + kBlockN * d;           // [P, BN, d]
-    T* dtV = dtK + P * kBlockN * d;      // [P, BN, d]
-    T* QS = dtV + P * kBlockN * d;       // per query tile: [R m, d] Q, Q'_p
+    // The key tile's gradients, transposed (see mm_queries_t): [d, BN] each.
+    T* dKT = GG + R * kBlockM * kBlockN;
+    T* dVT = dKT + kBlockN * d;
+    T* dtKT = dVT + kBlockN * d;         // [P, d, BN]
+    T* dtVT = dtKT + P * kBlockN * d;    // [P, d, BN]
+    T* QS = dtVT + P * kBlockN * d;      // per query tile: [R m, d] Q, Q'_p
     T* GO = QS + R * Nq * d;             // per query tile: [R m, d] gO, gO'_p
+    T* QST = GO + R * Nq * d;            // per query tile: the same transposed, [d, R m]
+    T* GOT = QST + R * Nq * d;
 
     const int64_t bh = t, b = bh / H, h = bh % H, hk = h / G, bhk = b * Hkv + hk;
     const SeqMask sm = seq_mask(D.mask, b, Nq, Nk);
@@ -687,6 +713,11 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
       const int64_t m = std::min(kBlockM, Nq - i0);
       stack_rows(QS + R * i0 * d, a.q + (bh * Nq + i0) * d, a.tq + (bh * Nq + i0) * d, BH * Nq * d, P, m, d);
       stack_rows(GO + R * i0 * d, a.gout + (bh * Nq + i0) * d, a.gtout + (bh * Nq + i0) * d, BH * Nq * d, P, m, d);
+      for (int64_t r = 0; r < R * m; ++r)
+        for (int64_t c = 0; c < d; ++c) {
+          QST[R * i0 * d + c * R * m + r] = QS[R * i0 * d + r * d + c];
+          GOT[R * i0 * d + c * R * m + r] = GO[R * i0 * d + r * d + c];
+        }
     }
     T* dQ = a.dq + bh * Nq * d;
     std::fill(dQ, dQ + Nq * d, T(0));
@@ -706,9 +737,7 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
         tkt[p] = a.tkts + (p * BHk + bhk) * kblocks * d * kBlockN + blk;
       }
       auto TVT = [&](int64_t p) { return a.tvt + (p * BHk + bhk) * kblocks * d * kBlockN + blk; };
-      std::fill(dK, dK + n * d, T(0));
-      std::fill(dV, dV + n * d, T(0));
-      std::fill(dtK, dtK + 2 * P * kBlockN * d, T(0));  // dtK and dtV
+      std::fill(dKT, dKT + 2 * R * kBlockN * d, T(0));  // dKT, dVT, dtKT, dtVT
       const int64_t nv = std::clamp<int64_t>(sm.Lk - j0, 0, n);  // keys of the tile before Lk
       // Queries [qstart, qend) attend some key of the tile (padded keys get zero gradients).
       const int64_t qstart = nv > 0 ? sm.qfirst(j0) : 0, qend = nv > 0 ? sm.qend(j0 + nv) : 0;
@@ -718,6 +747,8 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
         const int64_t m = std::min(kBlockM, Nq - i0);
         const T* QSi = QS + R * i0 * d;
         const T* GOi = GO + R * i0 * d;
+        const T* QSTi = QST + R * i0 * d;  // [d, R m]
+        const T* GOTi = GOT + R * i0 * d;
         const T* L = a.lse + bh * Nq + i0;
         const T* Drow = a.Dvec + bh * Nq + i0;
         T* dQi = dQ + i0 * d;
@@ -740,22 +771,26 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
           tm.fill_outside(SP, kBlockN, T(0));   // P', gS': a NaN row statistic stays in its row
           tm.fill_outside(dPt, kBlockN, T(0));
           // dPt now holds s gS'_p (and GG below s gS): the products need no alpha (see gemm)
-          mm_queries(tm, d, T(1), SS, kBlockN, GOi + (1 + p) * m * d, d, dtV + p * kBlockN * d, d);  // dV' += P^T gO'
-          mm_queries(tm, d, T(1), dPt, kBlockN, QSi, d, dtK + p * kBlockN * d, d);         // dK' += s gS'^T Q
+          mm_queries_t(tm, d, GOTi, R * m, (1 + p) * m, SS, kBlockN, dtVT + p * kBlockN * d, kBlockN);  // dV' += P^T gO'
+          mm_queries_t(tm, d, QSTi, R * m, 0, dPt, kBlockN, dtKT + p * kBlockN * d, kBlockN);  // dK' += s gS'^T Q
           mm_keys(tm, d, T(1), dPt, kBlockN, K, d, a.dtq + ((p * BH + bh) * Nq + i0) * d, d);  // dQ' += s gS' K
           mm_keys(tm, d, T(1), dPt, kBlockN, tk[p], d, dQi, d);                           // dQ += s gS' K'
         }
-        mm_queries(tm, d, T(1), SS, kBlockN, GOi, d, dV, d, R);                            // dV += [P; P'_p]^T [gO; gO'_p]
+        mm_queries_t(tm, d, GOTi, R * m, 0, SS, kBlockN, dVT, kBlockN, R);                  // dV += [P; P'_p]^T [gO; gO'_p]
         for (int64_t i = 0; i < m; ++i) ds_row(SS + i * kBlockN, GG + i * kBlockN, nv, Drow[i], scale);  // s gS
         tm.fill_outside(GG, kBlockN, T(0));
-        mm_queries(tm, d, T(1), GG, kBlockN, QSi, d, dK, d, R);                            // dK += s [gS; gS'_p]^T [Q; Q'_p]
+        mm_queries_t(tm, d, QSTi, R * m, 0, GG, kBlockN, dKT, kBlockN, R);                  // dK += s [gS; gS'_p]^T [Q; Q'_p]
         mm_keys(tm, d, T(1), GG, kBlockN, K, d, dQi, d);                                   // dQ += s gS K
       }
-      std::copy(dK, dK + n * d, a.dk + (bh * Nk + j0) * d);
-      std::copy(dV, dV + n * d, a.dv + (bh * Nk + j0) * d);
+      auto store = [&](const T* CT, T* dst) {  // [d, BN] -> rows [n, d]
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < d; ++c) dst[j * d + c] = CT[c * kBlockN + j];
+      };
+      store(dKT, a.dk + (bh * Nk + j0) * d);
+      store(dVT, a.dv + (bh * Nk + j0) * d);
       for (int64_t p = 0; p < P; ++p) {
-        std::copy(dtK + p * kBlockN * d, dtK + p * kBlockN * d + n * d, a.dtk + ((p * BH + bh) * Nk + j0) * d);
-        std::copy(dtV + p * kBlockN * d, dtV + p * kBlockN * d + n * d, a.dtv + ((p * BH + bh) * Nk + j0) * d);
+        store(dtKT + p * kBlockN * d, a.dtk + ((p * BH + bh) * Nk + j0) * d);
+        store(dtVT + p * kBlockN * d, a.dtv + ((p * BH + bh) * Nk + j0) * d);
       }
     }
   });
