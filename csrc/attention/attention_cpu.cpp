@@ -380,9 +380,12 @@ Tensor blocked_transpose(const Tensor& x, int64_t block, double f) {
 template <typename T>
 void fwd_jvp_kernel(const Dims& D, T scale, const T* q, const T* kt, const T* v, const T* tq,
                     const T* tkt, const T* tv, T* out, T* tout, T* lse) {
-  constexpr int64_t BM = kFwdM, BN = kFwdN;
   const int64_t B = D.B, H = D.H, Hkv = D.Hkv, Nq = D.Nq, Nk = D.Nk, d = D.d, P = D.P;
   const int64_t G = H / Hkv, R = 1 + P;  // R stacked row groups: the primal, then each probe
+  // Query rows per tile: kFwdM for the forward and one probe; with more probes fewer, so that the
+  // R stacked score tiles (all live at once) stay about the size of two (cache-resident).
+  constexpr int64_t BN = kFwdN;
+  const int64_t BM = std::clamp<int64_t>(2 * kFwdM / R / 16 * 16, 16, kFwdM);
   const int64_t nqt = (Nq + BM - 1) / BM;
   const int64_t BH = B * H, kblocks = (Nk + BN - 1) / BN;
   const T ninf = -std::numeric_limits<T>::infinity();
