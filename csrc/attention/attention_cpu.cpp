@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -693,10 +694,12 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
   run_tasks(BH, [&](int64_t t, int64_t) {
     thread_local std::vector<T> buf;
     thread_local std::vector<const T*> tk, tkt;
-    const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R + 4 * R * Nq * d;
+    const int64_t need = 2 * R * kBlockM * kBlockN + 2 * kBlockN * d * R;
     if ((int64_t)buf.size() < need) buf.resize(need);
     tk.resize(P);
     tkt.resize(P);
+    // The head's stacked query-side operands: O(Nq d), for this task only (not kept per thread).
+    std::unique_ptr<T[]> heads(new T[4 * R * Nq * d]);
     T* SS = buf.data();                  // [R BM, BN] P, then S'_p -> P'_p
     T* GG = SS + R * kBlockM * kBlockN;  // [R BM, BN] gP -> gS, then dP'_p -> gS'_p
     // The key tile's gradients, transposed (see mm_queries_t): [d, BN] each.
@@ -704,7 +707,7 @@ void jvp_bwd_grad_pass(const Dims& D, const JvpBwdArgs<T>& a) {
     T* dVT = dKT + kBlockN * d;
     T* dtKT = dVT + kBlockN * d;         // [P, d, BN]
     T* dtVT = dtKT + P * kBlockN * d;    // [P, d, BN]
-    T* QS = dtVT + P * kBlockN * d;      // per query tile: [R m, d] Q, Q'_p
+    T* QS = heads.get();                 // per query tile: [R m, d] Q, Q'_p
     T* GO = QS + R * Nq * d;             // per query tile: [R m, d] gO, gO'_p
     T* QST = GO + R * Nq * d;            // per query tile: the same transposed, [d, R m]
     T* GOT = QST + R * Nq * d;
