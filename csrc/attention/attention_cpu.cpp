@@ -295,20 +295,30 @@ void mm_keys(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, co
   }
 }
 
-// C[n x d] += alpha A[g m x n]^T Y[g m x d] (contraction over the tile's queries and `groups`
-// stacked blocks sharing the tile's mask), exact in the same way: each query row adds to its
-// allowed keys only when Y holds non-finite values.
+// S <- P = exp(S - lse) of an [m x n] tile of scores (0 where masked and on rows that see no key).
+template <typename T>
+void probs_from_scores(T* S, const T* L, const TileMask& tm) {
+  tm.fill_outside(S, kBlockN, -std::numeric_limits<T>::infinity());
+  for (int64_t i = 0; i < tm.m; ++i) {
+    T* row = S + i * kBlockN;
+    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + tm.n, T(0));  // nothing visible
+    else exp_shift_sum(row, tm.n, L[i]);
+  }
+  tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
+}
+
+// C[n x d] += alpha A[m x n]^T Y[m x d] (contraction over the tile's queries), exact in the same
+// way: each query row adds to its allowed keys only when Y holds non-finite values.
 template <typename T>
 void mm_queries(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* Y, int64_t ldy,
-                T* C, int64_t ldc, int64_t groups = 1) {
-  if (tm.full || all_finite(Y, groups * tm.m * ldy)) {
-    gemm(true, false, tm.n, d, groups * tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
+                T* C, int64_t ldc) {
+  if (tm.full || all_finite(Y, tm.m * ldy)) {
+    gemm(true, false, tm.n, d, tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
     return;
   }
-  for (int64_t r = 0; r < groups * tm.m; ++r) {
-    const int64_t i = r % tm.m;
+  for (int64_t i = 0; i < tm.m; ++i) {
     if (tm.hi[i] > tm.lo[i])
-      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + r * lda + tm.lo[i], lda, Y + r * ldy, ldy,
+      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + i * lda + tm.lo[i], lda, Y + i * ldy, ldy,
            T(1), C + tm.lo[i] * ldc, ldc);
   }
 }
@@ -500,7 +510,6 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
   const int64_t G = H / Hkv;
   const int64_t nkt = (Nk + kBlockN - 1) / kBlockN;
   const int64_t BHk = B * Hkv;
-  const T ninf = -std::numeric_limits<T>::infinity();
   run_tasks(BHk * nkt, [&](int64_t t, int64_t worker) {
     thread_local std::vector<T> buf;
     const int64_t need = 2 * kBlockM * kBlockN + 2 * kBlockN * d;
@@ -533,13 +542,7 @@ void bwd_kernel(const Dims& D, T scale, const T* dout, const T* q, const T* k, c
         const T* Dv = Dvec + bh * Nq + i0;
         tm.build(sm, i0, m, m, j0, nv);
         gemm(false, true, m, nv, d, scale, Q, d, K, d, T(0), S, kBlockN);
-        tm.fill_outside(S, kBlockN, ninf);
-        for (int64_t i = 0; i < m; ++i) {
-          T* row = S + i * kBlockN;
-          if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + nv, T(0));  // nothing visible
-          else exp_shift_sum(row, nv, L[i]);
-        }
-        tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
+        probs_from_scores(S, L, tm);
         mm_queries(tm, d, T(1), S, kBlockN, dO, d, dV, d);                       // dV += P^T dO
         gemm(false, true, m, nv, d, T(1), dO, d, V, d, T(0), dP, kBlockN);       // dP = dO V^T
         for (int64_t i = 0; i < m; ++i) ds_row(S + i * kBlockN, dP + i * kBlockN, nv, Dv[i]);
@@ -595,18 +598,6 @@ void tangent_row(const T* __restrict p, T* __restrict sp, T* __restrict dpt, T* 
     sp[j] = p[j] * (s - r);
     dpt[j] = c * (p[j] * (t - dl));
   }
-}
-
-// S <- P = exp(S - lse) of an [m x n] tile of scores (0 where masked and on rows that see no key).
-template <typename T>
-void probs_from_scores(T* S, const T* L, const TileMask& tm) {
-  tm.fill_outside(S, kBlockN, -std::numeric_limits<T>::infinity());
-  for (int64_t i = 0; i < tm.m; ++i) {
-    T* row = S + i * kBlockN;
-    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + tm.n, T(0));  // nothing visible
-    else exp_shift_sum(row, tm.n, L[i]);
-  }
-  tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
 }
 
 // SS <- [P; S'_1; ...; S'_P] of an [m x n] tile from the stacked query rows QS = [Q; Q'_1; ...]

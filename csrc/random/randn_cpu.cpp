@@ -482,14 +482,7 @@ NormalFn pick_normal_kernel(at::ScalarType dtype, bool with_mean) {
 void philox_normal_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at::Tensor& block_ids, int64_t m,
                        int64_t n, double mean, double std, at::Tensor& out) {
   TORCH_CHECK(block_ids.device().is_cpu() && out.device().is_cpu(), "philox_normal: CPU tensors expected");
-  constexpr int64_t kU32 = int64_t(1) << 32;
-  TORCH_CHECK(0 <= seed_lo && seed_lo < kU32 && 0 <= seed_hi && seed_hi < kU32,
-              "philox_normal: seed_lo and seed_hi must be in [0, 2**32)");
-  TORCH_CHECK(0 <= stream && stream < kU32, "philox_normal: stream must be in [0, 2**32)");
-  TORCH_CHECK(m >= 1 && n >= 1, "philox_normal: m and n must be positive, got ", m, ", ", n);
-  TORCH_CHECK((m * n + 3) / 4 <= kU32, "philox_normal: a block holds at most 2**34 elements");
-  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1,
-              "philox_normal: block_ids must be a 1-D int64 tensor");
+  check_philox_stream_args("philox_normal", seed_lo, seed_hi, stream, block_ids, m, n);
   const int64_t B = block_ids.numel();
   const int64_t mn = m * n;
   const int64_t numel = out.numel();
