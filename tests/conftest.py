@@ -70,6 +70,21 @@ def assert_close(actual, expected, dtype, what: str = "", floor: float = 0.0, fa
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def peak_extra_bytes(fn) -> int:
+    """Peak bytes allocated by ``fn`` beyond what existed before, from the CPU allocator's
+    events recorded by torch.profiler (every tensor allocation of the C++ kernels and of torch)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    now = peak = 0
+    for _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return peak
+
+
 @pytest.fixture
 def nan_poison(monkeypatch):
     """``torch.empty`` / ``empty_like`` / ``new_empty`` return NaN-filled floating tensors, so a

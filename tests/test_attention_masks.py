@@ -15,14 +15,13 @@ import math
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import condinit
 from condinit import _backends
 from condinit.ops.attention.op import ATTENTION_BWD, ATTENTION_FWD, ATTENTION_JVP, ATTENTION_JVP_BWD
 
 from attention_cases import allowed_pairs, naive_masked
-from conftest import assert_close
+from conftest import assert_close, peak_extra_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -196,20 +195,6 @@ def test_meanflow_tangent_loss_gradient(backend, rng):
     for name, g, r in zip("qkv", grads, ref):
         assert_close(g, r, dtype, f"d ||tangent - target||^2 / d {name}", 0.1 * max(x.abs().max() for x in ref),
                      factor=2)
-
-
-def peak_extra_bytes(fn) -> int:
-    """Peak bytes allocated by ``fn`` beyond what existed before, from the CPU allocator's
-    events recorded by torch.profiler (every tensor allocation of the C++ kernels and of torch)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    now = peak = 0
-    for _, nbytes in events:
-        now += nbytes
-        peak = max(peak, now)
-    return peak
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import condinit
 from condinit.ops.attention import sdpa as sdpa_module
 
-from conftest import F64, assert_close
+from conftest import F64, assert_close, peak_extra_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -235,18 +235,10 @@ def test_float64_forward_jvp_and_tangent_gradients_equal_eager(name, pad, seed, 
 # ------------------------------------------------------------------------------------------------
 
 def _jvp_peak_bytes(model, N, seed):
-    from torch.profiler import ProfilerActivity, profile
     gen = torch.Generator().manual_seed(seed)
     embeds, direction = torch.randn(1, N, HIDDEN, generator=gen), torch.randn(1, N, HIDDEN, generator=gen)
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.func.jvp(lambda e: hidden(model, e), (embeds,), (direction,))
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    now = peak = 0
-    for _, nbytes in events:
-        now += nbytes
-        peak = max(peak, now)
-    return peak
+    with torch.no_grad():
+        return peak_extra_bytes(lambda: torch.func.jvp(lambda e: hidden(model, e), (embeds,), (direction,)))
 
 
 def test_jvp_through_llama_holds_linear_attention_memory(seed):
