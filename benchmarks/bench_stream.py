@@ -8,12 +8,14 @@ included for both), with ``sync`` and the output removed between runs, in this o
   condinit's writer does); the faster is the disk speed (the bound any writer of that many bytes
   meets);
 * condinit: ``condinit init --config CONFIG --dtype bf16 --out DIR/ --max-shard-size 5GB --quiet``
-  (every shard fsynced before its rename);
+  (every shard fsynced before its rename), ending as the console script does
+  (``condinit.cli.finish``: exit handlers run, no interpreter teardown);
 * with ``--sequential``: the same condinit write with the writer thread's overlap off (each tensor
   written before the next is computed), to measure what the overlap gives;
 * baseline (``--baseline``, default on): ``AutoModelForCausalLM.from_config(config, dtype=bf16)`` then
   ``save_pretrained(DIR, max_shard_size="5GB")``, timed to its return and to a following ``os.sync()``
-  (``save_pretrained`` does not fsync; condinit's time includes its fsyncs).
+  (``save_pretrained`` does not fsync; condinit's time includes its fsyncs); a plain script, so its
+  exit includes the interpreter's teardown (1.4 s here with these libraries).
 
 The model: ``--shape llama-1b`` (Llama-3.2-1B: 16 layers, D 2048, 32/8 heads of 64, MLP 8192,
 vocabulary 128256, tied embeddings; 2.47 GB in bf16) or ``llama-3-8b`` (32 layers, D 4096, 32/8
@@ -98,14 +100,14 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
 import transformers.models.llama.modeling_llama
-from condinit.cli import main
+from condinit.cli import finish, main
 from condinit.models import stream
 t1 = time.perf_counter()
 stream._OVERLAP_WRITES = sys.argv[3] == "overlap"
 rc = main(["init", "--config", sys.argv[1], "--dtype", "bf16", "--out", sys.argv[2], "--max-shard-size", "5GB",
            "--quiet"])
-print(json.dumps({"import_s": t1 - t0, "work_s": time.perf_counter() - t1}))
-sys.exit(rc)
+print(json.dumps({"import_s": t1 - t0, "work_s": time.perf_counter() - t1}), flush=True)
+finish(rc)   # as the console script ends (condinit.cli.run)
 """
 
 

@@ -1,3 +1,3 @@
-from condinit.cli import main
+from condinit.cli import run
 
-raise SystemExit(main())
+run()

@@ -2,12 +2,22 @@
 
 Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
 Bad input exits non-zero with a one-line message (no traceback); ``--debug`` shows the traceback.
+
+The console script (``condinit``, ``python -m condinit``) is :func:`run`: :func:`main`, then
+:func:`finish`, which ends the process without the interpreter's teardown of the libraries' objects
+once every exit handler has run and the standard streams are flushed. That teardown does nothing a
+finished command needs, and with torch and transformers imported it takes 1.4 s and pages in
+another ~130 MB here (measured with ``import torch, transformers.models.llama.modeling_llama``
+alone: 5.7 s and 0.91 GB peak RSS to a normal exit, 4.2 s and 0.78 GB without the teardown).
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
+import threading
 
 # Subcommand modules, in the order `condinit --help` lists them.
 COMMANDS = ("init", "inspect", "probe", "plot", "demo", "info", "bench")
@@ -60,5 +70,30 @@ def main(argv=None) -> int:
         return 130
 
 
+def finish(code: int):
+    """End the process with exit status ``code`` as a normal exit would, less the interpreter's
+    teardown: other non-daemon threads are joined, the exit handlers run (``atexit``: logging,
+    ``weakref.finalize`` / temporary directories, multiprocessing), stdout and stderr are flushed
+    (a failed flush gives status 120, as Python's own exit does), then ``os._exit``."""
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            code = code or 120
+    os._exit(code)
+
+
+def run(argv=None):
+    """The console entry point: :func:`main`, then :func:`finish` with its status. An exception
+    (``--debug``) propagates, and the interpreter exits as usual."""
+    finish(main(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -88,6 +88,7 @@ names.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import copy
 import hashlib
@@ -105,6 +106,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from condinit._validate import check_bool, check_choice, check_int, check_seed
 from condinit.init.functional import V_MODES, check_gains, run_plan
@@ -137,7 +139,10 @@ _SIZE_UNITS = {"TB": 10 ** 12, "GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3, "B":
 OWN_INIT_BLOCK = 1 << 16
 # Bytes of computed tensors waiting for the writer thread before the generator waits for it: enough
 # to keep the disk busy while the next unit is computed, small next to a shard.
-_MAX_QUEUED_BYTES = 64 * 2 ** 20
+_MAX_QUEUED_BYTES = 32 * 2 ** 20
+# Bytes per piece of a tensor computed in pieces (a replayed own init): the writer writes one while
+# the next is computed, and the pieces' buffers are reused.
+_PIECE_BYTES = 8 * 2 ** 20
 # False: each tensor is written before the next one is computed (no overlap; benchmarks compare)
 _OVERLAP_WRITES = True
 
@@ -362,10 +367,13 @@ def own_init_stream(name: str) -> tuple[int, int]:
     return int.from_bytes(d[:4], "little"), (int.from_bytes(d[4:], "little") & 0x7FFFFFFF) << 32
 
 
-def own_normal_(tensor: torch.Tensor, seed: int, name: str, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+def own_normal_(tensor: torch.Tensor, seed: int, name: str, mean: float = 0.0, std: float = 1.0, *,
+                offset: int = 0) -> torch.Tensor:
     """Fill ``tensor`` (floating, any device and layout) with ``mean + std * z``, ``z`` the
     own-init normals of ``name`` under ``seed`` (see the module doc), each rounded once to the
-    tensor's dtype: the same bits on every device and for every chunking.
+    tensor's dtype: the same bits on every device and for every chunking. ``offset`` (a multiple
+    of ``2**16``) starts at that element of the stream: ``tensor`` gets elements ``offset,
+    offset + 1, ...`` of the tensor ``name``, so a big tensor can be drawn piece by piece.
 
     Examples:
         >>> w = torch.empty(4096, 2048, dtype=torch.bfloat16)
@@ -373,16 +381,24 @@ def own_normal_(tensor: torch.Tensor, seed: int, name: str, mean: float = 0.0, s
         >>> torch.equal(w[:1], own_normal_(torch.empty(1, 2048, dtype=torch.bfloat16), 0,
         ...                                "model.layers.0.mlp.up_proj.weight", std=0.02))
         True
+        >>> torch.equal(w[1024:], own_normal_(torch.empty(3072, 2048, dtype=torch.bfloat16), 0,
+        ...                                   "model.layers.0.mlp.up_proj.weight", std=0.02, offset=1024 * 2048))
+        True
     """
     seed = check_seed("seed", seed)
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise TypeError(f"tensor must be a floating torch.Tensor, got {getattr(tensor, 'dtype', type(tensor))}")
+    offset = check_int("offset", offset, min=0)
+    if offset % OWN_INIT_BLOCK:
+        raise ValueError(f"offset must be a multiple of {OWN_INIT_BLOCK}, got {offset}")
     stream, first = own_init_stream(name)
+    first += offset // OWN_INIT_BLOCK
     mean, std = float(mean), float(std)
     n = tensor.numel()
-    blocks = -(-n // OWN_INIT_BLOCK)
+    blocks = -(-(offset + n) // OWN_INIT_BLOCK)
     if blocks >= 1 << 32:
-        raise ValueError(f"{name}: {n} elements are more than own_normal_ draws for one tensor (2**48)")
+        raise ValueError(f"{name}: {offset + n} elements are more than own_normal_ draws for one tensor (2**48)")
+    blocks -= offset // OWN_INIT_BLOCK
     if n == 0:
         return tensor
     with torch.no_grad():
@@ -412,6 +428,19 @@ def _init_function_table():
 def _unit_seed(seed: int, name: str) -> int:
     digest = hashlib.blake2b(f"condinit own init\0{seed}\0{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1   # torch.manual_seed takes [0, 2**63)
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """torch's generator of the CPU (and of ``device`` if it is a GPU) seeded with ``seed`` for the
+    duration, their states restored after."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 @contextlib.contextmanager
@@ -471,6 +500,116 @@ class _BufferPool:
                 self._held += n
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (shared by its views and ``.data``; meta tensors included)."""
+    return t.untyped_storage()._cdata
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Every write the model's init makes to the fresh meta tensors of a unit, in order.
+
+    ``fresh`` maps a storage (:func:`_storage_key`) to ``(state-dict key, base tensor)``. A write
+    (an operator argument the schema marks written, ``out=`` included) to one of them is recorded
+    as ``("fill", start, stop, value)`` when it is ``fill_`` / ``zero_`` of a contiguous range of
+    the tensor; own-init normals are recorded by :meth:`normal` (the table entry calls it instead of
+    drawing). Any other write makes the tensor not replayable (``unsupported[key]``: why)."""
+
+    _FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+
+    def __init__(self, fresh: dict):
+        super().__init__()
+        self.fresh = fresh
+        self.writes = {key: [] for key, _ in fresh.values()}
+        self.unsupported: dict = {}
+
+    def _range(self, t: torch.Tensor, what: str):
+        hit = self.fresh.get(_storage_key(t))
+        if hit is None:
+            return None, None
+        key, base = hit
+        if not t.is_contiguous():
+            self.unsupported.setdefault(key, f"{what} on a non-contiguous view")
+            return key, None
+        start = t.storage_offset() - base.storage_offset()
+        return key, (start, start + t.numel())
+
+    def normal(self, t: torch.Tensor, name: str, mean: float, std: float) -> None:
+        key, span = self._range(t, "normal_")
+        if key is None or span is None:
+            return
+        if name != key:
+            self.unsupported.setdefault(key, "normal_ on a part of it")
+            return
+        self.writes[key].append(("normal", span[0], span[1], float(mean), float(std)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key, span = self._range(t, str(func))
+                if key is None or span is None:
+                    continue
+                if func in self._FILLS and (func is torch.ops.aten.zero_.default or
+                                            isinstance(args[1], (bool, int, float))):
+                    self.writes[key].append(("fill", span[0], span[1], args[1] if len(args) > 1 else 0))
+                else:
+                    self.unsupported.setdefault(key, f"{func} writes it")
+        return func(*args, **kwargs)
+
+
+@dataclass
+class _Replay:
+    """A state-dict tensor produced in pieces from the writes its init was recorded making: the
+    last write of the whole tensor (own-init normals of ``key`` with ``mean`` / ``std``, or a fill
+    with ``value``), then the fills of ranges after it, in order. Every piece holds exactly the
+    elements the init computes (own-init normals are counter-based: any piece can be drawn alone)."""
+
+    key: str
+    numel: int
+    dtype: torch.dtype
+    base: tuple
+    fills: list
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def from_writes(cls, key: str, meta: torch.Tensor, writes: list) -> Optional["_Replay"]:
+        n = meta.numel()
+        whole = [i for i, w in enumerate(writes) if w[1] == 0 and w[2] == n]
+        if not whole:
+            return None
+        base, rest = writes[whole[-1]], writes[whole[-1] + 1:]
+        if base[0] == "normal" and not meta.is_floating_point():
+            return None
+        if any(w[0] != "fill" for w in rest):
+            return None
+        return cls(key, n, meta.dtype, base, [w[1:] for w in rest])
+
+    def pieces(self, seed: int, piece_bytes: int, take) -> "collections.abc.Iterator[torch.Tensor]":
+        """The tensor's elements in order, ``piece_bytes`` at most per piece (whole ``2**16``-element
+        blocks), each in a 1-D tensor from ``take(numel, dtype)``."""
+        per = max(OWN_INIT_BLOCK, piece_bytes // self.dtype.itemsize // OWN_INIT_BLOCK * OWN_INIT_BLOCK)
+        for a in range(0, self.numel, per):
+            b = min(self.numel, a + per)
+            buf = take(b - a, self.dtype)
+            if self.base[0] == "normal":
+                own_normal_(buf, seed, self.key, self.base[3], self.base[4], offset=a)
+            else:
+                buf.fill_(self.base[3])
+            for start, stop, value in self.fills:
+                lo, hi = max(start, a), min(stop, b)
+                if lo < hi:
+                    buf[lo - a:hi - a].fill_(value)
+            yield buf
+
+
 class _Materializer:
     """Computes the tensors of a meta ``PreTrainedModel`` unit by unit (see module doc), on ``device``."""
 
@@ -527,8 +666,10 @@ class _Materializer:
         self.guard = guard_torch_init_functions
         self.init_table = _init_function_table()
         self.pool = _BufferPool() if device.type == "cpu" else None
-        self._fresh: dict = {}     # storage address -> (key, tensor) of the unit being initialized
+        self._fresh: dict = {}     # storage (_storage_key) -> (key, tensor) of the unit being initialized
         self._whole: set = set()   # keys a patched normal_ filled entirely
+        self._recorder: Optional[_WriteRecorder] = None
+        self._replays: dict = {}   # module unit -> {key: _Replay}, or None: materialized whole
 
     def unit_bytes(self, unit) -> int:
         """Bytes of the state-dict tensors of ``unit``."""
@@ -544,9 +685,9 @@ class _Materializer:
     def _name_of(self, tensor: torch.Tensor) -> Optional[str]:
         """The stream name of a tensor handed to ``normal_``: a state-dict key of the unit being
         initialized, a view of one (named after its geometry), or None (anything else)."""
-        if tensor.is_meta or not self._fresh:
+        if not self._fresh:
             return None
-        hit = self._fresh.get(tensor.untyped_storage().data_ptr())
+        hit = self._fresh.get(_storage_key(tensor))
         if hit is None:
             return None
         key, base = hit
@@ -573,7 +714,10 @@ class _Materializer:
                 if fname == "normal_" and name is not None and kwargs.get("generator") is None and len(args) < 3:
                     mean = args[0] if args else kwargs.get("mean", 0.0)
                     std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
-                    own_normal_(tensor, self.seed, name, mean, std)
+                    if self._recorder is not None:
+                        self._recorder.normal(tensor, name, mean, std)
+                    else:
+                        own_normal_(tensor, self.seed, name, mean, std)
                 else:   # not a state-dict tensor of this unit, or another rule: the model's own code decides
                     original(tensor, *args, **kwargs)
                 if name is not None and "@" not in name:
@@ -588,9 +732,10 @@ class _Materializer:
         finally:
             table.update(originals)
 
-    def _init_module(self, mname: str, fill: bool) -> tuple[dict, list]:
+    def _init_module(self, mname: str, fill: bool, recorder: Optional[_WriteRecorder] = None) -> tuple[dict, list]:
         """``({attr: real tensor}, keys to check)``: ``mname``'s direct state-dict tensors after
-        the model's own init, floating ones allocated NaN-filled (``fill``) or uninitialized."""
+        the model's own init, floating ones allocated NaN-filled (``fill``) or uninitialized.
+        With a ``recorder`` (see :meth:`_record`), fresh meta tensors instead, every write recorded."""
         mod = self.modules[mname]
         prefix = f"{mname}." if mname else ""
         fresh, checked = {}, []
@@ -598,12 +743,18 @@ class _Materializer:
             key = prefix + attr
             if t is None or self.owner.get(key) != (mname, attr):
                 continue
-            real = (self.pool.take(tuple(t.shape), t.dtype) if self.pool is not None
-                    else torch.empty(t.shape, dtype=t.dtype, device=self.device))
+            if recorder is not None:
+                real = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            elif self.pool is not None:
+                real = self.pool.take(tuple(t.shape), t.dtype)
+            else:
+                real = torch.empty(t.shape, dtype=t.dtype, device=self.device)
             if isinstance(t, nn.Parameter):
                 real = nn.Parameter(real, requires_grad=t.requires_grad)
             if id(t) in self.covered:
                 real._is_hf_initialized = True     # the own init passes over it, as in apply; run_plan writes it all
+            elif recorder is not None:
+                pass
             elif real.is_floating_point():
                 if fill:
                     real.detach().fill_(float("nan"))       # anything the own init leaves is caught below
@@ -616,19 +767,23 @@ class _Materializer:
             fresh[attr] = real
         parts = mname.split(".") if mname else []
         chain = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]   # the module, then its ancestors
-        self._fresh = {real.untyped_storage().data_ptr(): (prefix + attr, real.detach())
-                       for attr, real in fresh.items() if real.numel()}
+        self._fresh = {_storage_key(real): (prefix + attr, real.detach()) for attr, real in fresh.items()
+                       if real.numel()}
         self._whole = set()
+        if recorder is not None:
+            recorder.fresh = self._fresh
+            recorder.writes = {key: [] for key, _ in self._fresh.values()}
+        self._recorder = recorder
         try:
-            with _swapped(mod, fresh), torch.random.fork_rng(devices=[]), torch.no_grad(), self.guard(), \
-                    self._own_normals():
-                torch.manual_seed(_unit_seed(self.seed, mname))
+            # recording needs no seed: a random draw of torch's generator is a write it does not replay
+            seeded = _seeded(self.device, _unit_seed(self.seed, mname)) if recorder is None else recorder
+            with _swapped(mod, fresh), seeded, torch.no_grad(), self.guard(), self._own_normals():
                 for name in chain:
                     fn = self.init_of[name]
                     if fn is not None:
                         fn(self.modules[name])
         finally:
-            self._fresh = {}
+            self._fresh, self._recorder = {}, None
         for real in fresh.values():
             real.__dict__.pop("_is_hf_initialized", None)
         return fresh, [k for k in checked if k not in self._whole]
@@ -652,8 +807,45 @@ class _Materializer:
                                  f"write_pretrained cannot compute it")
         return fresh
 
+    def replays(self, unit) -> Optional[dict]:
+        """``{key: _Replay}`` for every state-dict tensor of a module ``unit`` whose init, run on
+        fresh meta tensors, makes only writes a :class:`_Replay` redoes (own-init normals and fills,
+        the last whole write of each tensor first); None otherwise (and for attention layers),
+        when the unit is materialized whole. Recorded once per unit."""
+        if unit not in self._replays:
+            self._replays[unit] = self._record(unit)
+        return self._replays[unit]
+
+    def _record(self, unit) -> Optional[dict]:
+        if unit[0] != "module":
+            return None
+        mname = unit[1]
+        recorder = _WriteRecorder({})
+        try:
+            fresh, _ = self._init_module(mname, fill=False, recorder=recorder)
+        except Exception:   # an init that needs real values (e.g. reads them): run it on real tensors
+            return None
+        prefix = f"{mname}." if mname else ""
+        out = {}
+        for attr, t in fresh.items():
+            key = prefix + attr
+            if key in recorder.unsupported:
+                return None
+            if t.numel() == 0:
+                out[key] = _Replay(key, 0, t.dtype, ("fill", 0, 0, 0), [])
+                continue
+            replay = _Replay.from_writes(key, t, recorder.writes.get(key, []))
+            if replay is None:
+                return None
+            out[key] = replay
+        return out
+
     def unit(self, unit) -> dict:
-        """``{key: tensor}`` for every state-dict tensor of ``unit``."""
+        """``{key: tensor}`` for every state-dict tensor of ``unit``; a :class:`_Replay` instead of
+        the tensor for every tensor of a unit that :meth:`replays` replays."""
+        replays = self.replays(unit)
+        if replays is not None:
+            return dict(replays)
         kind, ref = unit
         mnames = self.unit_modules[unit]
         own = {m: self._own(m) for m in mnames}
@@ -779,12 +971,12 @@ class _Writer:
     through :func:`atomic_output` and is fsynced before its rename. ``put`` waits while more than
     ``max_queued`` bytes are queued and not yet written (one bigger tensor is let through alone)."""
 
-    def __init__(self, progress: Optional[_Progress], max_queued: int = _MAX_QUEUED_BYTES,
+    def __init__(self, progress: Optional[_Progress], max_queued: Optional[int] = None,
                  pool: Optional[_BufferPool] = None):
         self._pool = pool
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
-        self._queued, self._max_queued = 0, max_queued
+        self._queued, self._max_queued = 0, _MAX_QUEUED_BYTES if max_queued is None else max_queued
         self.error: Optional[BaseException] = None
         self.written: list = []
         self._progress = progress
@@ -1182,10 +1374,27 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
         done.add(key)
         t = ready.pop(key)
         meta = state[key]
+        if isinstance(t, _Replay):
+            if t.dtype != meta.dtype or t.numel != meta.numel():
+                raise RuntimeError(f"{key}: replayed {t.dtype} x {t.numel}, the header says {meta.dtype} "
+                                   f"{tuple(meta.shape)}")
+            return t
         if t.dtype != meta.dtype or tuple(t.shape) != tuple(meta.shape):
             raise RuntimeError(f"{key}: computed {t.dtype} {tuple(t.shape)}, the header says {meta.dtype} "
                                f"{tuple(meta.shape)}")
         return t.to("cpu").contiguous() if t.device.type != "cpu" else t.contiguous()
+
+    def take(n: int, dtype: torch.dtype) -> torch.Tensor:
+        if engine.pool is not None:
+            return engine.pool.take((n,), dtype)
+        return torch.empty(n, dtype=dtype, device=job.device)
+
+    def put(item) -> None:
+        if not isinstance(item, _Replay):
+            writer.put(item)
+            return
+        for piece in item.pieces(engine.seed, _PIECE_BYTES, take):
+            writer.put(piece.to("cpu") if piece.device.type != "cpu" else piece)
 
     total = sum(_nbytes(state[k]) for k in todo)
     bar = _Progress(total, desc) if progress and total else None
@@ -1199,7 +1408,7 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
                 for path, head, order in jobs:
                     writer.begin(path, head)
                     for k in order:
-                        writer.put(ahead.pop(k) if k in ahead else compute(k))
+                        put(ahead.pop(k) if k in ahead else compute(k))
                     writer.end()
             writer.finish()
         except BaseException:
