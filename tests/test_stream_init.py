@@ -152,8 +152,8 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     import torch, transformers
     from condinit.models.stream import write_pretrained
     cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                   num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=8192,
-                                   tie_word_embeddings=False)
+                                   num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                   vocab_size=int(sys.argv[2]), tie_word_embeddings=False)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     write_pretrained(transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -167,17 +167,29 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_bounded_memory(tmp_path):
-    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
+def _write_growth(tmp_path, vocab: int) -> dict:
+    out = tmp_path / str(vocab)
+    out.mkdir()
+    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(out), str(vocab)], capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    print(got)
-    assert got["size"] > 350e6 and got["files"] >= 8
-    # the writer's queue, a unit and one computed ahead (the 33 MB embedding at most), scratch, slack
-    from condinit.models.stream import _MAX_QUEUED_BYTES
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
-    assert got["growth"] < _MAX_QUEUED_BYTES + 2 * 33.6e6 + 16.8e6 + 40e6 < 0.45 * got["size"], got
+
+def test_bounded_memory(tmp_path):
+    # fp32, D = 1024: the embedding and the head are 33.5 MB each at vocabulary 8192, 134 MB at 32768
+    small, big = _write_growth(tmp_path, 8192), _write_growth(tmp_path, 32768)
+    print(small, big)
+    assert small["size"] > 350e6 and small["files"] >= 8 and big["size"] > small["size"] + 190e6
+    # the writer's queue, a piece being drawn, one attention layer (Q/K/V and their scratch), slack:
+    # neither the largest tensor nor the model's size
+    from condinit.init.orthogonalize import DEFAULT_BUDGET
+    from condinit.models.stream import _MAX_QUEUED_BYTES, _PIECE_BYTES
+
+    layer = (1024 * 1024 + 2 * 256 * 1024) * 4
+    bound = _MAX_QUEUED_BYTES + 2 * _PIECE_BYTES + layer + 3 * DEFAULT_BUDGET["cpu"] + 16e6
+    assert small["growth"] < bound and big["growth"] < bound, (small, big, bound)
+    assert abs(big["growth"] - small["growth"]) < 2 * _PIECE_BYTES, (small, big)
 
 
 def test_cli_directory_out(tmp_path, capsys):

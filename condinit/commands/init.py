@@ -224,8 +224,10 @@ def _print_plan(rep, where: str, quiet: bool) -> None:
             lines.append(f"  {name}  {_fmt_bytes(size)}  {count} tensors" + ("  (complete: kept)" if name in keep else ""))
     lines.append(f"{len(plan.files)} file(s), {_fmt_bytes(plan.total_size)} of tensors, {rep.num_parameters / 1e6:.1f}M "
                  f"parameters; to write {_fmt_bytes(plan.write_bytes)}, {_fmt_bytes(plan.free_bytes)} free")
-    lines.append(f"peak memory about {_fmt_bytes(plan.peak_memory_bytes)} (largest unit {plan.largest_unit[0]}, "
-                 f"{_fmt_bytes(plan.largest_unit[1])})")
+    whole = (f"largest unit computed whole {plan.largest_unit[0]}, {_fmt_bytes(plan.largest_unit[1])}"
+             if plan.largest_unit[0] is not None else "no unit computed whole")
+    lines.append(f"peak memory about {_fmt_bytes(plan.peak_memory_bytes)} ({whole}; {plan.replayed_units} of "
+                 f"{plan.units} units drawn in pieces of at most {_fmt_bytes(plan.piece_bytes)})")
     if plan.rates is not None:
         r = plan.rates
         lines.append(f"expected time on this machine: about {plan.estimated_seconds:.0f} s to generate (own init "

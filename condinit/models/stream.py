@@ -30,6 +30,17 @@ generation and disk writes overlap. Tensors are computed in *units*:
   nothing. So norms get ones / zeros, linears and embeddings ``normal(0, initializer_range)``,
   rotary buffers their frequencies, exactly as the model's code says.
 
+**Pieces.** A module unit is first initialized on fresh *meta* tensors (nothing allocated), with
+every write to them recorded (:class:`_WriteRecorder`, a ``TorchDispatchMode``). When every tensor's
+writes are own-init normals of the whole tensor and fills (``ones_`` / ``zeros_`` / ``constant_`` /
+``fill_`` of the whole tensor or of a contiguous part, e.g. an embedding's padding row), the unit
+is not materialized: each tensor is drawn in pieces of at most ``_PIECE_BYTES`` (the last write of
+the whole tensor, then the fills after it, restricted to the piece; the own-init stream can start at
+any block), and each piece goes to the writer while the next is drawn. These are the elements the
+init computes. Any other write (a draw from torch's generator, arithmetic on the tensor, a copy, a
+write through a non-contiguous view), a tensor the init does not write whole, or an init that fails
+on meta tensors (one that reads values) makes the unit computed whole as described above.
+
 **Own-init random draws.** Every ``normal_`` that the model's init makes on a state-dict tensor
 (transformers' ``init.normal_``, which ``torch.nn.init.normal_`` is routed to while the init runs)
 is drawn from condinit's counter-based generator (:func:`condinit.init.philox.block_randn`) in
@@ -46,11 +57,14 @@ size, the chunking, the order of writing or the device (the generator is; ``docs
 unit from ``seed`` and the module's qualified name (and restored afterwards): still a function of
 ``seed`` and the name only, but device dependent.
 
-**Memory**: one unit plus the tensors of the current shard computed ahead of their turn (at most
-another unit) plus the writer's queue (``_MAX_QUEUED_BYTES`` not yet written, besides a bigger
-tensor being written) plus at most 256 MB of written tensors' buffers kept for reuse
-(``_BufferPool``: no page faults on the next layer's tensors), whatever the model's size or
-``max_shard_size``; the largest unit is usually the embedding matrix.
+**Memory**: one unit computed whole (usually an attention layer: its Q/K/V, and the
+orthogonalization's scratch, in chunks of ``_CPU_LAYER_BUDGET`` on the CPU unless ``memory_budget``
+says otherwise) plus the tensors of the current shard computed ahead of their turn (at most another
+unit) plus the writer's queue (``_MAX_QUEUED_BYTES`` not yet written, besides a bigger tensor being
+written) plus the piece being drawn, plus at most 128 MB of written tensors' buffers kept for reuse
+(``_BufferPool``: no page faults on the next pieces and layers; every piece buffer has one size),
+whatever the model's size or ``max_shard_size``. The embedding matrix, an MLP's weights, the
+output head are drawn in pieces.
 Written data goes to the page cache (not the process's resident memory); the writer starts its
 writeback to disk as it goes and drops what is on disk from the cache (``_Writeback``), so the disk
 works while tensors are computed and the cache holds only ~128 MB of the file being written (a big
@@ -110,7 +124,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from condinit._validate import check_bool, check_choice, check_int, check_seed
 from condinit.init.functional import V_MODES, check_gains, run_plan
-from condinit.init.orthogonalize import METHODS
+from condinit.init.orthogonalize import DEFAULT_BUDGET, METHODS
 from condinit.init.philox import NORMAL, NORMAL_CHUNK
 
 from .adapters import describe
@@ -143,6 +157,9 @@ _MAX_QUEUED_BYTES = 32 * 2 ** 20
 # Bytes per piece of a tensor computed in pieces (a replayed own init): the writer writes one while
 # the next is computed, and the pieces' buffers are reused.
 _PIECE_BYTES = 8 * 2 ** 20
+# The orthogonalization's scratch per buffer on the CPU when memory_budget is None: one layer at a
+# time is as fast in 4 MiB chunks as in apply's 16 MiB (and the result is the same for any budget).
+_CPU_LAYER_BUDGET = 4 * 2 ** 20
 # False: each tensor is written before the next one is computed (no overlap; benchmarks compare)
 _OVERLAP_WRITES = True
 
@@ -151,9 +168,11 @@ _OVERLAP_WRITES = True
 class WritePlan:
     """What a write will do (``dry_run=True`` computes only this): ``files`` as ``[(name, bytes,
     tensors)]`` in order (``keep``: the names a ``resume`` keeps), the bytes to write and on disk,
-    the free space, the peak resident-memory estimate (this process now, plus the largest unit,
-    a unit computed ahead, the writer's queue and scratch), and the generation time estimated from
-    rates measured on this machine (``rates``; ``None`` unless measured)."""
+    the free space, the peak resident-memory estimate (this process now, plus the writer's queue,
+    the pieces being drawn, the largest unit computed whole (``largest_unit``: ``(name, bytes)``,
+    ``(None, 0)`` if none) and one computed ahead, and scratch), how many of the ``units`` are
+    drawn in pieces of at most ``piece_bytes`` (``replayed_units``), and the generation time
+    estimated from rates measured on this machine (``rates``; ``None`` unless measured)."""
 
     files: list
     total_size: int
@@ -162,6 +181,9 @@ class WritePlan:
     peak_memory_bytes: int
     largest_unit: tuple
     keep: list = field(default_factory=list)
+    units: int = 0
+    replayed_units: int = 0
+    piece_bytes: int = 0
     rates: Optional[dict] = None
     estimated_seconds: Optional[float] = None
 
@@ -474,7 +496,7 @@ class _BufferPool:
     are reused instead. Holds at most ``max_bytes`` (buffers of at least ``min_bytes``); thread safe
     (the writer thread gives, the generating thread takes)."""
 
-    def __init__(self, max_bytes: int = 256 * 2 ** 20, min_bytes: int = 2 ** 20):
+    def __init__(self, max_bytes: int = 128 * 2 ** 20, min_bytes: int = 2 ** 20):
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
         self._free: dict = {}
         self._held = 0
@@ -592,22 +614,25 @@ class _Replay:
             return None
         return cls(key, n, meta.dtype, base, [w[1:] for w in rest])
 
-    def pieces(self, seed: int, piece_bytes: int, take) -> "collections.abc.Iterator[torch.Tensor]":
-        """The tensor's elements in order, ``piece_bytes`` at most per piece (whole ``2**16``-element
-        blocks), each in a 1-D tensor from ``take(numel, dtype)``."""
+    def pieces(self, seed: int, piece_bytes: int, take) -> "collections.abc.Iterator[tuple]":
+        """The tensor's elements in order as ``(piece, buffer)``: ``buffer`` a 1-D tensor from
+        ``take(numel, dtype)`` (the same size for every piece: whole ``2**16``-element blocks,
+        ``piece_bytes`` at most), ``piece`` its first elements (all of it but at the end)."""
         per = max(OWN_INIT_BLOCK, piece_bytes // self.dtype.itemsize // OWN_INIT_BLOCK * OWN_INIT_BLOCK)
+        per = min(per, -(-self.numel // OWN_INIT_BLOCK) * OWN_INIT_BLOCK)
         for a in range(0, self.numel, per):
             b = min(self.numel, a + per)
-            buf = take(b - a, self.dtype)
+            buf = take(per, self.dtype)
+            piece = buf[:b - a]
             if self.base[0] == "normal":
-                own_normal_(buf, seed, self.key, self.base[3], self.base[4], offset=a)
+                own_normal_(piece, seed, self.key, self.base[3], self.base[4], offset=a)
             else:
-                buf.fill_(self.base[3])
+                piece.fill_(self.base[3])
             for start, stop, value in self.fills:
                 lo, hi = max(start, a), min(stop, b)
                 if lo < hi:
-                    buf[lo - a:hi - a].fill_(value)
-            yield buf
+                    piece[lo - a:hi - a].fill_(value)
+            yield piece, buf
 
 
 class _Materializer:
@@ -1002,8 +1027,10 @@ class _Writer:
     def begin(self, path: str, head: bytes) -> None:
         self._push(("begin", path, head))
 
-    def put(self, tensor: torch.Tensor) -> None:
-        self._push(("data", tensor), _nbytes(tensor))
+    def put(self, tensor: torch.Tensor, buffer: Optional[torch.Tensor] = None) -> None:
+        """Queue ``tensor`` for writing; then its buffer (``buffer``, of which ``tensor`` is a part,
+        else ``tensor``) goes to the buffer pool."""
+        self._push(("data", tensor, tensor if buffer is None else buffer), _nbytes(tensor))
         if not _OVERLAP_WRITES:
             with self._cond:
                 while self.error is None and self._queued > 0:
@@ -1029,7 +1056,7 @@ class _Writer:
                                 break
                             if item[0] != "data":
                                 raise _Aborted()
-                            t = item[1]
+                            t, buf = item[1], item[2]
                             del item
                             n = _nbytes(t)
                             # in pieces, writeback started after each: one big write (the 525 MB
@@ -1047,10 +1074,10 @@ class _Writer:
                                     self._cond.notify_all()
                                 if self._progress is not None:
                                     self._progress.update(len(piece))
-                            del data, piece
+                            del data, piece, t
                             if self._pool is not None:
-                                self._pool.give(t)
-                            del t
+                                self._pool.give(buf)
+                            del buf
                         fh.flush()
                         os.fsync(fh.fileno())
                 self.written.append(path)
@@ -1270,6 +1297,8 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
     for k, t in state.items():
         if t.dtype not in _ST_DTYPES:
             raise TypeError(f"{k}: dtype {t.dtype} cannot be stored in safetensors by write_pretrained")
+    if memory_budget is None and device.type == "cpu":
+        memory_budget = _CPU_LAYER_BUDGET
     engine = _Materializer(model, seed, method, v_mode, layers, memory_budget, state, device, qk_gain, v_gain)
     if uncovered:
         warnings.warn(f"write_pretrained: {len(uncovered)} attention-like module(s) of {type(model).__name__} are "
@@ -1332,19 +1361,27 @@ def _measure_rates(job: _Job) -> dict:
 
 def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, free: Optional[int],
                write_bytes: int, measure: bool) -> WritePlan:
-    units = job.engine.unit_modules
-    unit_bytes = {u: job.engine.unit_bytes(u) for u in units}
-    largest = max(unit_bytes.items(), key=lambda kv: kv[1]) if unit_bytes else ((None, None), 0)
-    largest_layer = max((b for u, b in unit_bytes.items() if u[0] == "layer"), default=0)
-    scratch = 4 * NORMAL_CHUNK + 3 * 4 * max(
-        (t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "layer"), default=0)
+    engine = job.engine
+    units = engine.unit_modules
+    unit_bytes = {u: engine.unit_bytes(u) for u in units}
+    # computed whole: attention layers, and module units whose init is not replayed in pieces
+    whole = {u: b for u, b in unit_bytes.items() if engine.replays(u) is None}
+    largest = max(whole.items(), key=lambda kv: kv[1]) if whole else ((None, None), 0)
+    layer_numel = max((t.numel() for k, t in job.state.items() if engine.unit_of[k][0] == "layer"), default=0)
+    budget = engine.memory_budget or DEFAULT_BUDGET.get(job.device.type, DEFAULT_BUDGET["cuda"])
+    scratch = 4 * NORMAL_CHUNK + 3 * min(4 * layer_numel, budget)
     queued = min(_MAX_QUEUED_BYTES, job.total_size)
+    pieces = 2 * _PIECE_BYTES if len(whole) < len(units) else 0
     on_host = job.device.type == "cpu"
-    pooled = min(job.engine.pool.max_bytes, job.total_size) if job.engine.pool is not None else 0
-    peak = _current_rss() + queued + pooled + (largest[1] + largest_layer + scratch if on_host else 0)
-    unit_name = largest[0][1] if largest[0][0] == "module" else job.engine.layers[largest[0][1]].name
+    # the queue, the pieces being drawn, a unit computed whole and one computed ahead, the layer
+    # scratch, and the buffers of written tensors kept for reuse (those of the largest unit at most)
+    peak = _current_rss() + queued + pieces + (2 * largest[1] + scratch if on_host else 0)
+    if largest[0][0] is None:
+        unit_name = None
+    else:
+        unit_name = largest[0][1] if largest[0][0] == "module" else engine.layers[largest[0][1]].name
     plan = WritePlan([(f, sizes[f], len(files[f])) for f in files], job.total_size, write_bytes, free, peak,
-                     (unit_name, largest[1]), list(keep))
+                     (unit_name, largest[1]), list(keep), len(units), len(units) - len(whole), _PIECE_BYTES)
     if measure:
         rates = _measure_rates(job)
         own = sum(t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "module")
@@ -1393,8 +1430,11 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
         if not isinstance(item, _Replay):
             writer.put(item)
             return
-        for piece in item.pieces(engine.seed, _PIECE_BYTES, take):
-            writer.put(piece.to("cpu") if piece.device.type != "cpu" else piece)
+        for piece, buf in item.pieces(engine.seed, _PIECE_BYTES, take):
+            if piece.device.type != "cpu":
+                writer.put(piece.to("cpu"))
+            else:
+                writer.put(piece, buf)
 
     total = sum(_nbytes(state[k]) for k in todo)
     bar = _Progress(total, desc) if progress and total else None

@@ -1,0 +1,146 @@
+"""Streamed writes: module units drawn in pieces from the writes their init was recorded making.
+
+The reference is the same write with every unit materialized whole (the model's init run on real
+tensors, then checked): the files must be byte-identical, whatever the piece size.
+"""
+import hashlib
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from coverage_models import CONFIG_FIXES, hf_config  # noqa: E402
+
+from condinit.models import stream  # noqa: E402
+from condinit.models.stream import OWN_INIT_BLOCK, own_normal_, write_pretrained  # noqa: E402
+
+
+def _digests(d):
+    return {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in sorted(os.listdir(d))}
+
+
+def _engine(cfg, **kw):
+    return stream._prepare(cfg, seed=0, method="auto", v_mode="identity", qk_gain=1.0, v_gain=1.0, dtype=None,
+                           model_class=None, include=None, exclude=None, strict=False, memory_budget=None,
+                           family=None, extra_metadata=None, device=None, **kw).engine
+
+
+def _whole_and_pieces(tmp_path, monkeypatch, cfg, **kw):
+    """(directory written with pieces of one Philox block, directory written with every unit whole)."""
+    monkeypatch.setattr(stream, "_PIECE_BYTES", 1)       # one 2**16-element block per piece
+    pieces = tmp_path / "pieces"
+    write_pretrained(cfg, pieces, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(stream._Materializer, "replays", lambda self, unit: None)
+        whole = tmp_path / "whole"
+        write_pretrained(cfg, whole, **kw)
+    return pieces, whole
+
+
+def _tiny_llama(**kw):
+    base = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=12, vocab_size=3000, tie_word_embeddings=False)
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+# families whose every module unit is replayed, and two with a unit the recorder refuses (a sinusoidal
+# table copied in; a truncated normal from torch's generator), written whole in the same write
+@pytest.mark.parametrize("family, whole_units", [
+    ("llama", []), ("gpt2", []), ("bert", []), ("t5", []), ("mixtral", []),
+    ("whisper", ["encoder.embed_positions"]), ("vit", ["embeddings"])])
+def test_pieces_write_the_bytes_of_the_whole_init(tmp_path, monkeypatch, family, whole_units):
+    cfg = hf_config(family)
+    if family in CONFIG_FIXES:
+        CONFIG_FIXES[family](cfg)
+    engine = _engine(cfg)
+    modules = [u for u in engine.unit_modules if u[0] == "module"]
+    assert sorted(u[1] for u in modules if engine.replays(u) is None) == whole_units
+    assert len(modules) > len(whole_units) + 3
+    pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=5, max_shard_size="20KB")
+    assert _digests(pieces) == _digests(whole)
+
+
+def test_padding_row_across_a_piece_boundary(tmp_path, monkeypatch, seed):
+    # D = 48: row 1365 holds elements 65520..65567, across the first piece boundary (65536)
+    cfg = _tiny_llama(pad_token_id=1365)
+    engine = _engine(cfg)
+    replay = engine.replays(("module", "model.embed_tokens"))["model.embed_tokens.weight"]
+    assert replay.base[0] == "normal" and replay.fills == [(1365 * 48, 1366 * 48, 0)]
+    pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=seed, max_shard_size="200KB")
+    assert _digests(pieces) == _digests(whole)
+    from safetensors.torch import load_file
+
+    sd = {}
+    for name in os.listdir(pieces):
+        if name.endswith(".safetensors"):
+            sd.update(load_file(pieces / name))
+    emb = sd["model.embed_tokens.weight"]
+    assert emb.numel() > 2 * OWN_INIT_BLOCK
+    ref = own_normal_(torch.empty(emb.shape), seed, "model.embed_tokens.weight", std=cfg.initializer_range)
+    ref[1365] = 0
+    assert torch.equal(emb, ref)
+
+
+def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, monkeypatch):
+    from transformers import initialization as init
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRMSNorm
+
+    real = LlamaPreTrainedModel._init_weights
+
+    def unusual(self, module):
+        if isinstance(module, torch.nn.Linear) and module.out_features == 96:      # gate / up: doubled after
+            init.normal_(module.weight, std=0.02)
+            module.weight.data.mul_(2)
+        elif isinstance(module, LlamaRMSNorm):                                      # through strided views
+            module.weight.data[::2].fill_(1.0)
+            module.weight.data[1::2].fill_(1.0)
+        elif isinstance(module, torch.nn.Embedding):                                # torch's generator
+            init.uniform_(module.weight, -0.1, 0.1)
+        else:
+            real(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", unusual)
+    cfg = _tiny_llama()
+    engine = _engine(cfg)
+    whole = sorted(u[1] for u in engine.unit_modules if u[0] == "module" and engine.replays(u) is None)
+    assert whole == sorted(["model.embed_tokens", "model.norm"] +
+                           [f"model.layers.{i}.{m}" for i in range(2)
+                            for m in ("mlp.gate_proj", "mlp.up_proj", "input_layernorm", "post_attention_layernorm")])
+    assert engine.replays(("module", "model.layers.0.mlp.down_proj")) is not None
+    from safetensors.torch import load_file
+
+    rep = stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=seed)
+    sd = load_file(rep.files[0])
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(sd[name], 2 * own_normal_(torch.empty(sd[name].shape), seed, name, std=0.02))
+    assert torch.equal(sd["model.norm.weight"], torch.ones(48))
+    emb = sd["model.embed_tokens.weight"]
+    assert emb.abs().max() <= 0.1 and emb.std() > 0.05
+    again = load_file(stream.write_checkpoint(cfg, tmp_path / "b.safetensors", seed=seed).files[0])
+    assert all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+def test_own_normal_offset(seed):
+    name = "model.layers.3.mlp.down_proj.weight"
+    whole = own_normal_(torch.empty(5 * OWN_INIT_BLOCK + 77, dtype=torch.bfloat16), seed, name, std=0.02)
+    for start in (OWN_INIT_BLOCK, 3 * OWN_INIT_BLOCK):
+        part = own_normal_(torch.empty(whole.numel() - start, dtype=torch.bfloat16), seed, name, std=0.02,
+                           offset=start)
+        assert torch.equal(part, whole[start:])
+    with pytest.raises(ValueError, match=r"offset must be a multiple of 65536, got 100"):
+        own_normal_(torch.empty(10), seed, name, offset=100)
+    with pytest.raises(ValueError, match="offset"):
+        own_normal_(torch.empty(10), seed, name, offset=-OWN_INIT_BLOCK)
+
+
+def test_dry_run_counts_the_units_drawn_in_pieces(tmp_path):
+    cfg = _tiny_llama()
+    rep = write_pretrained(cfg, tmp_path / "d", dry_run=True)
+    plan = rep.plan
+    layers = cfg.num_hidden_layers
+    assert plan.units == layers + 6 * layers + 3 and plan.replayed_units == plan.units - layers
+    assert plan.largest_unit[0] == "model.layers.0.self_attn" and plan.piece_bytes == stream._PIECE_BYTES
+    assert not (tmp_path / "d").exists()
