@@ -1316,13 +1316,16 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
 
 
 @contextlib.contextmanager
-def _compute_threads(device: torch.device):
-    """torch's CPU threads while tensors are computed: all cores but one, which is the writer
-    thread's (torch's threads on every core stall one another and the writer: 2-3x slower on two
-    cores). Results do not depend on it (counter-based streams; the orthogonalization is
-    bit-identical across thread counts)."""
+def _compute_threads(device: torch.device, leave_one: bool = True):
+    """torch's CPU threads while tensors are computed: all cores but one (``leave_one``), which is
+    the writer thread's, while pieces are drawn (the writer writes each piece while the next is
+    drawn; torch's threads on every core stall one another and the writer: 2-3x slower on two
+    cores); every core for a unit computed whole (an attention layer's orthogonalization: the
+    writer has at most its queue to write meanwhile; 1.2x faster for Llama-3-8B here). Results do
+    not depend on it (counter-based streams; the orthogonalization is bit-identical across thread
+    counts)."""
     threads = torch.get_num_threads()
-    if device.type == "cpu":
+    if device.type == "cpu" and leave_one:
         torch.set_num_threads(max(1, threads - 1))
     try:
         yield
@@ -1395,9 +1398,9 @@ def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, fre
 
 def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
     """Write ``jobs`` (``[(path, head, order)]``) in order: tensors computed here, written by a
-    :class:`_Writer` thread. The first tensor's unit is computed on every core (the writer has
-    nothing to write before it; usually the embedding, the largest), the rest with
-    :func:`_compute_threads`. SIGTERM in the main thread removes the file being written."""
+    :class:`_Writer` thread, with the threads :func:`_compute_threads` gives (units computed whole
+    on every core, pieces with one core left to the writer). SIGTERM in the main thread removes
+    the file being written."""
     engine, state = job.engine, job.state
     todo = {k for _, _, order in jobs for k in order}
     ready: dict = {}       # computed tensors not yet handed to the writer
@@ -1405,7 +1408,10 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
 
     def compute(key):
         if key not in ready:
-            for k, t in engine.unit(engine.unit_of[key]).items():
+            unit = engine.unit_of[key]
+            with _compute_threads(job.device, leave_one=engine.replays(unit) is not None):
+                tensors = engine.unit(unit)
+            for k, t in tensors.items():
                 if k in todo and k not in done:
                     ready[k] = t
         done.add(key)
@@ -1430,26 +1436,23 @@ def _run_write(job: _Job, jobs: list, progress: bool, desc: str) -> None:
         if not isinstance(item, _Replay):
             writer.put(item)
             return
-        for piece, buf in item.pieces(engine.seed, _PIECE_BYTES, take):
-            if piece.device.type != "cpu":
-                writer.put(piece.to("cpu"))
-            else:
-                writer.put(piece, buf)
+        with _compute_threads(job.device):
+            for piece, buf in item.pieces(engine.seed, _PIECE_BYTES, take):
+                if piece.device.type != "cpu":
+                    writer.put(piece.to("cpu"))
+                else:
+                    writer.put(piece, buf)
 
     total = sum(_nbytes(state[k]) for k in todo)
     bar = _Progress(total, desc) if progress and total else None
     with _removing_temps_on_sigterm():
         writer = _Writer(bar, pool=engine.pool)
         try:
-            ahead = {}
-            if jobs and jobs[0][2]:
-                ahead[jobs[0][2][0]] = compute(jobs[0][2][0])
-            with _compute_threads(job.device):
-                for path, head, order in jobs:
-                    writer.begin(path, head)
-                    for k in order:
-                        put(ahead.pop(k) if k in ahead else compute(k))
-                    writer.end()
+            for path, head, order in jobs:
+                writer.begin(path, head)
+                for k in order:
+                    put(compute(k))
+                writer.end()
             writer.finish()
         except BaseException:
             writer.abort()
