@@ -58,6 +58,8 @@ def test_pieces_write_the_bytes_of_the_whole_init(tmp_path, monkeypatch, family,
     engine = _engine(cfg)
     modules = [u for u in engine.unit_modules if u[0] == "module"]
     assert sorted(u[1] for u in modules if engine.replays(u) is None) == whole_units
+    assert sorted(u[1] for u in engine.whole_why) == whole_units      # each with its reason
+    assert all(why.startswith(f"{u[1]}.") for u, why in engine.whole_why.items()), engine.whole_why
     assert len(modules) > len(whole_units) + 3
     pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=5, max_shard_size="20KB")
     assert _digests(pieces) == _digests(whole)
@@ -110,6 +112,9 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
                            [f"model.layers.{i}.{m}" for i in range(2)
                             for m in ("mlp.gate_proj", "mlp.up_proj", "input_layernorm", "post_attention_layernorm")])
     assert engine.replays(("module", "model.layers.0.mlp.down_proj")) is not None
+    why = {u[1]: w for u, w in engine.whole_why.items()}
+    assert "aten.mul_" in why["model.layers.0.mlp.up_proj"] and "aten.uniform_" in why["model.embed_tokens"]
+    assert "non-contiguous view" in why["model.norm"]
     from safetensors.torch import load_file
 
     rep = stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=seed)

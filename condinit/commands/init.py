@@ -228,6 +228,10 @@ def _print_plan(rep, where: str, quiet: bool) -> None:
              if plan.largest_unit[0] is not None else "no unit computed whole")
     lines.append(f"peak memory about {_fmt_bytes(plan.peak_memory_bytes)} ({whole}; {plan.replayed_units} of "
                  f"{plan.units} units drawn in pieces of at most {_fmt_bytes(plan.piece_bytes)})")
+    for name, why in list(plan.whole_modules.items())[:10]:
+        lines.append(f"  computed whole: {name or '(the model itself)'}: {why}")
+    if len(plan.whole_modules) > 10:
+        lines.append(f"  ... and {len(plan.whole_modules) - 10} more modules computed whole")
     if plan.rates is not None:
         r = plan.rates
         lines.append(f"expected time on this machine: about {plan.estimated_seconds:.0f} s to generate (own init "

@@ -171,7 +171,8 @@ class WritePlan:
     the free space, the peak resident-memory estimate (this process now, plus the writer's queue,
     the pieces being drawn, the largest unit computed whole (``largest_unit``: ``(name, bytes)``,
     ``(None, 0)`` if none) and one computed ahead, and scratch), how many of the ``units`` are
-    drawn in pieces of at most ``piece_bytes`` (``replayed_units``), and the generation time
+    drawn in pieces of at most ``piece_bytes`` (``replayed_units``; ``whole_modules``: the other
+    modules besides attention layers, each with why its init is not replayed), and the generation time
     estimated from rates measured on this machine (``rates``; ``None`` unless measured)."""
 
     files: list
@@ -184,6 +185,7 @@ class WritePlan:
     units: int = 0
     replayed_units: int = 0
     piece_bytes: int = 0
+    whole_modules: dict = field(default_factory=dict)
     rates: Optional[dict] = None
     estimated_seconds: Optional[float] = None
 
@@ -530,19 +532,24 @@ def _storage_key(t: torch.Tensor) -> int:
 class _WriteRecorder(TorchDispatchMode):
     """Every write the model's init makes to the fresh meta tensors of a unit, in order.
 
-    ``fresh`` maps a storage (:func:`_storage_key`) to ``(state-dict key, base tensor)``. A write
-    (an operator argument the schema marks written, ``out=`` included) to one of them is recorded
-    as ``("fill", start, stop, value)`` when it is ``fill_`` / ``zero_`` of a contiguous range of
-    the tensor; own-init normals are recorded by :meth:`normal` (the table entry calls it instead of
-    drawing). Any other write makes the tensor not replayable (``unsupported[key]``: why)."""
+    :meth:`watch` gets the tensors: ``{storage (_storage_key): (state-dict key, base tensor)}``. A
+    write (an operator argument the schema marks written, ``out=`` included) to one of them is
+    recorded in ``writes[key]`` as ``("fill", start, stop, value)`` when it is ``fill_`` / ``zero_``
+    of a contiguous range of the tensor; own-init normals are recorded by :meth:`normal` (the init
+    table's ``normal_`` calls it instead of drawing) as ``("normal", start, stop, mean, std)``. Any
+    other write makes the tensor not replayable (``unsupported[key]``: why)."""
 
     _FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
 
-    def __init__(self, fresh: dict):
+    def __init__(self):
         super().__init__()
+        self.fresh: dict = {}
+        self.writes: dict = {}
+        self.unsupported: dict = {}
+
+    def watch(self, fresh: dict) -> None:
         self.fresh = fresh
         self.writes = {key: [] for key, _ in fresh.values()}
-        self.unsupported: dict = {}
 
     def _range(self, t: torch.Tensor, what: str):
         hit = self.fresh.get(_storage_key(t))
@@ -695,6 +702,7 @@ class _Materializer:
         self._whole: set = set()   # keys a patched normal_ filled entirely
         self._recorder: Optional[_WriteRecorder] = None
         self._replays: dict = {}   # module unit -> {key: _Replay}, or None: materialized whole
+        self.whole_why: dict = {}  # module unit materialized whole -> why it is not replayed
 
     def unit_bytes(self, unit) -> int:
         """Bytes of the state-dict tensors of ``unit``."""
@@ -779,7 +787,7 @@ class _Materializer:
             if id(t) in self.covered:
                 real._is_hf_initialized = True     # the own init passes over it, as in apply; run_plan writes it all
             elif recorder is not None:
-                pass
+                pass                                        # meta: nothing to fill, every write is recorded
             elif real.is_floating_point():
                 if fill:
                     real.detach().fill_(float("nan"))       # anything the own init leaves is caught below
@@ -796,8 +804,7 @@ class _Materializer:
                        if real.numel()}
         self._whole = set()
         if recorder is not None:
-            recorder.fresh = self._fresh
-            recorder.writes = {key: [] for key, _ in self._fresh.values()}
+            recorder.watch(self._fresh)
         self._recorder = recorder
         try:
             # recording needs no seed: a random draw of torch's generator is a write it does not replay
@@ -836,34 +843,37 @@ class _Materializer:
         """``{key: _Replay}`` for every state-dict tensor of a module ``unit`` whose init, run on
         fresh meta tensors, makes only writes a :class:`_Replay` redoes (own-init normals and fills,
         the last whole write of each tensor first); None otherwise (and for attention layers),
-        when the unit is materialized whole. Recorded once per unit."""
+        when the unit is materialized whole (``whole_why[unit]`` says why). Recorded once per unit."""
         if unit not in self._replays:
-            self._replays[unit] = self._record(unit)
+            self._replays[unit], why = self._record(unit)
+            if why is not None:
+                self.whole_why[unit] = why
         return self._replays[unit]
 
-    def _record(self, unit) -> Optional[dict]:
+    def _record(self, unit) -> tuple:
+        """``({key: _Replay}, None)``, or ``(None, why not)``."""
         if unit[0] != "module":
-            return None
+            return None, None
         mname = unit[1]
-        recorder = _WriteRecorder({})
+        recorder = _WriteRecorder()
         try:
             fresh, _ = self._init_module(mname, fill=False, recorder=recorder)
-        except Exception:   # an init that needs real values (e.g. reads them): run it on real tensors
-            return None
+        except Exception as exc:   # an init that needs real values (e.g. reads them): run it on real tensors
+            return None, f"its init fails on meta tensors ({type(exc).__name__}: {str(exc)[:80]})"
         prefix = f"{mname}." if mname else ""
         out = {}
         for attr, t in fresh.items():
             key = prefix + attr
             if key in recorder.unsupported:
-                return None
+                return None, f"{key}: {recorder.unsupported[key]}"
             if t.numel() == 0:
                 out[key] = _Replay(key, 0, t.dtype, ("fill", 0, 0, 0), [])
                 continue
             replay = _Replay.from_writes(key, t, recorder.writes.get(key, []))
             if replay is None:
-                return None
+                return None, f"{key}: not written whole by own-init normals or a fill"
             out[key] = replay
-        return out
+        return out, None
 
     def unit(self, unit) -> dict:
         """``{key: tensor}`` for every state-dict tensor of ``unit``; a :class:`_Replay` instead of
@@ -1384,7 +1394,8 @@ def _make_plan(job: _Job, files: dict, heads: dict, sizes: dict, keep: list, fre
     else:
         unit_name = largest[0][1] if largest[0][0] == "module" else engine.layers[largest[0][1]].name
     plan = WritePlan([(f, sizes[f], len(files[f])) for f in files], job.total_size, write_bytes, free, peak,
-                     (unit_name, largest[1]), list(keep), len(units), len(units) - len(whole), _PIECE_BYTES)
+                     (unit_name, largest[1]), list(keep), len(units), len(units) - len(whole), _PIECE_BYTES,
+                     {u[1]: why for u, why in engine.whole_why.items()})
     if measure:
         rates = _measure_rates(job)
         own = sum(t.numel() for k, t in job.state.items() if job.engine.unit_of[k][0] == "module")
