@@ -340,3 +340,38 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         assert rc == 2 and needle in err, (argv, err)
         assert len(err.strip().splitlines()) == 1 and "invalid literal" not in err, (argv, err)
     assert _listing(tmp_path) == ["llama.json"]
+
+
+_CONSOLE = """
+import atexit, sys, threading, time
+atexit.register(lambda: print("exit handler ran", flush=True))
+from condinit.cli import run
+def late():
+    time.sleep(1.0)
+    print("non-daemon thread done")
+threading.Thread(target=late).start()
+run(sys.argv[1:])
+"""
+
+
+def test_console_script_ends_like_a_normal_exit(tmp_path):
+    """``condinit`` / ``python -m condinit`` end without the interpreter's teardown, but with what a
+    normal exit does: other threads joined, exit handlers run, buffered output flushed, the status kept."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-c", _CONSOLE, "info", "--json"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.endswith("exit handler ran\n") and ok.stdout.count("non-daemon thread done\n") == 1
+    body = ok.stdout.replace("non-daemon thread done\n", "")[:-len("exit handler ran\n")]
+    assert "torch" in json.loads(body)              # all of stdout's buffer was flushed
+    bad = subprocess.run([sys.executable, "-c", _CONSOLE, "init", "--preset", "no-such-preset", "--out",
+                          str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "condinit init: error: unknown preset 'no-such-preset'" in bad.stderr
+    assert bad.stdout == "non-daemon thread done\nexit handler ran\n"     # the thread outlived main
+    assert not os.listdir(tmp_path)
+    mod = subprocess.run([sys.executable, "-m", "condinit", "init", "--preset", "tiny-llama", "--out",
+                          str(tmp_path / "t.safetensors"), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert mod.returncode == 0, mod.stderr
+    assert len(load_file(str(tmp_path / "t.safetensors"))) > 10
