@@ -101,6 +101,9 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
             module.weight.data[1::2].fill_(1.0)
         elif isinstance(module, torch.nn.Embedding):                                # torch's generator
             init.uniform_(module.weight, -0.1, 0.1)
+        elif isinstance(module, torch.nn.Linear) and module.out_features == 3000:   # the head: data replaced
+            init.normal_(module.weight, std=0.02)
+            module.weight.data = torch.full_like(module.weight, 0.5)
         else:
             real(self, module)
 
@@ -108,13 +111,13 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
     cfg = _tiny_llama()
     engine = _engine(cfg)
     whole = sorted(u[1] for u in engine.unit_modules if u[0] == "module" and engine.replays(u) is None)
-    assert whole == sorted(["model.embed_tokens", "model.norm"] +
+    assert whole == sorted(["model.embed_tokens", "model.norm", "lm_head"] +
                            [f"model.layers.{i}.{m}" for i in range(2)
                             for m in ("mlp.gate_proj", "mlp.up_proj", "input_layernorm", "post_attention_layernorm")])
     assert engine.replays(("module", "model.layers.0.mlp.down_proj")) is not None
     why = {u[1]: w for u, w in engine.whole_why.items()}
     assert "aten.mul_" in why["model.layers.0.mlp.up_proj"] and "aten.uniform_" in why["model.embed_tokens"]
-    assert "non-contiguous view" in why["model.norm"]
+    assert "non-contiguous view" in why["model.norm"] and "storage was replaced" in why["lm_head"]
     from safetensors.torch import load_file
 
     rep = stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=seed)
@@ -122,6 +125,7 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
     name = "model.layers.1.mlp.up_proj.weight"
     assert torch.equal(sd[name], 2 * own_normal_(torch.empty(sd[name].shape), seed, name, std=0.02))
     assert torch.equal(sd["model.norm.weight"], torch.ones(48))
+    assert torch.equal(sd["lm_head.weight"], torch.full((3000, 48), 0.5))
     emb = sd["model.embed_tokens.weight"]
     assert emb.abs().max() <= 0.1 and emb.std() > 0.05
     again = load_file(stream.write_checkpoint(cfg, tmp_path / "b.safetensors", seed=seed).files[0])

@@ -551,6 +551,13 @@ class _WriteRecorder(TorchDispatchMode):
         self.fresh = fresh
         self.writes = {key: [] for key, _ in fresh.values()}
 
+    def check_storages(self, tensors: dict) -> None:
+        """``tensors`` (``{key: tensor}``) after the init: one whose storage was replaced
+        (``tensor.data = ...``) got values the recorded writes do not show."""
+        for key, t in tensors.items():
+            if t.numel() and self.fresh.get(_storage_key(t), (None,))[0] != key:
+                self.unsupported.setdefault(key, "its storage was replaced (tensor.data = ...)")
+
     def _range(self, t: torch.Tensor, what: str):
         hit = self.fresh.get(_storage_key(t))
         if hit is None:
@@ -814,6 +821,8 @@ class _Materializer:
                     fn = self.init_of[name]
                     if fn is not None:
                         fn(self.modules[name])
+            if recorder is not None:
+                recorder.check_storages({prefix + attr: real for attr, real in fresh.items()})
         finally:
             self._fresh, self._recorder = {}, None
         for real in fresh.values():
