@@ -490,6 +490,12 @@ def test_init_that_condinit_cannot_follow_is_rerun_and_checked(tmp_path, monkeyp
             real(self, module)
 
     monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", forgets_norms)
+    # from a config, the norms keep what their constructor wrote (ones), as from_config gives them
+    got = load_file(write_checkpoint(cfg, tmp_path / "b.safetensors", seed=2).files[0])
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    # a model built elsewhere on meta: its constructors' values are unknown, and nothing is written
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match=r"model.layers.0.input_layernorm.weight: the model's own init .* leaves"):
-        write_checkpoint(cfg, tmp_path / "b.safetensors", seed=2)
-    assert sorted(os.listdir(tmp_path)) == ["a.safetensors", "ref.safetensors"]
+        write_checkpoint(model, tmp_path / "c.safetensors", seed=2)
+    assert sorted(os.listdir(tmp_path)) == ["a.safetensors", "b.safetensors", "ref.safetensors"]

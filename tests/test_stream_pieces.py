@@ -101,6 +101,9 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
             module.weight.data[1::2].fill_(1.0)
         elif isinstance(module, torch.nn.Embedding):                                # torch's generator
             init.uniform_(module.weight, -0.1, 0.1)
+        elif isinstance(module, torch.nn.Linear) and module.in_features == 96:      # down: a meta no-op after
+            init.normal_(module.weight, std=0.02)
+            init.trunc_normal_(module.weight, std=0.02)
         elif isinstance(module, torch.nn.Linear) and module.out_features == 3000:   # the head: data replaced
             init.normal_(module.weight, std=0.02)
             module.weight.data = torch.full_like(module.weight, 0.5)
@@ -113,10 +116,12 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
     whole = sorted(u[1] for u in engine.unit_modules if u[0] == "module" and engine.replays(u) is None)
     assert whole == sorted(["model.embed_tokens", "model.norm", "lm_head"] +
                            [f"model.layers.{i}.{m}" for i in range(2)
-                            for m in ("mlp.gate_proj", "mlp.up_proj", "input_layernorm", "post_attention_layernorm")])
-    assert engine.replays(("module", "model.layers.0.mlp.down_proj")) is not None
+                            for m in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                                      "post_attention_layernorm")])
+    assert engine.replays(("module", "model.layers.0.self_attn.o_proj")) is not None
     why = {u[1]: w for u, w in engine.whole_why.items()}
-    assert "aten.mul_" in why["model.layers.0.mlp.up_proj"] and "aten.uniform_" in why["model.embed_tokens"]
+    assert "aten.mul_" in why["model.layers.0.mlp.up_proj"] and "uniform_" in why["model.embed_tokens"]
+    assert "trunc_normal_" in why["model.layers.0.mlp.down_proj"]
     assert "non-contiguous view" in why["model.norm"] and "storage was replaced" in why["lm_head"]
     from safetensors.torch import load_file
 
@@ -126,6 +131,9 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
     assert torch.equal(sd[name], 2 * own_normal_(torch.empty(sd[name].shape), seed, name, std=0.02))
     assert torch.equal(sd["model.norm.weight"], torch.ones(48))
     assert torch.equal(sd["lm_head.weight"], torch.full((3000, 48), 0.5))
+    down = "model.layers.0.mlp.down_proj.weight"     # torch's truncated normal, not the own-init normals
+    assert not torch.equal(sd[down], own_normal_(torch.empty(sd[down].shape), seed, down, std=0.02))
+    assert sd[down].abs().max() <= 2 and 0.015 < sd[down].std() < 0.025
     emb = sd["model.embed_tokens.weight"]
     assert emb.abs().max() <= 0.1 and emb.std() > 0.05
     again = load_file(stream.write_checkpoint(cfg, tmp_path / "b.safetensors", seed=seed).files[0])
@@ -153,3 +161,55 @@ def test_dry_run_counts_the_units_drawn_in_pieces(tmp_path):
     assert plan.units == layers + 6 * layers + 3 and plan.replayed_units == plan.units - layers
     assert plan.largest_unit[0] == "model.layers.0.self_attn" and plan.piece_bytes == stream._PIECE_BYTES
     assert not (tmp_path / "d").exists()
+
+
+# tensors only a constructor sets (the model's _init_weights leaves them): their values as
+# from_config gives them (independent of condinit: the model built on the CPU)
+@pytest.mark.parametrize("family, auto, pattern", [
+    ("clip", "AutoModel", "logit_scale"),                        # nn.Parameter(torch.tensor(value))
+    ("apertus", "AutoModelForCausalLM", "act_fn."),             # computed from literals in the constructor
+    ("yolos", "AutoModel", "cls_token"),                          # torch.zeros
+])
+def test_values_only_a_constructor_sets_are_from_config_s(tmp_path, family, auto, pattern):
+    from safetensors.torch import load_file
+
+    cfg = hf_config(family)
+    sd = load_file(stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=3).files[0])
+    ref = getattr(transformers, auto).from_config(cfg).state_dict()
+    keys = [k for k in sd if pattern in k]
+    assert keys and all(torch.equal(sd[k], ref[k]) for k in keys), {k: (sd[k], ref[k]) for k in keys}
+
+
+def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, monkeypatch, seed):
+    # OpenAI-GPT's Conv1D draws normal(0, 0.02) in its constructor; the model's init never touches it.
+    # D = 288: the projections are above _SMALL_NUMEL, so their draws are recorded, not computed
+    from safetensors.torch import load_file
+
+    cfg = hf_config("openai-gpt")
+    cfg.n_embd = 288
+    assert 288 * 288 > stream._SMALL_NUMEL
+    engine = _engine(cfg)
+    unit = ("module", "transformer.h.0.attn.c_proj")
+    assert engine.replays(unit) is not None
+    assert engine.constructed["transformer.h.0.attn.c_proj.weight"][0] == "writes"
+    pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=seed, max_shard_size="50KB")
+    assert _digests(pieces) == _digests(whole)
+    sd = {}
+    for name in os.listdir(pieces):
+        if name.endswith(".safetensors"):
+            sd.update(load_file(pieces / name))
+    for k in ("transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight"):
+        assert torch.equal(sd[k], own_normal_(torch.empty(sd[k].shape), seed, k, std=0.02)), k
+    assert torch.count_nonzero(sd["transformer.h.0.attn.c_proj.bias"]) == 0
+
+
+def test_a_constructor_draw_from_torch_depends_on_the_seed_only(tmp_path):
+    # SEW-D's masked_spec_embed: torch.Tensor(n).uniform_() in its constructor, made on the CPU
+    from safetensors.torch import load_file
+
+    cfg = hf_config("sew-d")
+    a, b, c = (load_file(stream.write_checkpoint(cfg, tmp_path / f"{i}.safetensors", seed=s).files[0])
+               for i, s in enumerate((4, 4, 5)))
+    k = "masked_spec_embed"
+    assert torch.equal(a[k], b[k]) and not torch.equal(a[k], c[k])
+    assert 0 <= a[k].min() and a[k].max() < 1 and a[k].std() > 0.1

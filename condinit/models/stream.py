@@ -120,7 +120,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from condinit._validate import check_bool, check_choice, check_int, check_seed
 from condinit.init.functional import V_MODES, check_gains, run_plan
@@ -149,6 +151,14 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 _SIZE_UNITS = {"TB": 10 ** 12, "GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3, "B": 1,
                "TIB": 2 ** 40, "GIB": 2 ** 30, "MIB": 2 ** 20, "KIB": 2 ** 10}
 
+# The init primitives whose writes the recorders follow (through the operators they call); any
+# other one on a recorded tensor makes it unknown (some do nothing on meta tensors)
+_FOLLOWED_INITS = ("normal_", "zeros_", "ones_", "constant_")
+# torch.nn.init's primitives that return at once on a meta tensor
+_META_NOOP_INITS = ("trunc_normal_", "dirac_", "orthogonal_", "sparse_")
+# Tensors of at most this many elements are computed on the CPU alongside a meta build, so that the
+# values only their constructors set are known (_BuildRecorder)
+_SMALL_NUMEL = 1 << 16
 # Own-init normals: elements per Philox block (the block id's low word counts blocks)
 OWN_INIT_BLOCK = 1 << 16
 # Bytes of computed tensors waiting for the writer thread before the generator waits for it: enough
@@ -270,9 +280,11 @@ def _is_pretrained(obj) -> bool:
     return isinstance(obj, PreTrainedModel)
 
 
-def _build_meta_model(config, model_class):
-    """A meta-device model for a transformers config: ``model_class``, or the config's
-    ``architectures[0]``, or the Auto class :func:`condinit.models.presets.model_class_for` picks."""
+def _build_meta_model(config, model_class, seed: int = 0):
+    """``(model, constructed)``: a meta-device model for a transformers config (``model_class``, or
+    the config's ``architectures[0]``, or the Auto class :func:`condinit.models.presets.model_class_for`
+    picks) and what its constructors wrote into its state (:class:`_BuildRecorder`, :meth:`values`),
+    torch's CPU generator seeded from ``seed`` meanwhile."""
     import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -285,10 +297,244 @@ def _build_meta_model(config, model_class):
         if cls is None or not hasattr(cls, "_from_config"):
             cls = AutoModelForCausalLM if model_class_for(config.model_type, config) == "AutoModelForCausalLM" \
                 else AutoModel
-    with torch.device("meta"):
+    recorder = _BuildRecorder()
+    with _seeded(torch.device("cpu"), _unit_seed(seed, "\0build")), torch.device("meta"), recorder, \
+            _TensorLiterals(recorder), recorder.unfollowed_inits():
         if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):   # an Auto class
-            return cls.from_config(config)
-        return cls._from_config(config)
+            model = cls.from_config(config)
+        else:
+            model = cls._from_config(config)
+    return model, recorder.values(model)
+
+
+class _TensorLiterals(TorchFunctionMode):
+    """``torch.tensor`` / ``torch.as_tensor`` during a meta build (their data never reaches an
+    operator a dispatch mode sees): the value is made on the CPU too, as the new tensor's shadow."""
+
+    def __init__(self, recorder: "_BuildRecorder"):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.tensor, torch.as_tensor) and isinstance(out, torch.Tensor) and out.is_meta \
+                and out.numel() <= _SMALL_NUMEL:
+            try:
+                self.recorder.adopt(out, func(*args, **{**kwargs, "device": "cpu"}))
+            except Exception:   # not followed: the tensor's value stays unknown
+                pass
+        return out
+
+
+class _BuildRecorder(TorchDispatchMode):
+    """What the constructors write into the tensors of a model built on the meta device: the values
+    ``from_config`` starts from, which the model's ``_init_weights`` then overwrites (or, for a
+    tensor only its constructor sets, e.g. CLIP's ``logit_scale`` or a ``Conv1D``'s normal weight,
+    keeps).
+
+    A storage of at most ``_SMALL_NUMEL`` elements gets a *shadow*: each operator on it runs on
+    the CPU as well (torch's generator included; its ``empty`` holds NaN, or the integer minimum,
+    which marks an element nobody wrote). A bigger one gets its writes recorded as
+    :class:`_WriteRecorder` records them (``zeros`` / ``ones`` / ``full`` / ``empty`` at creation,
+    then fills of contiguous ranges and ``normal_`` of the whole tensor, which becomes own-init
+    normals). Any other operator that creates or writes a storage makes it unknown."""
+
+    _CREATE = {torch.ops.aten.zeros.default: 0, torch.ops.aten.ones.default: 1}
+
+    def __init__(self):
+        super().__init__()
+        self.shadow: dict = {}    # storage key -> the storage's elements on the CPU (1-D)
+        self.writes: dict = {}    # storage key -> [writes] (bigger storages)
+        self.unknown: set = set()
+        self._alive: list = []    # the storages seen, kept so that no key is reused meanwhile
+
+    @contextlib.contextmanager
+    def unfollowed_inits(self):
+        """``torch.nn.init``'s primitives that do nothing on a meta tensor (``_META_NOOP_INITS``; no
+        operator shows their write) make the tensor they are given unknown for the duration, in
+        ``torch.nn.init`` and in transformers' table of them. (A model module that imported one by
+        name is not reached.)"""
+        table = _init_function_table()
+        patched = []
+
+        def marking(original):
+            def init_fn(tensor, *args, **kwargs):
+                if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                    key = self._track(tensor)
+                    self.shadow.pop(key, None)
+                    self.unknown.add(key)
+                return original(tensor, *args, **kwargs)
+            return init_fn
+
+        try:
+            for name in _META_NOOP_INITS:
+                for holder in (torch.nn.init, table):
+                    if holder is None:
+                        continue
+                    get = holder.get if isinstance(holder, dict) else (lambda n, h=holder: getattr(h, n, None))
+                    original = get(name)
+                    if original is None:
+                        continue
+                    patched.append((holder, name, original))
+                    if isinstance(holder, dict):
+                        holder[name] = marking(original)
+                    else:
+                        setattr(holder, name, marking(original))
+            yield
+        finally:
+            for holder, name, original in reversed(patched):
+                if isinstance(holder, dict):
+                    holder[name] = original
+                else:
+                    setattr(holder, name, original)
+
+    def adopt(self, meta: torch.Tensor, cpu: torch.Tensor) -> None:
+        """``cpu`` (contiguous, the same dtype and shape) is the value of the new tensor ``meta``."""
+        if (cpu.dtype != meta.dtype or cpu.shape != meta.shape or not cpu.is_contiguous() or not meta.is_contiguous()
+                or meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != meta.numel() * meta.element_size()):
+            return
+        self.shadow[self._track(meta)] = cpu.reshape(-1).clone()
+
+    def _track(self, t: torch.Tensor) -> int:
+        key = _storage_key(t)
+        self._alive.append(t.untyped_storage())
+        return key
+
+    def _cpu(self, t: torch.Tensor):
+        flat = self.shadow.get(_storage_key(t))
+        if flat is None or flat.dtype != t.dtype:
+            raise LookupError
+        return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self._follow(func, args, kwargs, out)
+        except Exception:   # anything this cannot follow: what the operator created or wrote is unknown
+            flat_in, _ = tree_flatten((args, kwargs))
+            for t in tree_flatten(out)[0] + [a for a in flat_in if isinstance(a, torch.Tensor)]:
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    key = self._track(t)
+                    self.shadow.pop(key, None)
+                    self.unknown.add(key)
+        return out
+
+    def _written(self, func, args, kwargs) -> list:
+        found = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                found += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_meta]
+        return found
+
+    def _follow(self, func, args, kwargs, out) -> None:
+        flat_in, _ = tree_flatten((args, kwargs))
+        inputs = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor) and t.is_meta}
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_meta]
+        created = [t for t in outs if _storage_key(t) not in inputs]
+        written = self._written(func, args, kwargs)
+        for t in created + written:
+            self._track(t)
+        small = all(t.untyped_storage().nbytes() <= _SMALL_NUMEL * t.element_size() for t in created + written)
+        shadowed = all(_storage_key(t) in self.shadow for t in flat_in if isinstance(t, torch.Tensor) and t.is_meta)
+        if small and shadowed:
+            self._shadow(func, args, kwargs, out, created)
+            return
+        for t in written:
+            key = _storage_key(t)
+            record = self.writes.get(key)
+            if key in self.shadow or record is None:
+                raise ValueError("a write this cannot follow")
+            record.append(self._write_of(func, args, kwargs, t))
+        for t in created:
+            self.writes[_storage_key(t)] = self._creation_of(func, args, kwargs, t)
+
+    def _shadow(self, func, args, kwargs, out, created) -> None:
+        def cpu(x):
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                return self._cpu(x)
+            if isinstance(x, torch.device) and x.type == "meta":
+                return torch.device("cpu")
+            return x
+        cargs, ckwargs = tree_map(cpu, (args, kwargs))
+        res = func(*cargs, **ckwargs)
+        pairs = dict(zip(map(id, tree_flatten(out)[0]), tree_flatten(res)[0]))
+        for t in created:
+            c = pairs[id(t)]
+            if (c.dtype != t.dtype or c.stride() != t.stride() or c.storage_offset() != t.storage_offset()
+                    or c.untyped_storage().nbytes() != t.untyped_storage().nbytes()):
+                raise ValueError("the CPU result is laid out differently")
+            flat = torch.empty(0, dtype=c.dtype).set_(c.untyped_storage(), 0, (c.untyped_storage().nbytes()
+                                                                               // c.element_size(),), (1,))
+            if str(func).startswith(("aten.empty", "aten.new_empty")):
+                flat.fill_(float("nan") if flat.is_floating_point() else
+                           (False if flat.dtype == torch.bool else torch.iinfo(flat.dtype).min))
+            self.shadow[_storage_key(t)] = flat
+
+    def _creation_of(self, func, args, kwargs, t) -> list:
+        if not (t.is_contiguous() and t.storage_offset() == 0
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size()):
+            raise ValueError("a view")
+        if func in self._CREATE:
+            return [("fill", 0, t.numel(), self._CREATE[func])]
+        if func is torch.ops.aten.full.default:
+            return [("fill", 0, t.numel(), args[1])]
+        if str(func).startswith(("aten.empty", "aten.new_empty")):
+            return []
+        raise ValueError("created by a computation")
+
+    @staticmethod
+    def _write_of(func, args, kwargs, t) -> tuple:
+        if not t.is_contiguous() or kwargs.get("generator") is not None:
+            raise ValueError("a write through a strided view, or from a given generator")
+        a, b = t.storage_offset(), t.storage_offset() + t.numel()
+        if func is torch.ops.aten.zero_.default:
+            return ("fill", a, b, 0)
+        if func is torch.ops.aten.fill_.Scalar:
+            return ("fill", a, b, args[1])
+        if func is torch.ops.aten.normal_.default and a == 0 and b * t.element_size() == t.untyped_storage().nbytes() \
+                and len(args) <= 3:
+            return ("normal", a, b, float(args[1]) if len(args) > 1 else 0.0, float(args[2]) if len(args) > 2 else 1.0)
+        raise ValueError("another write")
+
+    def values(self, model: nn.Module) -> dict:
+        """``{state-dict name: ("value", CPU tensor) | ("writes", [writes])}`` for the tensors whose
+        constructors' writes are known and cover every element."""
+        found = {}
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+                list(model.named_buffers(remove_duplicate=False)):
+            if t is None or t.numel() == 0:
+                continue
+            if not t.is_meta:     # made on the CPU (a legacy constructor ignores the meta device)
+                found[name] = ("value", t.detach().clone())
+                continue
+            key = _storage_key(t)
+            if key in self.unknown:
+                continue
+            if key in self.shadow:
+                try:
+                    v = self._cpu(t).clone()
+                except LookupError:
+                    continue
+                if v.is_floating_point():
+                    unset = bool(torch.isnan(v).any())
+                else:
+                    unset = v.dtype != torch.bool and bool(v.eq(torch.iinfo(v.dtype).min).any())
+                if unset:      # an element no constructor wrote (or a NaN it wrote: not followed)
+                    continue
+                flat = v.reshape(-1)
+                if bool(flat.eq(flat[0]).all()):    # a constant: a fill, which pieces can replay
+                    found[name] = ("writes", [("fill", 0, flat.numel(), flat[0].item())])
+                else:
+                    found[name] = ("value", v)
+            elif self.writes.get(key) and t.is_contiguous() and t.storage_offset() == 0 \
+                    and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                writes = self.writes[key]
+                if any(w[1] == 0 and w[2] == t.numel() for w in writes):
+                    found[name] = ("writes", list(writes))
+        return found
 
 
 # ------------------------------------------------------------------------------------------------
@@ -569,6 +815,11 @@ class _WriteRecorder(TorchDispatchMode):
         start = t.storage_offset() - base.storage_offset()
         return key, (start, start + t.numel())
 
+    def refuse(self, t: torch.Tensor, what: str) -> None:
+        key, _ = self._range(t, what)
+        if key is not None:
+            self.unsupported.setdefault(key, f"{what} writes it")
+
     def normal(self, t: torch.Tensor, name: str, mean: float, std: float) -> None:
         key, span = self._range(t, "normal_")
         if key is None or span is None:
@@ -632,6 +883,8 @@ class _Replay:
         """The tensor's elements in order as ``(piece, buffer)``: ``buffer`` a 1-D tensor from
         ``take(numel, dtype)`` (the same size for every piece: whole ``2**16``-element blocks,
         ``piece_bytes`` at most), ``piece`` its first elements (all of it but at the end)."""
+        if self.numel == 0:
+            return
         per = max(OWN_INIT_BLOCK, piece_bytes // self.dtype.itemsize // OWN_INIT_BLOCK * OWN_INIT_BLOCK)
         per = min(per, -(-self.numel // OWN_INIT_BLOCK) * OWN_INIT_BLOCK)
         for a in range(0, self.numel, per):
@@ -654,10 +907,12 @@ class _Materializer:
 
     def __init__(self, model, seed: int, method: str, v_mode: str, layers: Sequence[AttentionLayer],
                  memory_budget: Optional[int], state: dict, device: torch.device, qk_gain: float = 1.0,
-                 v_gain: float = 1.0):
+                 v_gain: float = 1.0, constructed: Optional[dict] = None):
         from transformers import PreTrainedModel
 
         self.model, self.seed, self.method, self.v_mode = model, seed, method, v_mode
+        # state-dict key -> what the constructors wrote (_BuildRecorder.values), where known
+        self.constructed = dict(constructed or {})
         self.memory_budget, self.device, self.qk_gain, self.v_gain = memory_budget, device, qk_gain, v_gain
         self.modules = dict(model.named_modules())
         self.state = state
@@ -751,6 +1006,10 @@ class _Materializer:
         def recording(fname, original):
             def fill(tensor, *args, **kwargs):
                 name = self._name_of(tensor)
+                if self._recorder is not None and name is not None and fname not in _FOLLOWED_INITS:
+                    # some of these do nothing on a meta tensor (trunc_normal_, orthogonal_, ...):
+                    # refused here, not left to what reaches the dispatcher
+                    self._recorder.refuse(tensor, fname)
                 if fname == "normal_" and name is not None and kwargs.get("generator") is None and len(args) < 3:
                     mean = args[0] if args else kwargs.get("mean", 0.0)
                     std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
@@ -795,6 +1054,8 @@ class _Materializer:
                 real._is_hf_initialized = True     # the own init passes over it, as in apply; run_plan writes it all
             elif recorder is not None:
                 pass                                        # meta: nothing to fill, every write is recorded
+            elif key in self.constructed and (fill or not real.is_floating_point()):
+                self._from_constructor(real.detach(), key)  # from_config's starting values
             elif real.is_floating_point():
                 if fill:
                     real.detach().fill_(float("nan"))       # anything the own init leaves is caught below
@@ -828,6 +1089,20 @@ class _Materializer:
         for real in fresh.values():
             real.__dict__.pop("_is_hf_initialized", None)
         return fresh, [k for k in checked if k not in self._whole]
+
+    def _from_constructor(self, real: torch.Tensor, key: str) -> None:
+        """Write into ``real`` what the model's constructors wrote into tensor ``key`` (a value
+        computed on the CPU, or fills and own-init normals of ``key``)."""
+        kind, what = self.constructed[key]
+        if kind == "value":
+            real.copy_(what.reshape(real.shape))
+            return
+        flat = real.view(-1)
+        for w in what:
+            if w[0] == "normal":
+                own_normal_(flat[w[1]:w[2]], self.seed, key, w[3], w[4])
+            else:
+                flat[w[1]:w[2]].fill_(w[3])
 
     def _own(self, mname: str) -> dict:
         """``{attr: real tensor}``: ``mname``'s direct state-dict tensors after the model's own init.
@@ -878,8 +1153,14 @@ class _Materializer:
             if t.numel() == 0:
                 out[key] = _Replay(key, 0, t.dtype, ("fill", 0, 0, 0), [])
                 continue
-            replay = _Replay.from_writes(key, t, recorder.writes.get(key, []))
+            writes = recorder.writes.get(key, [])
+            replay = _Replay.from_writes(key, t, writes)
+            made = self.constructed.get(key)
+            if replay is None and made is not None and made[0] == "writes":   # from the constructor's
+                replay = _Replay.from_writes(key, t, made[1] + writes)
             if replay is None:
+                if made is not None and made[0] == "value":
+                    return None, f"{key}: its value comes from its constructor (computed on the CPU)"
                 return None, f"{key}: not written whole by own-init normals or a fill"
             out[key] = replay
         return out, None
@@ -1287,13 +1568,14 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
 
     if isinstance(model_or_config, PretrainedConfig):
         config = model_or_config
-        model = _build_meta_model(config, model_class)
+        model, constructed = _build_meta_model(config, model_class, seed)
         if dtype is None:
             cfg_dtype = getattr(config, "dtype", None)
             if isinstance(cfg_dtype, str):
                 cfg_dtype = getattr(torch, cfg_dtype, None)
             dtype = cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32
     elif _is_pretrained(model_or_config):
+        constructed = {}       # built elsewhere: what its constructors wrote is not known
         if model_class is not None:
             raise ValueError("model_class is only used with a config; a model was given")
         model = model_or_config
@@ -1318,7 +1600,8 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
             raise TypeError(f"{k}: dtype {t.dtype} cannot be stored in safetensors by write_pretrained")
     if memory_budget is None and device.type == "cpu":
         memory_budget = _CPU_LAYER_BUDGET
-    engine = _Materializer(model, seed, method, v_mode, layers, memory_budget, state, device, qk_gain, v_gain)
+    engine = _Materializer(model, seed, method, v_mode, layers, memory_budget, state, device, qk_gain, v_gain,
+                           constructed)
     if uncovered:
         warnings.warn(f"write_pretrained: {len(uncovered)} attention-like module(s) of {type(model).__name__} are "
                       f"not conditioned and keep the model's own init (report.uncovered lists them; strict=True "
