@@ -213,3 +213,13 @@ def test_a_constructor_draw_from_torch_depends_on_the_seed_only(tmp_path):
     k = "masked_spec_embed"
     assert torch.equal(a[k], b[k]) and not torch.equal(a[k], c[k])
     assert 0 <= a[k].min() and a[k].max() < 1 and a[k].std() > 0.1
+
+
+def test_a_config_transformers_cannot_build_is_refused_with_what_to_do(tmp_path):
+    cfg = hf_config("funnel")      # its default config names no architecture; its Auto entry needs one
+    cfg.architectures = None
+    with pytest.raises(ValueError, match=r"model_type 'funnel'.*does not build a model from it.*\"architectures\""):
+        write_pretrained(cfg, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    cfg.architectures = ["FunnelModel"]
+    assert write_pretrained(cfg, tmp_path / "y").files

@@ -30,13 +30,26 @@ generation and disk writes overlap. Tensors are computed in *units*:
   nothing. So norms get ones / zeros, linears and embeddings ``normal(0, initializer_range)``,
   rotary buffers their frequencies, exactly as the model's code says.
 
+**Constructor values.** ``from_config`` starts every tensor from what its module's constructor
+wrote, and ``_init_weights`` overwrites what it covers; some tensors only a constructor sets (CLIP's
+``logit_scale = nn.Parameter(torch.tensor(2.6592))``, a ``Conv1D``'s ``normal(0, 0.02)`` weight in
+OpenAI-GPT, an activation's learned constants). So the meta model is built under a recorder
+(:class:`_BuildRecorder`): tensors of at most ``_SMALL_NUMEL`` elements are computed on the CPU as
+well (torch's CPU generator seeded from ``seed``: the same values for the same seed), bigger ones
+get their creation (``zeros`` / ``ones`` / ``full``) and later fills and whole-tensor ``normal_``
+recorded, the normals then drawn as own-init normals of the tensor's name. A unit's tensors start
+from these values where the init leaves them; a tensor whose constructor did anything else (or a
+model given already built on meta) has no known starting value, and what its init leaves is an
+error as before.
+
 **Pieces.** A module unit is first initialized on fresh *meta* tensors (nothing allocated), with
 every write to them recorded (:class:`_WriteRecorder`, a ``TorchDispatchMode``). When every tensor's
 writes are own-init normals of the whole tensor and fills (``ones_`` / ``zeros_`` / ``constant_`` /
 ``fill_`` of the whole tensor or of a contiguous part, e.g. an embedding's padding row), the unit
 is not materialized: each tensor is drawn in pieces of at most ``_PIECE_BYTES`` (the last write of
-the whole tensor, then the fills after it, restricted to the piece; the own-init stream can start at
-any block), and each piece goes to the writer while the next is drawn. These are the elements the
+the whole tensor, its constructor's writes first where the init writes it only in part, then the
+fills after it, restricted to the piece; the own-init stream can start at any block), and each piece
+goes to the writer while the next is drawn. These are the elements the
 init computes. Any other write (a draw from torch's generator, arithmetic on the tensor, a copy, a
 write through a non-contiguous view), a tensor the init does not write whole, or an init that fails
 on meta tensors (one that reads values) makes the unit computed whole as described above.
@@ -298,12 +311,18 @@ def _build_meta_model(config, model_class, seed: int = 0):
             cls = AutoModelForCausalLM if model_class_for(config.model_type, config) == "AutoModelForCausalLM" \
                 else AutoModel
     recorder = _BuildRecorder()
-    with _seeded(torch.device("cpu"), _unit_seed(seed, "\0build")), torch.device("meta"), recorder, \
-            _TensorLiterals(recorder), recorder.unfollowed_inits():
-        if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):   # an Auto class
-            model = cls.from_config(config)
-        else:
-            model = cls._from_config(config)
+    try:
+        with _seeded(torch.device("cpu"), _unit_seed(seed, "\0build")), torch.device("meta"), recorder, \
+                _TensorLiterals(recorder), recorder.unfollowed_inits():
+            if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):   # an Auto class
+                model = cls.from_config(config)
+            else:
+                model = cls._from_config(config)
+    except Exception as exc:
+        raise ValueError(f"config (model_type {getattr(config, 'model_type', None)!r}): transformers' "
+                         f"{getattr(cls, '__name__', cls)} does not build a model from it ({type(exc).__name__}: "
+                         f"{str(exc)[:300]}); name the model class to build in the config's \"architectures\"") \
+            from exc
     return model, recorder.values(model)
 
 
