@@ -223,3 +223,43 @@ def test_a_config_transformers_cannot_build_is_refused_with_what_to_do(tmp_path)
     assert not (tmp_path / "x").exists()
     cfg.architectures = ["FunnelModel"]
     assert write_pretrained(cfg, tmp_path / "y").files
+
+
+class _Constructed(torch.nn.Module):
+    """Constructor writes of every kind the meta-build recorder follows, or must refuse."""
+
+    def __init__(self):
+        super().__init__()
+        big = stream._SMALL_NUMEL + 1
+        self.literal = torch.nn.Parameter(torch.tensor([2.5, -1.0]))                 # a torch.tensor literal
+        self.computed = torch.nn.Parameter(torch.log(torch.exp(torch.tensor([0.8, 0.3])) - 1))   # arithmetic
+        self.ones = torch.nn.Parameter(torch.ones(8))                                 # small: a constant
+        self.drawn = torch.nn.Parameter(torch.empty(16).uniform_(-1, 1))            # small: torch's generator
+        self.big_zeros = torch.nn.Parameter(torch.zeros(big))
+        self.big_normal = torch.nn.Parameter(torch.empty(big))
+        torch.nn.init.normal_(self.big_normal, std=0.5)                             # whole normal_: recorded
+        self.big_normal.data[:3].fill_(7.0)                                          # then a fill of a range
+        self.big_uniform = torch.nn.Parameter(torch.empty(big).uniform_())          # big draw: unknown
+        self.big_scaled = torch.nn.Parameter(torch.ones(big) * 3)                   # big arithmetic: unknown
+        self.truncated = torch.nn.Parameter(torch.zeros(8))
+        torch.nn.init.trunc_normal_(self.truncated)                                  # a no-op on meta: unknown
+        self.unset = torch.nn.Parameter(torch.empty(4))                              # never written: unknown
+
+
+def test_build_recorder_follows_constructors():
+    recorder = stream._BuildRecorder()
+    with stream._seeded(torch.device("cpu"), 11), torch.device("meta"), recorder, stream._TensorLiterals(recorder), \
+            recorder.unfollowed_inits():
+        model = _Constructed()
+    assert all(p.is_meta for p in model.parameters())
+    got = recorder.values(model)
+    assert set(got) == {"literal", "computed", "ones", "drawn", "big_zeros", "big_normal"}, sorted(got)
+    assert got["literal"][0] == "value" and torch.equal(got["literal"][1], torch.tensor([2.5, -1.0]))
+    assert torch.equal(got["computed"][1], torch.log(torch.exp(torch.tensor([0.8, 0.3])) - 1))
+    big = stream._SMALL_NUMEL + 1
+    assert got["ones"] == ("writes", [("fill", 0, 8, 1.0)]) and got["big_zeros"] == ("writes", [("fill", 0, big, 0)])
+    assert got["big_normal"] == ("writes", [("normal", 0, big, 0.0, 0.5), ("fill", 0, 3, 7.0)])
+    # the small draw: torch's CPU generator, seeded for the build
+    with stream._seeded(torch.device("cpu"), 11):
+        expected = torch.empty(16).uniform_(-1, 1)
+    assert torch.equal(got["drawn"][1], expected)
