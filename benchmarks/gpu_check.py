@@ -458,6 +458,35 @@ def section_init(ch):
         return err <= 1e-5, f"max|diff|={err:.1e}"
     ch.check(f"conditioned_init_layers_ {ch.dev} == cpu", gpu_equals_cpu)
 
+    try:
+        import transformers
+    except ImportError:
+        ch.record(f"condinit init --device {ch.dev} == cpu", "SKIP", "transformers is not installed")
+        return
+
+    def streamed_write():
+        # every tensor drawn on the device (pieces, layers, constructor values) and streamed to disk:
+        # the own init bit for bit the CPU's, the conditioned Q/K/V within fp32 rounding
+        from safetensors.torch import load_file
+        from condinit.models.stream import write_pretrained
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096)
+        with tempfile.TemporaryDirectory() as d:
+            sds = []
+            for device in (ch.dev, "cpu"):
+                rep = write_pretrained(cfg, os.path.join(d, device), seed=5, device=device, max_shard_size="2MB")
+                sd = {}
+                for f in rep.files:
+                    sd.update(load_file(f))
+                sds.append(sd)
+        dev, cpu = sds
+        attn = [k for k in cpu if any(f".{p}_proj." in k for p in "qkv")]
+        same = [k for k in cpu if k not in attn and not torch.equal(dev[k], cpu[k])]
+        err = max((dev[k] - cpu[k]).abs().max().item() for k in attn)
+        return not same and err <= 1e-5 and dev.keys() == cpu.keys(), \
+            f"{len(cpu)} tensors, own init differs in {same[:3]}, Q/K/V max|diff|={err:.1e}"
+    ch.check(f"condinit init --device {ch.dev} == cpu", streamed_write)
+
 
 def section_attention(ch, backend):
     import torch
