@@ -458,3 +458,36 @@ def test_header_length_that_starts_like_a_pickle_still_reads(tmp_path, header_le
     ck = open_checkpoint(str(path))
     with ck as fh:
         assert torch.equal(fh.get_tensor("w"), torch.arange(6, dtype=torch.float32).view(2, 3))
+
+
+_TEMP_BEING_MADE = """
+import os, sys, tempfile, threading, time
+from condinit.models.checkpoint import _removing_temps_on_sigterm, atomic_output
+out = sys.argv[1]
+made = threading.Event()
+real_mkstemp = tempfile.mkstemp
+def slow_mkstemp(*args, **kwargs):   # the temporary file exists, its registration is still to come
+    fd, path = real_mkstemp(*args, **kwargs)
+    if not kwargs.get("prefix", "").startswith(".shard.bin."):    # the output path's writability probe
+        return fd, path
+    made.set()
+    time.sleep(0.5)
+    return fd, path
+tempfile.mkstemp = slow_mkstemp
+def writer():
+    with atomic_output(os.path.join(out, "shard.bin")) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(b"x" * 4096)
+with _removing_temps_on_sigterm():
+    threading.Thread(target=writer, daemon=True).start()
+    made.wait(30)
+    os.kill(os.getpid(), 15)          # SIGTERM while the writer thread is making its temporary file
+    time.sleep(30)
+"""
+
+
+def test_sigterm_while_a_writer_thread_makes_its_temporary_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _TEMP_BEING_MADE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert os.listdir(tmp_path) == []       # neither the temporary file nor a renamed one

@@ -152,7 +152,10 @@ _BASE_CHARS = 180  # keeps the temporary name under the usual 255-byte limit for
 STALE_TEMP_AGE_S = 3600.0
 
 _ACTIVE_TEMPS: set = set()         # temporary files being written by this process
-_TEMPS_LOCK = threading.Lock()     # creation + registration vs. the sweep (never taken in the signal handler)
+# creation + registration vs. the sweep and the SIGTERM handler (which keeps it: no temporary file is
+# made after it); reentrant, as the handler runs in the main thread, possibly inside a holder
+_TEMPS_LOCK = threading.RLock()
+_TEMP_DIRS: set = set()             # (directory, temporary-name prefix) of every temporary file made
 _sigterm_depth = 0                 # nesting of main-thread writes that installed the handler
 _sigterm_previous = None
 
@@ -207,9 +210,14 @@ def _sweep_stale_temps(d: str, base: str) -> None:
                     os.unlink(tmp)
 
 
+def _temp_prefix(base: str) -> str:
+    return f".{base[:_BASE_CHARS]}.{_HOST_TAG}.{os.getpid()}."
+
+
 def _new_temp(d: str, base: str) -> str:
     with _TEMPS_LOCK:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{base[:_BASE_CHARS]}.{_HOST_TAG}.{os.getpid()}.", suffix=".tmp")
+        _TEMP_DIRS.add((d, _temp_prefix(base)))
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=_temp_prefix(base), suffix=".tmp")
         _ACTIVE_TEMPS.add(tmp)
     os.close(fd)
     return tmp
@@ -217,10 +225,20 @@ def _new_temp(d: str, base: str) -> str:
 
 def _on_sigterm(signum, frame):
     # The default action would end the process here and leave full-size temporary files behind:
-    # remove them, then terminate the way the default action does (killed by the signal).
+    # remove them, then terminate the way the default action does (killed by the signal). The lock
+    # is taken and kept: a writer thread finishes making (and registering) a temporary file first,
+    # and makes none after. The directories are swept too, for a file this thread made but had not
+    # registered when the signal came.
+    _TEMPS_LOCK.acquire()
     for tmp in tuple(_ACTIVE_TEMPS):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+    for d, prefix in tuple(_TEMP_DIRS):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(d):
+                if name.startswith(prefix) and name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(d, name))
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     raise SystemExit(128 + signum)  # not reached: the signal's default action ends the process
