@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from coverage_models import CONFIG_FIXES, hf_config  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from condinit.models import stream  # noqa: E402
 from condinit.models.stream import OWN_INIT_BLOCK, own_normal_, write_pretrained  # noqa: E402
@@ -19,6 +20,15 @@ from condinit.models.stream import OWN_INIT_BLOCK, own_normal_, write_pretrained
 
 def _digests(d):
     return {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in sorted(os.listdir(d))}
+
+
+def _tensors(d):
+    """Every tensor of the weights files in directory ``d``."""
+    sd = {}
+    for name in os.listdir(d):
+        if name.endswith(".safetensors"):
+            sd.update(load_file(d / name))
+    return sd
 
 
 def _engine(cfg, **kw):
@@ -73,13 +83,7 @@ def test_padding_row_across_a_piece_boundary(tmp_path, monkeypatch, seed):
     assert replay.base[0] == "normal" and replay.fills == [(1365 * 48, 1366 * 48, 0)]
     pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=seed, max_shard_size="200KB")
     assert _digests(pieces) == _digests(whole)
-    from safetensors.torch import load_file
-
-    sd = {}
-    for name in os.listdir(pieces):
-        if name.endswith(".safetensors"):
-            sd.update(load_file(pieces / name))
-    emb = sd["model.embed_tokens.weight"]
+    emb = _tensors(pieces)["model.embed_tokens.weight"]
     assert emb.numel() > 2 * OWN_INIT_BLOCK
     ref = own_normal_(torch.empty(emb.shape), seed, "model.embed_tokens.weight", std=cfg.initializer_range)
     ref[1365] = 0
@@ -123,8 +127,6 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
     assert "aten.mul_" in why["model.layers.0.mlp.up_proj"] and "uniform_" in why["model.embed_tokens"]
     assert "trunc_normal_" in why["model.layers.0.mlp.down_proj"]
     assert "non-contiguous view" in why["model.norm"] and "storage was replaced" in why["lm_head"]
-    from safetensors.torch import load_file
-
     rep = stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=seed)
     sd = load_file(rep.files[0])
     name = "model.layers.1.mlp.up_proj.weight"
@@ -171,8 +173,6 @@ def test_dry_run_counts_the_units_drawn_in_pieces(tmp_path):
     ("yolos", "AutoModel", "cls_token"),                          # torch.zeros
 ])
 def test_values_only_a_constructor_sets_are_from_config_s(tmp_path, family, auto, pattern):
-    from safetensors.torch import load_file
-
     cfg = hf_config(family)
     sd = load_file(stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=3).files[0])
     ref = getattr(transformers, auto).from_config(cfg).state_dict()
@@ -183,8 +183,6 @@ def test_values_only_a_constructor_sets_are_from_config_s(tmp_path, family, auto
 def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, monkeypatch, seed):
     # OpenAI-GPT's Conv1D draws normal(0, 0.02) in its constructor; the model's init never touches it.
     # D = 288: the projections are above _SMALL_NUMEL, so their draws are recorded, not computed
-    from safetensors.torch import load_file
-
     cfg = hf_config("openai-gpt")
     cfg.n_embd = 288
     assert 288 * 288 > stream._SMALL_NUMEL
@@ -194,10 +192,7 @@ def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, 
     assert engine.constructed["transformer.h.0.attn.c_proj.weight"][0] == "writes"
     pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=seed, max_shard_size="50KB")
     assert _digests(pieces) == _digests(whole)
-    sd = {}
-    for name in os.listdir(pieces):
-        if name.endswith(".safetensors"):
-            sd.update(load_file(pieces / name))
+    sd = _tensors(pieces)
     for k in ("transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight"):
         assert torch.equal(sd[k], own_normal_(torch.empty(sd[k].shape), seed, k, std=0.02)), k
     assert torch.count_nonzero(sd["transformer.h.0.attn.c_proj.bias"]) == 0
@@ -205,8 +200,6 @@ def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, 
 
 def test_a_constructor_draw_from_torch_depends_on_the_seed_only(tmp_path):
     # SEW-D's masked_spec_embed: torch.Tensor(n).uniform_() in its constructor, made on the CPU
-    from safetensors.torch import load_file
-
     cfg = hf_config("sew-d")
     a, b, c = (load_file(stream.write_checkpoint(cfg, tmp_path / f"{i}.safetensors", seed=s).files[0])
                for i, s in enumerate((4, 4, 5)))

@@ -374,39 +374,25 @@ class _BuildRecorder(TorchDispatchMode):
         operator shows their write) make the tensor they are given unknown for the duration, in
         ``torch.nn.init`` and in transformers' table of them. (A model module that imported one by
         name is not reached.)"""
-        table = _init_function_table()
-        patched = []
-
         def marking(original):
             def init_fn(tensor, *args, **kwargs):
                 if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                    key = self._track(tensor)
-                    self.shadow.pop(key, None)
-                    self.unknown.add(key)
+                    self._forget(tensor)
                 return original(tensor, *args, **kwargs)
             return init_fn
 
+        tables = [vars(torch.nn.init)] + [t for t in (_init_function_table(),) if t is not None]
+        patched = []
         try:
-            for name in _META_NOOP_INITS:
-                for holder in (torch.nn.init, table):
-                    if holder is None:
-                        continue
-                    get = holder.get if isinstance(holder, dict) else (lambda n, h=holder: getattr(h, n, None))
-                    original = get(name)
-                    if original is None:
-                        continue
-                    patched.append((holder, name, original))
-                    if isinstance(holder, dict):
-                        holder[name] = marking(original)
-                    else:
-                        setattr(holder, name, marking(original))
+            for table in tables:
+                for name in _META_NOOP_INITS:
+                    if name in table:
+                        patched.append((table, name, table[name]))
+                        table[name] = marking(table[name])
             yield
         finally:
-            for holder, name, original in reversed(patched):
-                if isinstance(holder, dict):
-                    holder[name] = original
-                else:
-                    setattr(holder, name, original)
+            for table, name, original in reversed(patched):
+                table[name] = original
 
     def adopt(self, meta: torch.Tensor, cpu: torch.Tensor) -> None:
         """``cpu`` (contiguous, the same dtype and shape) is the value of the new tensor ``meta``."""
@@ -419,6 +405,12 @@ class _BuildRecorder(TorchDispatchMode):
         key = _storage_key(t)
         self._alive.append(t.untyped_storage())
         return key
+
+    def _forget(self, t: torch.Tensor) -> None:
+        """What ``t``'s storage holds is not known."""
+        key = self._track(t)
+        self.shadow.pop(key, None)
+        self.unknown.add(key)
 
     def _cpu(self, t: torch.Tensor):
         flat = self.shadow.get(_storage_key(t))
@@ -435,25 +427,15 @@ class _BuildRecorder(TorchDispatchMode):
             flat_in, _ = tree_flatten((args, kwargs))
             for t in tree_flatten(out)[0] + [a for a in flat_in if isinstance(a, torch.Tensor)]:
                 if isinstance(t, torch.Tensor) and t.is_meta:
-                    key = self._track(t)
-                    self.shadow.pop(key, None)
-                    self.unknown.add(key)
+                    self._forget(t)
         return out
-
-    def _written(self, func, args, kwargs) -> list:
-        found = []
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                found += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_meta]
-        return found
 
     def _follow(self, func, args, kwargs, out) -> None:
         flat_in, _ = tree_flatten((args, kwargs))
         inputs = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor) and t.is_meta}
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_meta]
         created = [t for t in outs if _storage_key(t) not in inputs]
-        written = self._written(func, args, kwargs)
+        written = [t for t in _written_tensors(func, args, kwargs) if t.is_meta]
         for t in created + written:
             self._track(t)
         small = all(t.untyped_storage().nbytes() <= _SMALL_NUMEL * t.element_size() for t in created + written)
@@ -794,6 +776,16 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _written_tensors(func, args, kwargs) -> list:
+    """The tensors an operator writes: its arguments the schema marks written (``out=`` included)."""
+    found = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            found += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return found
+
+
 class _WriteRecorder(TorchDispatchMode):
     """Every write the model's init makes to the fresh meta tensors of a unit, in order.
 
@@ -850,21 +842,15 @@ class _WriteRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
+        for t in _written_tensors(func, args, kwargs):
+            key, span = self._range(t, str(func))
+            if key is None or span is None:
                 continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                key, span = self._range(t, str(func))
-                if key is None or span is None:
-                    continue
-                if func in self._FILLS and (func is torch.ops.aten.zero_.default or
-                                            isinstance(args[1], (bool, int, float))):
-                    self.writes[key].append(("fill", span[0], span[1], args[1] if len(args) > 1 else 0))
-                else:
-                    self.unsupported.setdefault(key, f"{func} writes it")
+            if func in self._FILLS and (func is torch.ops.aten.zero_.default or
+                                        isinstance(args[1], (bool, int, float))):
+                self.writes[key].append(("fill", span[0], span[1], args[1] if len(args) > 1 else 0))
+            else:
+                self.unsupported.setdefault(key, f"{func} writes it")
         return func(*args, **kwargs)
 
 
@@ -880,10 +866,6 @@ class _Replay:
     dtype: torch.dtype
     base: tuple
     fills: list
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     @classmethod
     def from_writes(cls, key: str, meta: torch.Tensor, writes: list) -> Optional["_Replay"]:
@@ -907,18 +889,23 @@ class _Replay:
         per = max(OWN_INIT_BLOCK, piece_bytes // self.dtype.itemsize // OWN_INIT_BLOCK * OWN_INIT_BLOCK)
         per = min(per, -(-self.numel // OWN_INIT_BLOCK) * OWN_INIT_BLOCK)
         for a in range(0, self.numel, per):
-            b = min(self.numel, a + per)
             buf = take(per, self.dtype)
-            piece = buf[:b - a]
-            if self.base[0] == "normal":
-                own_normal_(piece, seed, self.key, self.base[3], self.base[4], offset=a)
-            else:
-                piece.fill_(self.base[3])
-            for start, stop, value in self.fills:
-                lo, hi = max(start, a), min(stop, b)
-                if lo < hi:
-                    piece[lo - a:hi - a].fill_(value)
+            piece = buf[:min(self.numel, a + per) - a]
+            self.write_into(piece, seed, a)
             yield piece, buf
+
+    def write_into(self, out: torch.Tensor, seed: int, start: int = 0) -> None:
+        """Elements ``start, start + 1, ...`` of the tensor into ``out`` (1-D; ``start`` a multiple
+        of ``2**16`` when the tensor's base write is own-init normals)."""
+        a, b = start, start + out.numel()
+        if self.base[0] == "normal":
+            own_normal_(out, seed, self.key, self.base[3], self.base[4], offset=a)
+        else:
+            out.fill_(self.base[3])
+        for lo, hi, value in self.fills:
+            lo, hi = max(lo, a), min(hi, b)
+            if lo < hi:
+                out[lo - a:hi - a].fill_(value)
 
 
 class _Materializer:
@@ -930,8 +917,10 @@ class _Materializer:
         from transformers import PreTrainedModel
 
         self.model, self.seed, self.method, self.v_mode = model, seed, method, v_mode
-        # state-dict key -> what the constructors wrote (_BuildRecorder.values), where known
-        self.constructed = dict(constructed or {})
+        # state-dict key -> what the constructors wrote (_BuildRecorder.values), where known: a
+        # value, or writes that make a _Replay of the saved tensor
+        self.constructed = {k: v for k, v in (constructed or {}).items() if k in state and
+                            (v[0] == "value" or _Replay.from_writes(k, state[k], v[1]) is not None)}
         self.memory_budget, self.device, self.qk_gain, self.v_gain = memory_budget, device, qk_gain, v_gain
         self.modules = dict(model.named_modules())
         self.state = state
@@ -1115,13 +1104,8 @@ class _Materializer:
         kind, what = self.constructed[key]
         if kind == "value":
             real.copy_(what.reshape(real.shape))
-            return
-        flat = real.view(-1)
-        for w in what:
-            if w[0] == "normal":
-                own_normal_(flat[w[1]:w[2]], self.seed, key, w[3], w[4])
-            else:
-                flat[w[1]:w[2]].fill_(w[3])
+        else:
+            _Replay.from_writes(key, real, what).write_into(real.view(-1), self.seed)
 
     def _own(self, mname: str) -> dict:
         """``{attr: real tensor}``: ``mname``'s direct state-dict tensors after the model's own init.
@@ -1655,8 +1639,9 @@ def _compute_threads(device: torch.device, leave_one: bool = True):
 
 
 def _measure_rates(job: _Job) -> dict:
-    """Generation rates on this machine, from a short run: own-init elements per second (the
-    model's main dtype) and seconds per conditioned attention layer (its first one, computed)."""
+    """Generation rates on this machine, from a short run with the threads the write uses
+    (:func:`_compute_threads`): own-init elements per second (the model's main dtype) and seconds
+    per conditioned attention layer (its first one, computed)."""
     dtypes = collections.Counter()
     for t in job.state.values():
         if t.is_floating_point():
@@ -1671,15 +1656,15 @@ def _measure_rates(job: _Job) -> dict:
             torch.cuda.synchronize(job.device)
         own_rate = probe.numel() / max(time.perf_counter() - t0, 1e-9)
         del probe
-        layer_units = [u for u in job.engine.unit_modules if u[0] == "layer"]
-        layer_s = 0.0
-        if layer_units:
+    layer_units = [u for u in job.engine.unit_modules if u[0] == "layer"]
+    layer_s = 0.0
+    if layer_units:
+        with _compute_threads(job.device, leave_one=False):
             t0 = time.perf_counter()
-            out = job.engine.unit(layer_units[0])
+            job.engine.unit(layer_units[0])
             if job.device.type == "cuda":
                 torch.cuda.synchronize(job.device)
             layer_s = time.perf_counter() - t0
-            del out
     return {"own_elements_per_s": own_rate, "layer_s": layer_s, "dtype": str(dtype).replace("torch.", "")}
 
 
