@@ -74,7 +74,7 @@ def main(argv=None):
 
 def _native_randn():
     import pytest
-    from condinit.init.philox import RANDN
+    from condinit.ops.random.op import RANDN
     if RANDN.choose("cpu") == "torch":
         pytest.skip("block_randn's native CPU kernel is not built (the torch reference takes minutes)")
 

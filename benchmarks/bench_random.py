@@ -1,4 +1,4 @@
-"""Counter-based Gaussians (condinit.init.philox.block_randn) against torch.randn, same element count.
+"""Counter-based Gaussians (condinit.ops.random.op.block_randn) against torch.randn, same element count.
 
 The default size is the Q and K head blocks of a Llama-1B-shaped model (16 layers x (32 Q + 8 K
 heads) = 640 blocks of 64 x 2048 = 83,886,080 float32 normals), the Gaussian part of its
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from condinit import _backends
-from condinit.init import philox as R
+from condinit.ops.random import op as R
 
 M, N = 64, 2048
 PYTEST_BLOCKS = int(os.environ.get("CONDINIT_BENCH_RANDOM_BLOCKS", "64"))

@@ -386,7 +386,7 @@ def section_tiny(ch):
     """Tiny shapes of every GPU kernel (under compute-sanitizer: memory errors and races)."""
     import torch
     from condinit.init import orthogonalize
-    from condinit.init.philox import block_randn
+    from condinit.ops.random.op import block_randn
     randn_backend = "cpp-cpu" if ch.dry else "cuda"
 
     def randn():
@@ -415,7 +415,7 @@ def section_tiny(ch):
 def section_init(ch):
     import torch
     from condinit.init import conditioned_init_layers_, orthogonalize
-    from condinit.init.philox import block_randn
+    from condinit.ops.random.op import block_randn
     randn_backend = "cpp-cpu" if ch.dry else "cuda"
 
     def randn():

@@ -364,8 +364,8 @@ def make_stack(shape: InitShape, device, dtype=torch.float32):
 
 def init_backend(device, backend=None, block_shape=(64, 2048), method: str = "auto") -> str:
     """``orthogonalize=<backend> (<method>), randn=<backend>``: what condinit's tables choose."""
-    from condinit.init.orthogonalize import ORTHOGONALIZE, resolve_method
-    from condinit.init.philox import RANDN
+    from condinit.ops.orthogonalize.op import ORTHOGONALIZE, resolve_method
+    from condinit.ops.random.op import RANDN
     concrete = resolve_method(*block_shape, method)
     orth = ORTHOGONALIZE.choose(device, backend, method=concrete)
     return f"orthogonalize={orth} ({concrete}), randn={RANDN.choose(device)}"
@@ -432,7 +432,7 @@ def init_floor(stack, shape: InitShape, device, chunk: int) -> None:
 
 def condinit_gaussians(shape: InitShape, device, chunk: int) -> None:
     """The Gaussians of the batched path alone: ``block_randn`` of every Q/K block, by chunks."""
-    from condinit.init.philox import block_randn, stream_id
+    from condinit.ops.random.op import block_randn, stream_id
     buf = torch.empty(chunk, shape.head_dim, shape.hidden, device=device)
     for s in range(0, shape.blocks, chunk):
         k = min(chunk, shape.blocks - s)
@@ -440,12 +440,12 @@ def condinit_gaussians(shape: InitShape, device, chunk: int) -> None:
 
 
 def _randn_backend(device) -> str:
-    from condinit.init.philox import RANDN
+    from condinit.ops.random.op import RANDN
     return RANDN.choose(device)
 
 
 def init_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list[Row]:
-    from condinit.init.orthogonalize import chunk_blocks, gemm_dtype
+    from condinit.ops.orthogonalize.op import chunk_blocks, gemm_dtype
     dev = torch.device(cfg.device)
     shape = cfg.init_shape
     sec = _Section("init", Timer(dev, cfg.repeats), progress, on_row)

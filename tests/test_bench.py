@@ -36,7 +36,7 @@ def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
         assert r["name"] in out and r["backend"] in out, key     # every row in the table, with its backend
     # the backends the table names are the ones condinit's tables choose for these calls
     from condinit.ops.attention.op import ATTENTION_JVP
-    from condinit.init.orthogonalize import ORTHOGONALIZE
+    from condinit.ops.orthogonalize.op import ORTHOGONALIZE
     assert rows["attention.jvp"]["backend"] == ATTENTION_JVP.choose("cpu", dtype=torch.float32, head_dim=64)
     assert f"orthogonalize={ORTHOGONALIZE.choose('cpu', method='cholqr2')} (cholqr2)" in rows["init.batched"]["backend"]
     assert rows["attention.sdpa_fwd"]["backend"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")

@@ -8,7 +8,7 @@ import condinit
 from condinit.init import (conditioned_blocks, conditioned_init_, conditioned_init_layers_, rect_identity_,
                            semi_orthogonal_)
 from condinit.init.functional import LAYER_STRIDE
-from condinit.init.philox import stream_id
+from condinit.ops.random.op import stream_id
 
 
 def rows_err(W: torch.Tensor) -> float:

@@ -15,7 +15,7 @@ from condinit.init import conditioned_blocks, conditioned_init_, orthogonalize
 scipy_stats = pytest.importorskip("scipy.stats")
 scipy_special = pytest.importorskip("scipy.special")
 
-orth_mod = importlib.import_module("condinit.init.orthogonalize")  # the module, not the function
+orth_mod = importlib.import_module("condinit.ops.orthogonalize.op")  # the module, not the function
 
 METHODS = ["householder", "cholqr2", "polar", "svd", "auto"]
 
@@ -391,7 +391,7 @@ def _qr_without_sign_fix(W):
 @pytest.mark.parametrize("shape", [(3, 7), (4, 4)])
 def test_haar_test_has_power(shape):
     """The same checks reject QR without the sign fix (Mezzadri 2007) on the same Gaussians."""
-    from condinit.init.philox import block_randn, stream_id
+    from condinit.ops.random.op import block_randn, stream_id
     W = block_randn(20260101, stream_id("haar-test"), range(N_DRAWS), shape)
     with pytest.raises(AssertionError):
         _haar_checks(_qr_without_sign_fix(W))

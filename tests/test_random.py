@@ -1,4 +1,4 @@
-"""Tests of the counter-based Gaussian generator (condinit.init.philox): Philox4x32-10 known answers,
+"""Tests of the counter-based Gaussian generator (condinit.ops.random.op): Philox4x32-10 known answers,
 the element -> (seed, stream, block, index) contract, block / chunk independence, bitwise agreement of
 the backends (and of the C++ kernel's AVX-512 / AVX2 / baseline variants), accuracy against a float64
 Box-Muller, statistics, seeds and stream ids, and input validation."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from condinit import _backends
-from condinit.init import philox as R
+from condinit.ops.random import op as R
 
 SEED = 0x0123456789ABCDEF
 CPU_NATIVE = _backends.available("cpp-cpu", "cpu", "philox_randn")

@@ -1,4 +1,4 @@
-"""Tests of the scaled-normal op (condinit.init.philox NORMAL, ``mean + std * z`` rounded once to the
+"""Tests of the scaled-normal op (condinit.ops.random.op NORMAL, ``mean + std * z`` rounded once to the
 destination dtype): the fused C++ CPU kernel equals the torch composite (the definition) bit for
 bit for every destination dtype, scale, shift, size, block-id pattern, thread count and ISA variant,
 non-finite results included; and condinit.models.stream.own_normal_, which runs it, does not
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from condinit import _backends
-from condinit.init import philox as R
+from condinit.ops.random import op as R
 from condinit.models.stream import OWN_INIT_BLOCK, own_init_stream, own_normal_
 
 SEED = 0x0123456789ABCDEF

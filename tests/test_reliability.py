@@ -14,7 +14,7 @@ import torch
 import condinit
 from condinit import _backends
 from condinit.init.functional import conditioned_init_, conditioned_init_layers_, rect_identity_, semi_orthogonal_
-from condinit.init.orthogonalize import orthogonalize
+from condinit.ops.orthogonalize.op import orthogonalize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,7 +80,7 @@ def test_unavailable_triton_writes_nothing(rng, monkeypatch):
 def test_backend_of_a_later_group_is_chosen_before_the_first_write(rng, monkeypatch):
     # two layer shapes (two groups of blocks); the backend cannot run the second group's method
     from condinit.init import orthogonalize as _  # noqa: F401  (the module, for its table)
-    table = sys.modules["condinit.init.orthogonalize"].ORTHOGONALIZE
+    table = sys.modules["condinit.ops.orthogonalize.op"].ORTHOGONALIZE
     impl = table.impls["torch"]
     monkeypatch.setitem(table.impls, "torch", type(impl)(**{**impl.__dict__, "limits": (("method", ("householder",)),)}))
     small = {"q": torch.randn(8, 8, generator=rng), "k": torch.randn(8, 8, generator=rng), "v": torch.randn(8, 8, generator=rng)}

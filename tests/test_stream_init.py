@@ -183,7 +183,7 @@ def test_bounded_memory(tmp_path):
     assert small["size"] > 350e6 and small["files"] >= 8 and big["size"] > small["size"] + 190e6
     # the writer's queue, a piece being drawn, one attention layer (Q/K/V and their scratch), slack:
     # neither the largest tensor nor the model's size
-    from condinit.init.orthogonalize import DEFAULT_BUDGET
+    from condinit.ops.orthogonalize.op import DEFAULT_BUDGET
     from condinit.models.stream import _MAX_QUEUED_BYTES, _PIECE_BYTES
 
     layer = (1024 * 1024 + 2 * 256 * 1024) * 4
@@ -219,8 +219,8 @@ import time  # noqa: E402
 
 from safetensors.torch import load_file  # noqa: E402
 
-from condinit.init import philox  # noqa: E402
-from condinit.init.philox import block_randn  # noqa: E402
+from condinit.ops.random import op as philox  # noqa: E402
+from condinit.ops.random.op import block_randn  # noqa: E402
 from condinit.models import stream  # noqa: E402
 from condinit.models.stream import own_init_stream, own_normal_, write_checkpoint  # noqa: E402
 

@@ -46,7 +46,7 @@ HELP = "build a model (preset or HF config.json) on meta, apply conditioned init
 
 
 def add_arguments(p):
-    from condinit.init.orthogonalize import METHODS
+    from condinit.ops.orthogonalize.op import METHODS
     from condinit.models.presets import PRESETS
 
     src = p.add_mutually_exclusive_group()

@@ -8,12 +8,12 @@
   stream, as an initialization writes them;
 * :func:`spectrum`, :func:`recondition_`: per-block singular-value extremes and spectral clamping.
 
-Randomness comes from :mod:`condinit.init.philox` (counter-based, chunking-independent;
+Randomness comes from :mod:`condinit.ops.random.op` (counter-based, chunking-independent;
 ``docs/design.md``, "Random streams").
 """
 from condinit.init.functional import (conditioned_blocks, conditioned_init_, conditioned_init_layers_,
                                       rect_identity_, semi_orthogonal_)
-from condinit.init.orthogonalize import orthogonalize
+from condinit.ops.orthogonalize.op import orthogonalize
 from condinit.init.spectrum import Spectrum, recondition_, spectrum
 
 __all__ = ["orthogonalize", "semi_orthogonal_", "rect_identity_", "conditioned_init_",

@@ -17,10 +17,10 @@ sharded gives bit-identical weights (for a given device type and memory budget).
 Call path. The public function (:func:`semi_orthogonal_`, :func:`conditioned_init_`,
 :func:`conditioned_init_layers_` here, ``apply`` in ``condinit/models/apply.py``) validates its
 arguments (``condinit/_validate.py``), draws the seed if none is given (``seed_from``,
-``condinit/init/philox.py``) and lists what it writes in an :class:`InitPlan` (``add_heads``: Q/K
+``condinit/ops/random/op.py``) and lists what it writes in an :class:`InitPlan` (``add_heads``: Q/K
 head blocks, ``add_identity``: V, ``add_zero``: biases; ``apply`` passes each projection's local
 region, which is all sharding needs). :func:`run_plan` is the one executor: per group of
-same-shaped blocks ``_execute`` calls ``run_chunks`` (``condinit/init/orthogonalize.py``), which picks
+same-shaped blocks ``_execute`` calls ``run_chunks`` (``condinit/ops/orthogonalize/op.py``), which picks
 the ``ORTHOGONALIZE`` table's backend once (``ORTHOGONALIZE.choose``) to run every chunk: ``fill``
 draws its Gaussians through the ``RANDN`` table (``philox.py``, ``RANDN.choose`` once per group), the
 chunk is orthonormalized, and ``sink`` rounds each result once into its weight's dtype, in place.
@@ -49,8 +49,8 @@ import torch
 from condinit import _backends
 from condinit._validate import (check_bool, check_choice, check_disjoint, check_int, check_real, check_seed,
                                 check_tensor)
-from condinit.init.orthogonalize import METHODS, ORTHOGONALIZE, resolve_method, run_chunks
-from condinit.init.philox import RANDN, seed_from, stream_id
+from condinit.ops.orthogonalize.op import METHODS, ORTHOGONALIZE, resolve_method, run_chunks
+from condinit.ops.random.op import RANDN, seed_from, stream_id
 
 __all__ = ["semi_orthogonal_", "rect_identity_", "conditioned_init_", "conditioned_init_layers_",
            "conditioned_blocks", "Q_STREAM", "K_STREAM", "V_MODES", "LAYER_STRIDE"]
@@ -476,7 +476,7 @@ def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int
         stream: int stream id in ``[0, 2**32)`` or a name (hashed with ``stream_id``), e.g. ``"q"``.
         block_ids: 1-D int64 tensor, range or sequence of ints >= 0.
         block_shape: ``(m, n)``: orthonormal rows if ``m <= n``, else orthonormal columns.
-        method: see :func:`condinit.init.orthogonalize.orthogonalize`.
+        method: see :func:`condinit.ops.orthogonalize.op.orthogonalize`.
         device: where to compute (default CPU).
         memory_budget: bytes of fp32 scratch per chunk buffer (default 16 MiB on CPU, 1 GiB on GPU).
         backend: force a backend of the ``orthogonalize`` op.

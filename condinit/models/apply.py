@@ -56,8 +56,8 @@ from torch import nn
 from condinit._validate import check_bool, check_choice, check_int
 from condinit.init.functional import (K_STREAM, LAYER_STRIDE, MAX_LAYER_INDEX, Q_STREAM, V_MODES, InitPlan,
                                       check_gains, check_seed_source, draw_seed, rect_identity_, run_plan)
-from condinit.init.orthogonalize import METHODS
-from condinit.init.philox import stream_id
+from condinit.ops.orthogonalize.op import METHODS
+from condinit.ops.random.op import stream_id
 from condinit.init.spectrum import spectrum
 
 from .adapters import (AttentionSpec, Projection, UnsupportedAttention, describe, looks_like_attention,
@@ -148,7 +148,7 @@ def discover(model: nn.Module, *, layer_offset: int = 0, include=None, exclude=N
     """
     _check_model(model)
     layer_offset = check_int("layer_offset", layer_offset, min=0, max=MAX_LAYER_INDEX)
-    return _discover(model, layer_offset, _patterns(include, "include"), _patterns(exclude, "exclude"))
+    return _discover(model, layer_offset, check_patterns(include, "include"), check_patterns(exclude, "exclude"))
 
 
 def _check_model(model) -> None:
@@ -173,18 +173,18 @@ def _is_cross(name: str, mod: nn.Module) -> bool:
     return getattr(mod, "is_cross_attention", None) is True or bool(_CROSS_NAMES & set(name.split(".")))
 
 
-def _discover_for_writing(model: nn.Module, layer_offset: int, inc, exc, include, exclude,
+def discover_for_writing(model: nn.Module, layer_offset: int, inc, exc, include, exclude,
                           strict: bool, v_mode: str) -> Discovery:
     """:func:`_discover`, plus the checks every writer makes before its first write: some
     attention found, nothing uncovered under ``strict``, floating-point projections, and a V that
     ``v_mode`` can write in every layer (a grouped convolution holds only block-diagonal entries)."""
     found = _discover(model, layer_offset, inc, exc)
     if not found.layers:
-        raise _no_attention_error(model, include, exclude, found.uncovered)
+        raise no_attention_error(model, include, exclude, found.uncovered)
     if found.uncovered and strict:
         raise UncoveredAttentionError(
             f"strict: {len(found.uncovered)} attention-like module(s) of {type(model).__name__} cannot be "
-            f"conditioned, nothing was written: {_listing(found.uncovered)}. {_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
+            f"conditioned, nothing was written: {uncovered_listing(found.uncovered)}. {_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
     for l in found.layers:
         for p, proj in l.spec.projections():
             if not proj.weight.is_floating_point():
@@ -241,7 +241,7 @@ def _discover(model: nn.Module, layer_offset: int, inc: Optional[list], exc: Opt
     return Discovery([l for l in found if _selected(l.name, inc, exc)], [u for _, u in uncovered])
 
 
-def _patterns(pats, what):
+def check_patterns(pats, what):
     if pats is None:
         return None
     if isinstance(pats, str):
@@ -252,7 +252,7 @@ def _patterns(pats, what):
     return pats
 
 
-def _listing(uncovered: Sequence[Uncovered], limit: Optional[int] = None) -> str:
+def uncovered_listing(uncovered: Sequence[Uncovered], limit: Optional[int] = None) -> str:
     shown = list(uncovered) if limit is None else list(uncovered)[:limit]
     text = "; ".join(str(u) for u in shown)
     if limit is not None and len(uncovered) > limit:
@@ -265,13 +265,13 @@ _WHAT_TO_DO = ("describe them with condinit.models.register_adapter(TheirClass, 
                "acknowledge them with exclude=[...]")
 
 
-def _no_attention_error(model, include, exclude, uncovered: Sequence[Uncovered] = ()):
+def no_attention_error(model, include, exclude, uncovered: Sequence[Uncovered] = ()):
     if include is not None or exclude is not None:
         return ValueError(f"no attention layer of {type(model).__name__} matches include={include!r} "
                           f"exclude={exclude!r}")
     if uncovered:
         return UncoveredAttentionError(f"no attention layer of {type(model).__name__} can be conditioned; attention-"
-                                       f"like modules found: {_listing(uncovered, 20)}. To condition them, "
+                                       f"like modules found: {uncovered_listing(uncovered, 20)}. To condition them, "
                                        f"{_WHAT_TO_DO}")
     return ValueError(f"no attention layer found in {type(model).__name__}: no submodule has a registered adapter or "
                       f"the projections condinit reads (q_proj/k_proj/v_proj, query/key/value, qkv, ...); add one with "
@@ -509,7 +509,7 @@ def _local_biases(proj: Projection, name: str) -> list[torch.Tensor]:
     return out
 
 
-def _covered(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
+def covered_tensors(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
     """Parameters that the Q/K/V weights and biases of ``layers`` overwrite entirely."""
     spans: dict[int, tuple[torch.Tensor, int, list]] = {}
 
@@ -568,7 +568,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
             records the seed used.
         generator: a ``torch.Generator`` to draw the seed from (only without ``seed``).
         method: orthogonalization method ("auto", "householder", "cholqr2", "polar", "svd"; see
-            :func:`condinit.init.orthogonalize`).
+            :func:`condinit.ops.orthogonalize.op`).
         v_mode: ``"identity"`` (rectangular identity over the whole V matrix) or
             ``"identity_per_head"`` (``I_{d x in}`` in every head's rows).
         qk_gain: every Q and K head block is ``qk_gain`` times a semi-orthogonal block (all its
@@ -616,7 +616,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     seed = check_seed_source(seed, generator)
     check_choice("method", method, METHODS)
     check_choice("v_mode", v_mode, V_MODES)
-    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
+    inc, exc = check_patterns(include, "include"), check_patterns(exclude, "exclude")
     report = check_bool("report", report)
     layer_offset = check_int("layer_offset", layer_offset, min=0, max=MAX_LAYER_INDEX)
     memory_budget = check_int("memory_budget", memory_budget, min=1, allow_none=True)
@@ -626,7 +626,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     progress = check_bool("progress", progress)
     strict = check_bool("strict", strict)
 
-    found = _discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
+    found = discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered
     # checked against the projections' dtypes (known on meta models too), before anything is written
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],
@@ -646,21 +646,21 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     if uncovered:
         warnings.warn(f"condinit.apply: {len(uncovered)} attention-like module(s) of {type(model).__name__} are not "
                       f"conditioned and keep the model's own init (report.uncovered lists them; strict=True makes "
-                      f"this an error): {_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=2)
+                      f"this an error): {uncovered_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=2)
 
     # drawn before the model's own init below, which draws from torch's generator too
     seed = draw_seed(seed, generator)
     init_time = 0.0
     if meta:
         t0 = time.perf_counter()
-        materialize_(model, device, skip=_covered(layers), init_fn=init_fn, check=check_init)
+        materialize_(model, device, skip=covered_tensors(layers), init_fn=init_fn, check=check_init)
         init_time = time.perf_counter() - t0
         names = {l.name for l in layers}
         layers = [l for l in _discover(model, layer_offset, None, None).layers if l.name in names]
 
     sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
-        plan, reports = _plan(layers, v_mode, measure_before=report and not meta and not sharded,
+        plan, reports = plan_blocks(layers, v_mode, measure_before=report and not meta and not sharded,
                               qk_gain=qk_gain, v_gain=v_gain)
         after: dict = {}   # (layer position, stream) -> [(first block id, Spectrum)]
 
@@ -698,7 +698,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
                        time.perf_counter() - t_start, list(uncovered), qk_gain, v_gain)
 
 
-def _plan(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool, qk_gain: float = 1.0,
+def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool, qk_gain: float = 1.0,
           v_gain: float = 1.0):
     """The :class:`InitPlan` writing the local part of every layer's Q/K/V (Q/K times ``qk_gain``,
     V ``v_gain`` times the identity) and biases (owner: the layer's position in ``layers``), and

@@ -56,12 +56,12 @@ on meta tensors (one that reads values) makes the unit computed whole as describ
 
 **Own-init random draws.** Every ``normal_`` that the model's init makes on a state-dict tensor
 (transformers' ``init.normal_``, which ``torch.nn.init.normal_`` is routed to while the init runs)
-is drawn from condinit's counter-based generator (:func:`condinit.init.philox.block_randn`) in
+is drawn from condinit's counter-based generator (:func:`condinit.ops.random.op.block_randn`) in
 the tensor's own stream: element ``e`` (row-major) of tensor ``name`` is lane ``e % 2**16`` of
 block ``(h31(name) << 32) + e // 2**16`` of stream ``s(name)``, with ``s`` and ``h31`` the first
 4 bytes and the next 31 bits of BLAKE2b(``"condinit own init\\0" + name``) (:func:`own_init_stream`),
 then ``mean + std * z`` rounded once to the tensor's dtype (the ``normal`` table of
-:mod:`condinit.init.philox`: on the CPU one pass of the C++ kernel, straight into the tensor's
+:mod:`condinit.ops.random.op`: on the CPU one pass of the C++ kernel, straight into the tensor's
 dtype; elsewhere the float32 normals scaled in a buffer and copied, with the same bits). A view of
 a tensor (e.g. one row) has a stream of its own named after the view. So these weights are bit-identical whatever the shard
 size, the chunking, the order of writing or the device (the generator is; ``docs/design.md``,
@@ -139,12 +139,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from condinit._validate import check_bool, check_choice, check_int, check_seed
 from condinit.init.functional import V_MODES, check_gains, run_plan
-from condinit.init.orthogonalize import DEFAULT_BUDGET, METHODS
-from condinit.init.philox import NORMAL, NORMAL_CHUNK
+from condinit.ops.orthogonalize.op import DEFAULT_BUDGET, METHODS
+from condinit.ops.random.op import NORMAL, NORMAL_CHUNK
 
 from .adapters import describe
-from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionWarning, _covered,
-                    _discover_for_writing, _listing, _patterns, _plan)
+from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionWarning, covered_tensors,
+                    discover_for_writing, uncovered_listing, check_patterns, plan_blocks)
 from .checkpoint import (METADATA_KEY, _canonical_json, _read_header, _removing_temps_on_sigterm, atomic_output,
                          check_output_path, condinit_metadata)
 
@@ -942,7 +942,7 @@ class _Materializer:
                     fn = anc._init_weights
             self.init_of[mname] = fn
         self.tensor_key = {id(t): k for k, t in state.items()}
-        self.covered = {id(t) for t in _covered(layers)}
+        self.covered = {id(t) for t in covered_tensors(layers)}
         self.layers = list(layers)
         self.layer_of_module = {}
         for pos, l in enumerate(self.layers):
@@ -1187,7 +1187,7 @@ class _Materializer:
                     raise ValueError(f"{l.name}: the layer is no longer recognised once materialized")
                 live = AttentionLayer(l.index, l.name, l.module, hit.adapter, hit.spec, l.cross)
                 with torch.no_grad():
-                    plan, _ = _plan([live], self.v_mode, measure_before=False, qk_gain=self.qk_gain,
+                    plan, _ = plan_blocks([live], self.v_mode, measure_before=False, qk_gain=self.qk_gain,
                                     v_gain=self.v_gain)
                     run_plan(plan, self.seed, self.method, memory_budget=self.memory_budget)
         out = {}
@@ -1553,7 +1553,7 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
     check_choice("v_mode", v_mode, V_MODES)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
+    inc, exc = check_patterns(include, "include"), check_patterns(exclude, "exclude")
     strict = check_bool("strict", strict)
     memory_budget = check_int("memory_budget", memory_budget, min=1, allow_none=True)
     if family is not None and not isinstance(family, str):
@@ -1593,7 +1593,7 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
         model = model.to(dtype)
     model.eval()
 
-    found = _discover_for_writing(model, 0, inc, exc, include, exclude, strict, v_mode)
+    found = discover_for_writing(model, 0, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],
                                   [l.spec.v.weight.dtype for l in layers])
@@ -1608,7 +1608,7 @@ def _prepare(model_or_config, *, seed, method, v_mode, qk_gain, v_gain, dtype, m
     if uncovered:
         warnings.warn(f"write_pretrained: {len(uncovered)} attention-like module(s) of {type(model).__name__} are "
                       f"not conditioned and keep the model's own init (report.uncovered lists them; strict=True "
-                      f"makes this an error): {_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=3)
+                      f"makes this an error): {uncovered_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=3)
     reports = [LayerReport(l.index, l.name, l.adapter, l.spec.num_heads, l.spec.num_kv_heads, l.spec.head_dim,
                            {p: tuple(proj.shape) for p, proj in l.spec.projections()}, layout=l.spec.layout,
                            cross=l.cross) for l in layers]

@@ -276,7 +276,7 @@ class JacobianMonitor:
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
                  exclude=None, tensorboard: bool = True, signals: bool = True, alerts: Optional[dict] = None,
                  distributed: Optional[bool] = None):
-        from condinit.models.apply import _no_attention_error, find_attention
+        from condinit.models.apply import no_attention_error, find_attention
         from .operator import WRT, check_dtype
 
         if not isinstance(model, nn.Module):
@@ -301,7 +301,7 @@ class JacobianMonitor:
         check_bool("distributed", distributed, allow_none=True)
         self.layers = find_attention(model, include=include, exclude=exclude)
         if not self.layers:
-            raise _no_attention_error(model, include, exclude)
+            raise no_attention_error(model, include, exclude)
         self._setup_distributed(model, distributed)
         if self.distributed and self._rank != 0:
             log_dir = path = None            # rank 0 writes every rank's records

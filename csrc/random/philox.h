@@ -1,7 +1,7 @@
 // Philox4x32-10 and its Box-Muller transform, shared by the C++ CPU kernel (randn_cpu.cpp) and
 // the CUDA kernel (randn_kernels.cu). Light header: only <stdint.h> (and <string.h> on the host).
 //
-// The math is specified in condinit/init/philox.py (module docstring); the PyTorch reference there
+// The math is specified in condinit/ops/random/op.py (module docstring); the PyTorch reference there
 // performs exactly the same float32 operations, one IEEE round-to-nearest step at a time, so all
 // backends agree bit for bit. For that:
 //   * every float operation below goes through CI_MUL / CI_ADD / CI_SUB / CI_SQRT: on the device
@@ -92,7 +92,7 @@ CI_HD void philox4x32_10(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3,
   }
 }
 
-// float32 constants (exact values; the same hex floats as condinit/init/philox.py)
+// float32 constants (exact values; the same hex floats as condinit/ops/random/op.py)
 #define CI_LOG_P0 0x1.204376p-4f
 #define CI_LOG_P1 -0x1.d7a37p-4f
 #define CI_LOG_P2 0x1.de4a34p-4f

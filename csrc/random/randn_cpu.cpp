@@ -1,5 +1,5 @@
 // condinit_C::philox_randn: counter-based standard normals (Philox4x32-10 + Box-Muller), C++ CPU
-// kernel. The math (philox.h) is specified in condinit/init/philox.py; output is bitwise identical
+// kernel. The math (philox.h) is specified in condinit/ops/random/op.py; output is bitwise identical
 // to the PyTorch reference there and to the CUDA kernel.
 //
 //   philox_randn(int seed_lo, int seed_hi, int stream, Tensor block_ids, int m, int n, Tensor(a!) out) -> ()
