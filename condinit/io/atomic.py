@@ -1,0 +1,279 @@
+"""Atomic output files: write to a temporary file beside the destination, then rename it over the
+destination; never a partial file, on any error, Ctrl-C or SIGTERM.
+
+* Atomic: a temporary file in the destination's directory, ``fsync``, ``os.replace``, then
+  ``fsync`` of the directory. The old file stays intact until the rename: on any error, on
+  Ctrl-C and on SIGTERM the temporary file is removed and nothing is left behind. SIGKILL cannot
+  be caught: the next write to the same destination removes the temporary files of writers that
+  are gone (their names carry a host tag and the writer's PID; see :func:`atomic_output`).
+* Modes: a new file gets ``0o666 & ~umask`` (what ``open(path, "w")`` gives); an overwritten file
+  keeps its mode. The file is owned by the writer (the rename makes a new inode).
+* Symlinks are written through: a destination that is a symlink keeps the link, and the file it
+  points to is replaced atomically in that file's own directory (a dangling link creates its
+  target, as a shell redirection does). Destinations that are not regular files (devices, FIFOs,
+  sockets) are refused before any work (:func:`check_output_path`).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import signal
+import socket
+import stat
+import tempfile
+import threading
+import time
+
+__all__ = ["atomic_output", "check_output_path", "removing_temps_on_sigterm", "STALE_TEMP_AGE_S"]
+
+_FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def _resolve_output(path) -> tuple[str, str]:
+    """``(shown, dest)``: the absolute path as given, and the file that will be replaced (symlinks
+    followed), after every check of :func:`check_output_path`."""
+    shown = os.path.abspath(os.fspath(path))
+    dest = os.path.realpath(shown)
+    via = f" (the target of symlink {shown})" if dest != shown else ""
+    try:
+        st = os.stat(dest)
+    except (FileNotFoundError, NotADirectoryError):  # the directory checks below say which
+        st = None
+    except OSError as exc:  # ELOOP: a symlink cycle
+        raise ValueError(f"output {shown} cannot be used: {exc.strerror or exc}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"output {dest}{via} is a directory, expected a file path")
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+            raise ValueError(f"output {dest}{via} is {kind}; condinit writes only regular files (it replaces the "
+                             f"file atomically)")
+    d = os.path.dirname(dest)
+    if not os.path.exists(d):
+        raise ValueError(f"output directory {d}{via} does not exist")
+    if not os.path.isdir(d):
+        raise ValueError(f"output directory {d}{via} is not a directory")
+    try:  # os.access is not enough (root, read-only mounts): create and remove a probe file
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".condinit-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"output directory {d}{via} is not writable: {exc.strerror or exc}") from None
+    return shown, dest
+
+
+def check_output_path(path) -> str:
+    """Validate an output path before any work; returns it as an absolute path (symlinks kept).
+
+    Checked: the file that will be written (a symlink's target: writes go through links) is a
+    regular file or does not exist yet, and its directory exists and is writable. A directory, a
+    device node such as ``/dev/null``, a FIFO or a socket is refused with a ValueError naming the
+    path and what it is.
+
+    Examples:
+        >>> out = check_output_path("model.safetensors")
+        >>> check_output_path("/dev/null")
+        Traceback (most recent call last):
+        ValueError: output /dev/null is a character device; condinit writes only regular files ...
+    """
+    return _resolve_output(path)[0]
+
+
+# Temporary files: ".{base}.{host tag}.{pid}.{random}.tmp" in the destination's directory. The host
+# tag and PID let a later write tell a temporary file whose writer is gone (SIGKILL, power loss)
+# from one that is being written right now, which it must never delete.
+_HOST_TAG = hashlib.blake2s(socket.gethostname().encode("utf-8", "surrogateescape"), digest_size=4).hexdigest()
+_BASE_CHARS = 180  # keeps the temporary name under the usual 255-byte limit for long destinations
+# A temporary file whose writer cannot be checked (another host, or a PID now used by another
+# process) is stale once it has not been modified for this long; a live writer modifies its file
+# until the rename.
+STALE_TEMP_AGE_S = 3600.0
+
+_ACTIVE_TEMPS: set = set()         # temporary files being written by this process
+# creation + registration vs. the sweep and the SIGTERM handler (which keeps it: no temporary file is
+# made after it); reentrant, as the handler runs in the main thread, possibly inside a holder
+_TEMPS_LOCK = threading.RLock()
+_TEMP_DIRS: set = set()             # (directory, temporary-name prefix) of every temporary file made
+_sigterm_depth = 0                 # nesting of main-thread writes that installed the handler
+_sigterm_previous = None
+
+
+def _temp_pattern(base: str):
+    return re.compile(rf"^\.{re.escape(base[:_BASE_CHARS])}\.([0-9a-f]{{8}})\.([0-9]+)\.[a-z0-9_]+\.tmp$")
+
+
+def _writer_alive(pid: int) -> bool:
+    if pid <= 0 or os.name == "nt":  # os.kill(pid, 0) terminates the process on Windows
+        return pid > 0
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # EPERM: it exists, owned by another user
+        return True
+    return True
+
+
+def _sweep_stale_temps(d: str, base: str) -> None:
+    """Remove this destination's temporary files left by writers that are gone."""
+    pattern = _temp_pattern(base)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        m = pattern.match(name)
+        if m is None:
+            continue
+        tmp = os.path.join(d, name)
+        host, pid = m[1], int(m[2])
+        with _TEMPS_LOCK:
+            if tmp in _ACTIVE_TEMPS:
+                continue
+            try:
+                age = now - os.lstat(tmp).st_mtime
+            except OSError:
+                continue
+            if host == _HOST_TAG and pid == os.getpid():
+                stale = True  # ours, not being written: left by an earlier process with this PID
+            elif host == _HOST_TAG and not _writer_alive(pid):
+                stale = True
+            else:
+                stale = age > STALE_TEMP_AGE_S
+            if stale:
+                # best effort: a leftover we may not remove (another user's, a read-only
+                # directory entry) must not stop this write
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+def _temp_prefix(base: str) -> str:
+    return f".{base[:_BASE_CHARS]}.{_HOST_TAG}.{os.getpid()}."
+
+
+def _new_temp(d: str, base: str) -> str:
+    with _TEMPS_LOCK:
+        _TEMP_DIRS.add((d, _temp_prefix(base)))
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=_temp_prefix(base), suffix=".tmp")
+        _ACTIVE_TEMPS.add(tmp)
+    os.close(fd)
+    return tmp
+
+
+def _on_sigterm(signum, frame):
+    # The default action would end the process here and leave full-size temporary files behind:
+    # remove them, then terminate the way the default action does (killed by the signal). The lock
+    # is taken and kept: a writer thread finishes making (and registering) a temporary file first,
+    # and makes none after. The directories are swept too, for a file this thread made but had not
+    # registered when the signal came.
+    _TEMPS_LOCK.acquire()
+    for tmp in tuple(_ACTIVE_TEMPS):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    for d, prefix in tuple(_TEMP_DIRS):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(d):
+                if name.startswith(prefix) and name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(d, name))
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # not reached: the signal's default action ends the process
+
+
+@contextlib.contextmanager
+def removing_temps_on_sigterm():
+    """For the duration of a write, make SIGTERM remove every temporary file of :func:`atomic_output`
+    in this process (those of writer threads too) before the process dies of the signal. Installed
+    where SIGTERM would otherwise end the process without cleanup: only over the default action (an application's own handler or SIG_IGN
+    decides for itself), and only in the main thread (``signal.signal`` works nowhere else; writes
+    from other threads rely on the sweep)."""
+    global _sigterm_depth, _sigterm_previous
+    installed = False
+    if threading.current_thread() is threading.main_thread():
+        if _sigterm_depth > 0:
+            installed = True
+            _sigterm_depth += 1
+        elif signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            try:
+                _sigterm_previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            except ValueError:  # not the main interpreter
+                pass
+            else:
+                installed = True
+                _sigterm_depth = 1
+    try:
+        yield
+    finally:
+        if installed:
+            _sigterm_depth -= 1
+            if _sigterm_depth == 0 and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                signal.signal(signal.SIGTERM, _sigterm_previous)
+
+
+def _current_umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it (briefly), then put it back
+    os.umask(mask)
+    return mask
+
+
+def _final_mode(dest: str) -> int:
+    try:
+        st = os.stat(dest)
+    except FileNotFoundError:
+        return 0o666 & ~_current_umask()
+    return stat.S_IMODE(st.st_mode)
+
+
+@contextlib.contextmanager
+def atomic_output(path):
+    """Yield a temporary path next to ``path``'s file; on success fsync it and rename it over the file,
+    on error (or SIGTERM) remove it. The old file is untouched until the rename.
+
+    ``path`` is checked first (:func:`check_output_path`). A symlink is written through: the file it
+    points to is replaced, in that file's directory, and the link stays. The result has the mode of
+    the file it replaces, or ``0o666 & ~umask`` when new. The temporary file is
+    ``.{name}.{host tag}.{pid}.{random}.tmp``; each write first removes this destination's temporary
+    files whose writer on this host is gone (SIGKILL) or that nobody has modified for an hour,
+    never those of a live writer.
+
+    Examples:
+        >>> with atomic_output("curves.csv") as tmp:
+        ...     with open(tmp, "w") as fh:
+        ...         fh.write("step,loss\\n")
+    """
+    _, dest = _resolve_output(path)
+    d, base = os.path.split(dest)
+    _sweep_stale_temps(d, base)
+    with removing_temps_on_sigterm():
+        tmp = _new_temp(d, base)
+        try:
+            yield tmp
+            os.chmod(tmp, _final_mode(dest))
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        finally:
+            with _TEMPS_LOCK:
+                _ACTIVE_TEMPS.discard(tmp)
+    with contextlib.suppress(OSError):  # make the rename durable; not possible on every filesystem
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
