@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from condinit.cli import main
-from condinit.models import checkpoint
-from condinit.models.checkpoint import (atomic_output, check_output_path, locate_attention, open_checkpoint,
-                                        projection_blocks, read_metadata, save_model_atomic)
+from condinit.commands.inspect import locate_attention, projection_blocks
+from condinit.io import atomic
+from condinit.io.atomic import atomic_output, check_output_path
+from condinit.io.safetensors_format import MAX_HEADER_BYTES
+from condinit.models.checkpoint import open_checkpoint, read_metadata, save_model_atomic
 
 pytest.importorskip("safetensors")
 from safetensors.torch import save_file  # noqa: E402
@@ -129,7 +131,7 @@ def _dead_pid():
 
 def test_sweep_removes_only_stale_temps_of_the_same_destination(tmp_path):
     out = tmp_path / "m.safetensors"
-    host = checkpoint._HOST_TAG
+    host = atomic._HOST_TAG
     dead = _fake_temp(tmp_path, out.name, host, _dead_pid())
     live = _fake_temp(tmp_path, out.name, host, os.getppid())                 # a live writer: kept
     foreign = _fake_temp(tmp_path, out.name, "0badc0de", 1)                   # another host, recent: kept
@@ -350,8 +352,8 @@ def test_bad_headers_are_one_line_value_errors(tmp_path, case):
 def test_huge_header_length_is_refused_without_reading_it(tmp_path):
     path = tmp_path / "big.safetensors"
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", checkpoint.MAX_HEADER_BYTES + 1))
-        fh.truncate(checkpoint.MAX_HEADER_BYTES + 64)  # sparse: no disk used
+        fh.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+        fh.truncate(MAX_HEADER_BYTES + 64)  # sparse: no disk used
     with pytest.raises(ValueError, match="above the 100000000-byte limit"):
         open_checkpoint(path)
 
@@ -462,7 +464,7 @@ def test_header_length_that_starts_like_a_pickle_still_reads(tmp_path, header_le
 
 _TEMP_BEING_MADE = """
 import os, sys, tempfile, threading, time
-from condinit.models.checkpoint import _removing_temps_on_sigterm, atomic_output
+from condinit.io.atomic import atomic_output, removing_temps_on_sigterm
 out = sys.argv[1]
 made = threading.Event()
 real_mkstemp = tempfile.mkstemp
@@ -478,7 +480,7 @@ def writer():
     with atomic_output(os.path.join(out, "shard.bin")) as tmp:
         with open(tmp, "wb") as fh:
             fh.write(b"x" * 4096)
-with _removing_temps_on_sigterm():
+with removing_temps_on_sigterm():
     threading.Thread(target=writer, daemon=True).start()
     made.wait(30)
     os.kill(os.getpid(), 15)          # SIGTERM while the writer thread is making its temporary file

@@ -25,7 +25,10 @@ sigma_min`` of each head's ``[head_dim, in]`` block (float64, :func:`condinit.in
 """
 from __future__ import annotations
 
+import math
 import os
+import re
+from typing import Optional
 
 NAME = "inspect"
 HELP = "per-layer / per-head condition numbers of Q/K/V in a .safetensors file or model directory"
@@ -59,7 +62,7 @@ def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None, layout=No
     """
     from condinit._validate import check_choice, check_int
     from condinit.init.spectrum import spectrum
-    from condinit.models.checkpoint import locate_attention, open_checkpoint, projection_blocks, read_metadata
+    from condinit.models.checkpoint import open_checkpoint, read_metadata
 
     for name, val in (("--num-heads", num_heads), ("--num-kv-heads", num_kv_heads), ("--head-dim", head_dim)):
         check_int(name, val, min=1, allow_none=True)
@@ -87,6 +90,164 @@ def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None, layout=No
                           "sigma_min": float(smin.min())}
             rows.append(row)
     return meta, rows
+
+
+# ------------------------------------------------------------------------------------------------
+# where the attention weights are in a checkpoint
+
+# Name patterns of the supported families, for checkpoints without condinit metadata.
+#   separate:  (prefix, {q: name, k: name, v: name})
+#   fused:     one tensor holding q, k, v (transposed for GPT-2 Conv1D)
+_SEPARATE = [
+    re.compile(r"^(?P<prefix>.*)\.(?P<p>q|k|v)_proj\.weight$"),          # llama, mistral, qwen2, ViT (transformers 5)
+    re.compile(r"^(?P<prefix>.*)\.(?P<p>query|key|value)\.weight$"),     # BERT, RoBERTa, ViT (transformers 4)
+    re.compile(r"^(?P<prefix>.*)\.(?P<p>q|k|v)_proj_weight$"),            # nn.MultiheadAttention, kdim != embed_dim
+    re.compile(r"^(?P<prefix>.*)\.(?P<p>wq|wk|wv)\.weight$"),             # Meta llama reference, torchtitan
+]
+_FUSED = [
+    (re.compile(r"^(?P<prefix>.*)\.c_attn\.weight$"), True),              # GPT-2 Conv1D [in, 3E]
+    (re.compile(r"^(?P<prefix>.*)\.qkv\.weight$"), False),                # timm [3E, E]
+    (re.compile(r"^(?P<prefix>.*)\.in_proj_weight$"), False),             # nn.MultiheadAttention [3E, E]
+    (re.compile(r"^(?P<prefix>.*)\.(?:query_key_value|Wqkv|qkv_proj)\.weight$"), False),
+]
+_CANON = {"q": "q", "k": "k", "v": "v", "query": "q", "key": "k", "value": "v", "wq": "q", "wk": "k", "wv": "v"}
+
+
+def _layer_sort_key(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def locate_attention(shapes: dict, metadata: Optional[dict] = None, *, num_heads: Optional[int] = None,
+                     num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
+                     source: Optional[str] = None) -> list[dict]:
+    """Attention layers of a checkpoint: ``[{name, num_heads, num_kv_heads, head_dim, q: {tensor, start,
+    stop, transposed}, k, v}]``.
+
+    ``shapes``: tensor name -> shape. The ``condinit`` metadata gives everything; otherwise layers
+    are found by the name patterns of the supported families and head counts come from
+    ``num_heads`` (required), ``head_dim`` (default ``q rows / num_heads``) and ``num_kv_heads``
+    (default ``k rows / head_dim``). Options given explicitly override the metadata's head counts.
+    ``source`` (the file's name) starts every error message. Metadata that does not fit the tensors
+    (a field of the wrong type, a missing or 1-D tensor, rows out of range) is a ValueError.
+
+    Examples:
+        >>> with open_checkpoint("tiny.safetensors") as fh:
+        ...     shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+        ...     layers = locate_attention(shapes, read_metadata(fh), source="tiny.safetensors")
+        >>> locate_attention({"h.0.attn.c_attn.weight": (48, 144)}, num_heads=4)[0]["k"]
+        {'tensor': 'h.0.attn.c_attn.weight', 'start': 48, 'stop': 96, 'transposed': True}
+    """
+    from condinit._validate import check_int
+    from condinit.models.checkpoint import check_metadata, check_metadata_tensors
+
+    for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        check_int(name, val, min=1, allow_none=True)
+    where = source or "checkpoint"
+    pre = f"{source}: " if source else ""
+    if metadata is not None:
+        check_metadata(metadata, where)
+        check_metadata_tensors(metadata, shapes, where)
+    if metadata and metadata.get("layers"):
+        out = []
+        for ent in metadata["layers"]:
+            ent = dict(ent)
+            if num_heads is not None:
+                ent["num_heads"] = num_heads
+            if num_kv_heads is not None:
+                ent["num_kv_heads"] = num_kv_heads
+            if head_dim is not None:
+                ent["head_dim"] = head_dim
+            out.append(ent)
+        return out
+    layers: dict[str, dict] = {}
+    for name in shapes:
+        for pat in _SEPARATE:
+            m = pat.match(name)
+            if m and len(shapes[name]) == 2:
+                layers.setdefault(m["prefix"], {})[_CANON[m["p"]]] = (name, shapes[name])
+                break
+        else:
+            for pat, transposed in _FUSED:
+                m = pat.match(name)
+                if m and len(shapes[name]) == 2:
+                    layers.setdefault(m["prefix"], {})["fused"] = (name, shapes[name], transposed)
+                    break
+    found = []
+    for prefix in sorted(layers, key=_layer_sort_key):
+        ent = layers[prefix]
+        if "fused" not in ent and not all(p in ent for p in "qkv"):
+            continue
+        if num_heads is None:
+            raise ValueError(f"{pre}the checkpoint has no condinit metadata: pass --num-heads (and --head-dim / "
+                             "--num-kv-heads when they cannot be inferred) to split its attention weights into heads")
+        rec = {"name": prefix}
+        if "fused" in ent:
+            tname, shape, transposed = ent["fused"]
+            total = shape[1] if transposed else shape[0]
+            kv = num_kv_heads if num_kv_heads is not None else num_heads
+            d = head_dim if head_dim is not None else total // (num_heads + 2 * kv)
+            if (num_heads + 2 * kv) * d != total:
+                raise ValueError(f"{pre}{tname}: {total} fused output rows do not split into {num_heads} + 2 x {kv} "
+                                 f"heads of {d}")
+            at = 0
+            for p, rows in (("q", num_heads * d), ("k", kv * d), ("v", kv * d)):
+                rec[p] = {"tensor": tname, "start": at, "stop": at + rows, "transposed": transposed}
+                at += rows
+        else:
+            qrows = ent["q"][1][0]
+            d = head_dim if head_dim is not None else qrows // num_heads
+            if d < 1 or num_heads * d != qrows:
+                raise ValueError(f"{pre}{ent['q'][0]}: {qrows} rows do not split into {num_heads} heads"
+                                 + (f" of {head_dim}" if head_dim else ""))
+            kv = num_kv_heads if num_kv_heads is not None else ent["k"][1][0] // d
+            for p in "qkv":
+                rows = ent[p][1][0]
+                rec[p] = {"tensor": ent[p][0], "start": 0, "stop": rows, "transposed": False}
+            if ent["k"][1][0] != kv * d:
+                raise ValueError(f"{pre}{ent['k'][0]}: {ent['k'][1][0]} rows do not split into {kv} heads of {d}")
+        rec.update(num_heads=num_heads, num_kv_heads=kv, head_dim=d)
+        found.append(rec)
+    return found
+
+
+def projection_blocks(fh, loc: dict, p: str, cache: dict) -> torch.Tensor:
+    """Per-head blocks ``[heads, head_dim, in]`` (float32, nn.Linear layout) of projection ``p`` of layer
+    ``loc`` (from :func:`locate_attention`) from an open checkpoint; ``cache`` keeps the last tensor
+    read (fused layers read it once). A tensor that is not a 2-D weight with those rows is a
+    ValueError naming the file and the tensor.
+
+    Examples:
+        >>> with open_checkpoint("tiny.safetensors") as fh:
+        ...     loc = locate_attention(shapes, read_metadata(fh))[0]
+        ...     projection_blocks(fh, loc, "q", {}).shape
+        torch.Size([8, 32, 256])
+    """
+    import torch
+
+    from condinit.models.checkpoint import entry_rows, entry_stop
+
+    where = getattr(fh, "path", "checkpoint")
+    ent = loc[p]
+    name = ent["tensor"]
+    if cache.get("name") != name:
+        cache["name"], cache["tensor"] = name, fh.get_tensor(name)
+    w = cache["tensor"]
+    what = f"tensor {name!r} ({loc['name']}.{p})"
+    if "matrix_shape" in ent and w.numel() == math.prod(ent["matrix_shape"]):
+        w = w.reshape(ent["matrix_shape"])
+    if w.dim() != 2:
+        raise ValueError(f"{where}: {what} is {w.dim()}-D with shape {list(w.shape)}, expected a 2-D projection "
+                         f"weight")
+    rows = w.shape[1] if ent["transposed"] else w.shape[0]
+    if not 0 <= ent["start"] < ent["stop"] <= entry_stop(ent) <= rows:
+        raise ValueError(f"{where}: {what}: rows {ent['start']}:{entry_stop(ent)} are out of range, it has {rows}")
+    parts = [w[:, lo:hi].t() if ent["transposed"] else w[lo:hi] for lo, hi in entry_rows(ent)]
+    w = parts[0] if len(parts) == 1 else torch.cat(parts)
+    heads = loc["num_heads"] if p == "q" else loc["num_kv_heads"]
+    d = loc["head_dim"]
+    if w.shape[0] != heads * d:
+        raise ValueError(f"{where}: {what} has {w.shape[0]} rows, expected {heads} heads x {d}")
+    return w.float().reshape(heads, d, w.shape[1])
 
 
 def _layout_of(loc) -> str:
@@ -131,7 +292,7 @@ def _stats(vals):
 
 
 def plot(rows, out, title):
-    from condinit.models.checkpoint import atomic_output
+    from condinit.io.atomic import atomic_output
 
     import matplotlib
     matplotlib.use("Agg", force=True)
@@ -163,7 +324,8 @@ def plot(rows, out, title):
 
 
 def run(args) -> int:
-    from condinit.models.checkpoint import PICKLE_SUFFIXES, check_output_path
+    from condinit.io.atomic import check_output_path
+    from condinit.io.safetensors_format import PICKLE_SUFFIXES
 
     if args.plot is not None:
         check_output_path(args.plot)

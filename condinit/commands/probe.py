@@ -185,7 +185,7 @@ _VALUE_KEYS = ("shape", "sigma_max", "sigma_min", "kappa", "rank_deficient", "co
 
 
 def _plot(rows, out, title):
-    from condinit.models.checkpoint import atomic_output
+    from condinit.io.atomic import atomic_output
 
     import matplotlib
     matplotlib.use("Agg", force=True)
@@ -210,7 +210,7 @@ def _plot(rows, out, title):
 
 def run(args) -> int:
     from condinit._validate import check_int, check_seed
-    from condinit.models.checkpoint import atomic_output, check_output_path
+    from condinit.io.atomic import atomic_output, check_output_path
     from condinit.models.presets import PRESETS
 
     # every check before any work or write

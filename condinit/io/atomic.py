@@ -189,9 +189,9 @@ def _on_sigterm(signum, frame):
 def removing_temps_on_sigterm():
     """For the duration of a write, make SIGTERM remove every temporary file of :func:`atomic_output`
     in this process (those of writer threads too) before the process dies of the signal. Installed
-    where SIGTERM would otherwise end the process without cleanup: only over the default action (an application's own handler or SIG_IGN
-    decides for itself), and only in the main thread (``signal.signal`` works nowhere else; writes
-    from other threads rely on the sweep)."""
+    where SIGTERM would otherwise end the process without cleanup: only over the default action
+    (an application's own handler or SIG_IGN decides for itself), and only in the main thread
+    (``signal.signal`` works nowhere else; writes from other threads rely on the sweep)."""
     global _sigterm_depth, _sigterm_previous
     installed = False
     if threading.current_thread() is threading.main_thread():
