@@ -6,13 +6,21 @@ import pytest
 import torch
 
 from condinit import bench
-from condinit.cli import main
+from helpers import run_cli
+
+# The quick CPU attention shape, B=1 H=2 N=128 d=64, causal: 4 B H Nq Nk d, halved for causal
+# with Nq = Nk, is 4 * 1 * 2 * 128 * 128 * 64 / 2 FLOPs; the backward 2.5x, the JVP 3x (per
+# probe; 4 probes in the multi-probe row), the backward through the tangent output 7.5x.
+QUICK_ATTENTION_FLOPS = {"fwd": 4194304.0, "bwd": 10485760.0, "jvp": 12582912.0, "jvp_probes": 50331648.0,
+                         "jvp_bwd": 31457280.0}
+QUICK_MATMUL_FLOPS = 268435456.0     # 2 n^3, n = 512
+# CholeskyQR2 on the quick stack (2 layers, D=512, 8 + 2 heads of 64): 4 GEMMs of 2 d^2 D per
+# block, 2 * (8 + 2) = 20 blocks: 4 * 2 * 64^2 * 512 * 20
+QUICK_INIT_FLOPS = 335544320.0
 
 
 def _run(capsys, *argv):
-    rc = main(["bench", "--no-progress", *argv])
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
+    return run_cli(capsys, "bench", "--no-progress", *argv)
 
 
 def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
@@ -34,11 +42,8 @@ def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
         assert r["error"] is None, (key, r["error"])
         assert r["seconds"] > 0 and r["backend"] not in ("", "?"), key
         assert r["name"] in out and r["backend"] in out, key     # every row in the table, with its backend
-    # the backends the table names are the ones condinit's tables choose for these calls
-    from condinit.ops.attention.op import ATTENTION_JVP
-    from condinit.ops.orthogonalize.op import ORTHOGONALIZE
-    assert rows["attention.jvp"]["backend"] == ATTENTION_JVP.choose("cpu", dtype=torch.float32, head_dim=64)
-    assert f"orthogonalize={ORTHOGONALIZE.choose('cpu', method='cholqr2')} (cholqr2)" in rows["init.batched"]["backend"]
+    # automatically chosen: one of the CPU's backends (which one: the forced test below)
+    assert rows["attention.jvp"]["backend"] in ("cpp-cpu", "torch")
     assert rows["attention.sdpa_fwd"]["backend"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
     # side by side: ratios to the baselines of the same run, rates against the measured ceilings
     per, batched = rows["init.per_tensor"], rows["init.batched"]
@@ -48,9 +53,12 @@ def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
     assert set(rows["attention.jvp_probes"]["ratios"]) == {"attention.jvp*4"}
     assert set(rows["attention.jvp_bwd"]["ratios"]) == {"attention.math_jvp_bwd", "attention.sdpa_fwd"}
     matmul = rows["ceilings.matmul_fp32"]
+    assert matmul["flops"] == QUICK_MATMUL_FLOPS
     assert matmul["rate"] == pytest.approx(matmul["flops"] / matmul["best"])
+    for kind, flops in QUICK_ATTENTION_FLOPS.items():
+        assert rows[f"attention.{kind}"]["flops"] == flops, kind
+    assert rows["init.batched"]["flops"] == QUICK_INIT_FLOPS
     fwd = rows["attention.fwd"]
-    assert fwd["flops"] == bench.attention_flops(bench.ATTENTION_PRESETS["quick"], True)
     assert fwd["of_ceiling"] == pytest.approx(fwd["rate"] / matmul["rate"])
     assert "time / other row's" in out and "% of ceiling" in out
 
@@ -64,6 +72,23 @@ def test_forced_backend_that_cannot_run_fails_its_rows(capsys):
         line = next(ln for ln in out.splitlines() if what in ln)
         assert "ERROR BackendUnavailableError" in line, line
     assert "SDPA forward, best backend" in out and "attention.fwd" in err
+
+
+def test_rows_name_the_backend_the_environment_forces(tmp_path, capsys, forced_backend):
+    """CONDINIT_BACKEND=torch: every condinit row runs and names the torch reference, the SDPA rows
+    still name the SDPA backend that ran."""
+    forced_backend("torch")
+    path = tmp_path / "bench.json"
+    rc, out, err = _run(capsys, "--quick", "--device", "cpu", "--sections", "init,attention", "--repeats", "1",
+                        "--skip", "orthogonal_loop,batched_qr,math_jvp,math_jvp_bwd", "--json", str(path))
+    assert rc == 0, out + err
+    rows = {r["key"]: r for r in json.loads(path.read_text())["rows"]}
+    for key in ("attention.fwd", "attention.jvp", "attention.jvp_probes", "attention.bwd", "attention.jvp_bwd",
+                "init.block_randn"):
+        assert rows[key]["error"] is None and rows[key]["backend"] == "torch", (key, rows[key])
+    for key in ("init.batched", "init.per_tensor"):
+        assert rows[key]["backend"] == "orthogonalize=torch (cholqr2), randn=torch", (key, rows[key])
+    assert rows["attention.sdpa_fwd"]["backend"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,0 +1,85 @@
+"""What several test files share besides the fixtures of conftest.py: the command line run in
+this process, a tiny training model, orthonormality checks, and the valid attention call that the
+argument-error tests break one argument at a time."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+ORTHO_ATOL = 1e-5   # fp32: max |W W^T - I| of a semi-orthogonal block
+
+
+class CliRun(NamedTuple):
+    """What one ``condinit`` command returned and printed."""
+    rc: int
+    out: str
+    err: str
+
+
+def run_cli(capsys, *argv) -> CliRun:
+    """``condinit ARGV...`` through ``condinit.cli.main`` in this process, its output captured."""
+    from condinit.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return CliRun(rc, out, err)
+
+
+def assert_orthonormal_rows(w: torch.Tensor, what: str, atol: float = ORTHO_ATOL) -> None:
+    """``w`` (``[m, n]``, ``m <= n``) has orthonormal rows: max |W W^T - I| <= ``atol``, in float64."""
+    w = w.detach().double()
+    assert w.shape[0] <= w.shape[1], what
+    err = (w @ w.T - torch.eye(w.shape[0], dtype=torch.float64)).abs().max().item()
+    assert err <= atol, f"{what}: max |W W^T - I| = {err:.3g}"
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding, ``layers`` encoder layers (nn.MultiheadAttention inside) with dropout, so
+    that any draw from the global RNG by a monitor would change the loss trajectory, and a linear
+    head. ``padding_idx``: that token's embedding is zero; ``nan_token``: token ``vocab - 1`` has a
+    NaN embedding (a NaN activation in any forward that reads it)."""
+
+    def __init__(self, vocab=11, D=16, H=2, layers=2, padding_idx=None, nan_token=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, D, padding_idx=padding_idx)
+        if nan_token:
+            with torch.no_grad():
+                self.emb.weight[vocab - 1] = float("nan")
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, H, dim_feedforward=24, dropout=0.1,
+                                                               batch_first=True) for _ in range(layers))
+        self.head = nn.Linear(D, vocab)
+
+    def forward(self, tok):
+        h = self.emb(tok)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class AttentionInputs(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def valid_attention_inputs() -> AttentionInputs:
+    """q ``[1, 4, 8, 16]``, k and v ``[1, 2, 6, 16]`` (two query heads per key head), from a
+    generator seeded 0: a call every attention op accepts."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 16, generator=g)
+    k = torch.randn(1, 2, 6, 16, generator=g)
+    v = torch.randn(1, 2, 6, 16, generator=g)
+    return AttentionInputs(q, k, v)
+
+
+def make_kernels_unreachable(monkeypatch, *tables) -> None:
+    """Every implementation of the backend ``tables`` raises an AssertionError if it is reached:
+    a call that must be refused by its argument checks proves that no kernel ran."""
+    def unreachable(*_):
+        raise AssertionError("a kernel ran for an invalid call")
+    for table in tables:
+        for name, impl in table.impls.items():
+            monkeypatch.setitem(table.impls, name, dataclasses.replace(impl, fn=unreachable))
