@@ -15,7 +15,7 @@ from torch import nn
 from conftest import F64, assert_close
 import condinit.probe.estimators as estimators_mod
 import condinit.probe.monitor as monitor_mod
-from condinit.models.adapters import AttentionSpec, register_adapter, unregister_adapter
+from condinit.models import AttentionSpec, register_adapter, unregister_adapter
 from condinit.probe import JacobianMonitor, JacobianOperator
 from condinit.probe.monitor import ALERT_KINDS, ConditioningWarning
 

@@ -147,7 +147,7 @@ class _adapters_registered:
     def __enter__(self):
         from torch import nn
 
-        from condinit.models.adapters import register_adapter, registered_adapters
+        from condinit.models.registry import register_adapter, registered_adapters
 
         self.previous = registered_adapters().get(nn.Module)
         if self.adapters:
@@ -166,7 +166,7 @@ class _adapters_registered:
     def __exit__(self, *exc_info):
         from torch import nn
 
-        from condinit.models.adapters import register_adapter, unregister_adapter
+        from condinit.models.registry import register_adapter, unregister_adapter
 
         if self.adapters:
             unregister_adapter(nn.Module)

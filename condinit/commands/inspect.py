@@ -15,7 +15,7 @@ is read from its own rows), or else by the parameter names of the supported fami
 (``q_proj/k_proj/v_proj``, ``query/key/value``, GPT-2's fused transposed ``c_attn``, timm's ``qkv``,
 ``in_proj_weight``, ``query_key_value``, ``Wqkv``, ``qkv_proj``), with head counts from the options.
 A fused weight is read as ``[Q; K; V]`` unless ``--layout`` says otherwise
-(:func:`condinit.models.adapters.fused_layout`); ``query_key_value`` has no default (GPT-NeoX,
+(:func:`condinit.models.spec.fused_layout`); ``query_key_value`` has no default (GPT-NeoX,
 BLOOM, Persimmon and Falcon-RW interleave it per head, ``per_head``; Falcon's new decoder
 architecture per group, ``per_group``). The modules that ``condinit init`` left unconditioned are
 listed after the table.
@@ -52,7 +52,7 @@ def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None, layout=No
 
     ``layout``: how fused Q/K/V weights of a file without condinit metadata interleave
     (``"contiguous"``, ``"per_head"``, ``"per_group"``; see
-    :func:`condinit.models.adapters.fused_layout`).
+    :func:`condinit.models.spec.fused_layout`).
 
     Examples:
         >>> meta, rows = analyze("tiny.safetensors")                       # condinit init --preset tiny-llama
@@ -259,7 +259,7 @@ def _layout_of(loc) -> str:
 
 def _relayout(loc: dict, shapes: dict, layout, path) -> dict:
     """A layer located by name in a file without metadata, its fused weight re-read with ``layout``."""
-    from condinit.models.adapters import fused_layout
+    from condinit.models.spec import fused_layout
 
     tensors = {loc[p]["tensor"] for p in "qkv"}
     if len(tensors) != 1:

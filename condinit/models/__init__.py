@@ -6,14 +6,17 @@ sharded (FSDP2 / DTensor) init, presets and safetensors checkpoints.
     print(report)                               # per-layer singular values before / after
 
 See :mod:`condinit.models.apply` for what is done and how layers are numbered,
-:mod:`condinit.models.adapters` for how attention modules are recognised (registered adapters, then
-their structure) and for adding one (``register_adapter``),
+:mod:`condinit.models.registry` for how attention modules are recognised (registered adapters, then
+their structure, :mod:`condinit.models.discovery`) and for adding one (``register_adapter``),
+:mod:`condinit.models.spec` for the description an adapter returns, :mod:`condinit.models.families`
+for the built-in adapters,
 :mod:`condinit.models.deferred` for meta-device models and :mod:`condinit.models.sharded` for DTensors.
 Importing this package imports neither transformers nor timm and never initializes CUDA.
 """
-from .adapters import (LAYOUTS, AttentionAdapter, AttentionSpec, Described, Projection, UnsupportedAttention,
-                       describe, fused_layout, get_adapter, register_adapter, registered_adapters, spec_of,
+from . import families  # noqa: F401  (registers the built-in adapters)
+from .registry import (AttentionAdapter, describe, get_adapter, register_adapter, registered_adapters, spec_of,
                        unregister_adapter)
+from .spec import LAYOUTS, AttentionSpec, Described, Projection, UnsupportedAttention, fused_layout
 from .apply import (V_MODES, ApplyReport, AttentionLayer, BlockStats, Discovery, LayerReport, Uncovered,
                     UncoveredAttentionError, UncoveredAttentionWarning, apply, discover, find_attention)
 from .deferred import has_meta, materialize_

@@ -1,7 +1,7 @@
 """``condinit.apply``: conditioned initialization of every attention layer of a model.
 
-For each attention module that an adapter or its structure describes (:mod:`condinit.models.adapters`,
-:func:`condinit.models.adapters.describe`), the paper's
+For each attention module that an adapter or its structure describes
+(:func:`condinit.models.describe`), the paper's
 Algorithm 1 (``docs/design.md``, "The method"): per head, ``W_Q`` and ``W_K`` get independent
 Haar-random semi-orthogonal ``[head_dim, in]`` row blocks (orthonormal rows, every singular value
 1), ``W_V`` the rectangular identity over the whole ``[H_kv * head_dim, in]`` matrix
@@ -60,8 +60,9 @@ from condinit.ops.orthogonalize.op import METHODS
 from condinit.ops.random.op import stream_id
 from condinit.init.spectrum import spectrum
 
-from .adapters import (AttentionSpec, Projection, UnsupportedAttention, describe, looks_like_attention,
-                       why_not_recognised)
+from .discovery import looks_like_attention, why_not_recognised
+from .registry import describe
+from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
 from .sharded import is_dtensor, local_part, overlap
 
@@ -135,10 +136,10 @@ def discover(model: nn.Module, *, layer_offset: int = 0, include=None, exclude=N
     """The attention layers of ``model`` and the attention-like modules that none covers.
 
     A module is a layer when an adapter or its structure describes it
-    (:func:`condinit.models.adapters.describe`). It is *uncovered* when it is refused with a reason
+    (:func:`condinit.models.describe`). It is *uncovered* when it is refused with a reason
     (multi-head latent attention, a fused projection whose layout its source does not confirm, no
     head count), when it holds a second set of Q/K/V projections that the layer leaves out, or when
-    its class name says attention (:func:`condinit.models.adapters.looks_like_attention`) and no
+    its class name says attention (:func:`condinit.models.discovery.looks_like_attention`) and no
     layer or refused module lies inside it. ``include`` / ``exclude`` select both lists.
 
     Examples:
@@ -562,7 +563,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
 
     Args:
         model: any ``nn.Module``; attention submodules are found through registered adapters and
-            by structure (:mod:`condinit.models.adapters`).
+            by structure (:mod:`condinit.models.registry`).
         seed: ``0 <= seed < 2**64``; default None: one draw from ``generator``, or torch's default
             generator, as ``torch.nn.init`` does (so ``torch.manual_seed`` controls it). The report
             records the seed used.

@@ -142,7 +142,7 @@ from condinit.init.functional import V_MODES, check_gains, run_plan
 from condinit.ops.orthogonalize.op import DEFAULT_BUDGET, METHODS
 from condinit.ops.random.op import NORMAL, NORMAL_CHUNK
 
-from .adapters import describe
+from .registry import describe
 from .apply import (ApplyReport, AttentionLayer, LayerReport, UncoveredAttentionWarning, covered_tensors,
                     discover_for_writing, uncovered_listing, check_patterns, plan_blocks)
 from .checkpoint import (METADATA_KEY, _canonical_json, _read_header, _removing_temps_on_sigterm, atomic_output,

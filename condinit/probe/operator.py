@@ -174,7 +174,7 @@ def _proj_bias(p) -> Optional[Tensor]:
 
 def _spec_of(module: nn.Module):
     """The layer's layout, found the way ``condinit.apply`` finds it (adapters, then structure)."""
-    from condinit.models.adapters import spec_of
+    from condinit.models import spec_of
 
     try:
         return spec_of(module)
