@@ -53,10 +53,11 @@ METADATA_FORMAT = 1
 # writing
 
 def save_model_atomic(model: nn.Module, path, metadata: Optional[dict] = None) -> str:
-    """Write ``model``'s state dict to ``path`` as safetensors, atomically (:func:`atomic_output`);
-    shared (tied) tensors once. ``metadata`` values that are not strings are stored as JSON. The
-    header has sorted keys: the same tensors and metadata give a byte-identical file. Returns the
-    absolute path (as given: a symlink is written through, not replaced).
+    """Write ``model``'s state dict to ``path`` as safetensors, atomically
+    (:func:`condinit.io.atomic.atomic_output`); shared (tied) tensors once. ``metadata`` values that
+    are not strings are stored as JSON. The header has sorted keys: the same tensors and metadata
+    give a byte-identical file. Returns the absolute path (as given: a symlink is written through,
+    not replaced).
 
     Examples:
         >>> model = torch.nn.Linear(4, 4)
