@@ -214,7 +214,7 @@ def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) 
 
 def _print_plan(rep, where: str, quiet: bool) -> None:
     """``--dry-run``: what the write would do."""
-    from condinit.models.stream import _fmt_bytes
+    from condinit._util import format_bytes as _fmt_bytes
 
     plan = rep.plan
     lines = [f"dry run, nothing written: {where}"]

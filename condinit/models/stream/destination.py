@@ -1,0 +1,134 @@
+"""What is already where a streamed write goes: another model (refused unless ``overwrite``), shards
+a ``resume`` keeps, and the free disk space.
+
+A directory that holds another model (another ``config.json``, or weights whose ``condinit`` entry
+names another seed, method, dtype or layout, or weights without one) is refused. ``resume=True``
+keeps every planned shard already there whose size and header (tensor names, shapes, offsets and
+metadata, all known beforehand) are exactly what this write would give. (A shard damaged after it
+was completely written, with an intact header, is not detected: ``overwrite=True`` rewrites
+everything.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                                            canonical_json, read_header)
+
+from ..checkpoint import METADATA_KEY
+
+__all__ = ["check_out_dir", "other_model", "complete", "free_bytes", "needed_bytes"]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def check_out_dir(out_dir) -> str:
+    """The absolute output directory: an existing directory, or a new one in an existing directory."""
+    path = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"out_dir {path} exists and is not a directory")
+        return path
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ValueError(f"out_dir {path}: its parent directory {parent} does not exist")
+    return path
+
+
+def _identity(meta: dict) -> dict:
+    """The fields of a ``condinit`` entry that say which model it is (not which shard)."""
+    return {k: v for k, v in meta.items() if k not in ("shard", "layers")}
+
+
+def _first_difference(old: dict, new: dict) -> str:
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) != new.get(k):
+            return f"{k}: {_short(old.get(k))} there, {_short(new.get(k))} here"
+    return ""
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def other_model(out_dir: str, config_text: Optional[str], full_meta: dict, planned: set) -> Optional[str]:
+    """Why ``out_dir`` holds a model other than the one about to be written, or None (nothing
+    there, or this model: same config, same ``condinit`` identity)."""
+    if not os.path.isdir(out_dir):
+        return None
+    names = sorted(os.listdir(out_dir))
+    if config_text is not None and CONFIG_NAME in names:
+        try:
+            with open(os.path.join(out_dir, CONFIG_NAME), encoding="utf-8") as fh:
+                old = json.load(fh)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return f"its {CONFIG_NAME} is not readable JSON"
+        new = json.loads(config_text)
+        if not isinstance(old, dict):
+            return f"its {CONFIG_NAME} is not a JSON object"
+        old = {k: v for k, v in old.items() if k != "transformers_version"}
+        new = {k: v for k, v in new.items() if k != "transformers_version"}
+        if old != new:
+            return f"its {CONFIG_NAME} differs ({_first_difference(old, new)})"
+    ours = _identity(full_meta)
+    our_layers = [canonical_json(ent) for ent in full_meta.get("layers", [])]
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if name == WEIGHTS_INDEX_NAME:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    meta = (json.load(fh).get("metadata") or {}).get(METADATA_KEY)
+            except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+                return f"its {name} is not a readable index"
+        elif name.endswith(".safetensors") and (name in planned or SHARD_NAME_RE.match(name) or name == WEIGHTS_NAME):
+            try:
+                raw = (read_header(path).get("__metadata__") or {}).get(METADATA_KEY)
+                meta = json.loads(raw) if raw is not None else None
+            except ValueError:
+                if name in planned:   # an unfinished or damaged file this write replaces anyway
+                    continue
+                return f"{name} is not a readable safetensors file"
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            return f"it holds weights this write does not produce ({name})"
+        else:
+            continue
+        if not isinstance(meta, dict):
+            return f"{name} was not written by condinit (no condinit metadata)"
+        if _identity(meta) != ours:
+            return f"{name} is another condinit model ({_first_difference(_identity(meta), ours)})"
+        if any(canonical_json(ent) not in our_layers for ent in meta.get("layers") or ()):
+            return f"{name} describes other attention layers"
+    return None
+
+
+def complete(path: str, head: bytes, size: int) -> bool:
+    """Whether ``path`` is the file this write would give: its size, and its header (every tensor's
+    name, dtype, shape and offsets, and the metadata) byte for byte."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            return False
+        with open(path, "rb") as fh:
+            return fh.read(len(head)) == head
+    except OSError:
+        return False
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def needed_bytes(paths: dict, sizes: dict, keep: set) -> int:
+    """Bytes the write needs free: every file it writes, less the files it replaces (freed at their
+    rename), but the largest of those, held until its own replacement is complete."""
+    new = sum(sizes[f] for f in paths if f not in keep)
+    replaced = [os.path.getsize(paths[f]) for f in paths if f not in keep and os.path.isfile(paths[f])]
+    return new - sum(replaced) + max(replaced, default=0)

@@ -1,0 +1,140 @@
+"""What a streamed write will do, before it does it: its files, bytes, free space, peak memory,
+units and (measured on this machine) generation time.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+
+from condinit._util import tensor_bytes
+from condinit.ops.orthogonalize.op import DEFAULT_BUDGET
+from condinit.ops.random.op import NORMAL_CHUNK
+
+from .materialize import LayerUnit, ModuleUnit, compute_threads
+from .prepare import Job
+from .streams import own_normal_
+from .tuning import tuning
+
+__all__ = ["PlannedFile", "LargestUnit", "WritePlan", "make_plan"]
+
+
+class PlannedFile(NamedTuple):
+    """A weights file a write plans: its name, its size in bytes, how many tensors it holds."""
+
+    name: str
+    size: int
+    tensors: int
+
+
+class LargestUnit(NamedTuple):
+    """The largest unit computed whole (a module or an attention layer; None if none) and its bytes."""
+
+    name: Optional[str]
+    bytes: int
+
+
+@dataclass
+class WritePlan:
+    """What a write will do (``dry_run=True`` computes only this): ``files`` as
+    :class:`PlannedFile` in order (``keep``: the names a ``resume`` keeps), the bytes to write and
+    on disk, the free space, the peak resident-memory estimate (this process now, plus the writer's
+    queue, the pieces being drawn, the largest unit computed whole (``largest_unit``) and one
+    computed ahead, and scratch), how many of the ``units`` are drawn in pieces of at most
+    ``piece_bytes`` (``replayed_units``; ``whole_modules``: the other modules besides attention
+    layers, each with why its init is not replayed), and the generation time estimated from rates
+    measured on this machine (``rates``; ``None`` unless measured)."""
+
+    files: list
+    total_size: int
+    write_bytes: int
+    free_bytes: Optional[int]
+    peak_memory_bytes: int
+    largest_unit: LargestUnit
+    keep: list = field(default_factory=list)
+    units: int = 0
+    replayed_units: int = 0
+    piece_bytes: int = 0
+    whole_modules: dict = field(default_factory=dict)
+    rates: Optional[dict] = None
+    estimated_seconds: Optional[float] = None
+
+
+def _current_rss() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _measure_rates(job: Job) -> dict:
+    """Generation rates on this machine, from a short run with the threads the write uses
+    (:func:`compute_threads`): own-init elements per second (the model's main dtype) and seconds
+    per conditioned attention layer (its first one, computed)."""
+    dtypes = collections.Counter()
+    for t in job.state.values():
+        if t.is_floating_point():
+            dtypes[t.dtype] += t.numel()
+    dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
+    with compute_threads(job.device):
+        probe = torch.empty(1 << 22, dtype=dtype, device=job.device)
+        own_normal_(probe, 0, "rate probe")   # first call: allocations and kernel set-up
+        t0 = time.perf_counter()
+        own_normal_(probe, 0, "rate probe", std=0.02)
+        if job.device.type == "cuda":
+            torch.cuda.synchronize(job.device)
+        own_rate = probe.numel() / max(time.perf_counter() - t0, 1e-9)
+        del probe
+    layer_units = [u for u in job.engine.unit_modules if isinstance(u, LayerUnit)]
+    layer_s = 0.0
+    if layer_units:
+        with compute_threads(job.device, leave_one=False):
+            t0 = time.perf_counter()
+            job.engine.unit(layer_units[0])
+            if job.device.type == "cuda":
+                torch.cuda.synchronize(job.device)
+            layer_s = time.perf_counter() - t0
+    return {"own_elements_per_s": own_rate, "layer_s": layer_s, "dtype": str(dtype).replace("torch.", "")}
+
+
+def make_plan(job: Job, files: dict, sizes: dict, keep: list, free: Optional[int], write_bytes: int,
+              measure: bool) -> WritePlan:
+    """The :class:`WritePlan` of writing ``files`` (``{name: [keys]}``, ``sizes``: ``{name: bytes}``)
+    but ``keep``; ``measure``: the rates and the time estimate too."""
+    engine = job.engine
+    units = engine.unit_modules
+    unit_bytes = {u: engine.unit_bytes(u) for u in units}
+    # computed whole: attention layers, and module units whose init is not replayed in pieces
+    whole = {u: b for u, b in unit_bytes.items() if engine.replays(u) is None}
+    largest_unit, largest_bytes = max(whole.items(), key=lambda kv: kv[1]) if whole else (None, 0)
+    layer_numel = max((t.numel() for k, t in job.state.items() if isinstance(engine.unit_of[k], LayerUnit)),
+                      default=0)
+    budget = engine.conditioning.memory_budget or DEFAULT_BUDGET.get(job.device.type, DEFAULT_BUDGET["cuda"])
+    scratch = 4 * NORMAL_CHUNK + 3 * min(4 * layer_numel, budget)
+    piece_bytes = tuning().piece_bytes
+    queued = min(tuning().max_queued_bytes, job.total_size)
+    pieces = 2 * piece_bytes if len(whole) < len(units) else 0
+    on_host = job.device.type == "cpu"
+    # the queue, the pieces being drawn, a unit computed whole and one computed ahead, the layer
+    # scratch, and the buffers of written tensors kept for reuse (those of the largest unit at most)
+    peak = _current_rss() + queued + pieces + (2 * largest_bytes + scratch if on_host else 0)
+    unit_name = None if largest_unit is None else engine.unit_name(largest_unit)
+    plan = WritePlan([PlannedFile(f, sizes[f], len(files[f])) for f in files], job.total_size, write_bytes, free,
+                     peak, LargestUnit(unit_name, largest_bytes), list(keep), len(units), len(units) - len(whole),
+                     piece_bytes, {u.name: why for u, why in engine.whole_why.items()})
+    if measure:
+        rates = _measure_rates(job)
+        own = sum(t.numel() for k, t in job.state.items() if isinstance(job.engine.unit_of[k], ModuleUnit))
+        todo = {k for f in files if f not in keep for k in files[f]}
+        frac = sum(tensor_bytes(job.state[k]) for k in todo) / max(job.total_size, 1)
+        n_layers = sum(1 for u in units if isinstance(u, LayerUnit))
+        plan.rates = rates
+        plan.estimated_seconds = frac * (own / rates["own_elements_per_s"] + n_layers * rates["layer_s"])
+    return plan
