@@ -654,7 +654,8 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     init_time = 0.0
     if meta:
         t0 = time.perf_counter()
-        materialize_(model, device, skip=covered_tensors(layers), init_fn=init_fn, check=check_init)
+        materialize_(model, device, skip=covered_tensors(layers), init_fn=init_fn, check=check_init,
+                     seed=seed)
         init_time = time.perf_counter() - t0
         names = {l.name for l in layers}
         layers = [l for l in _discover(model, layer_offset, None, None).layers if l.name in names]

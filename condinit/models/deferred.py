@@ -9,10 +9,15 @@
 4. runs the model's **own** initialization on everything except the Q/K/V weights and biases that
    :func:`condinit.apply` is about to overwrite (``skip``), the way the model's library does it:
 
-   * Hugging Face ``PreTrainedModel``: ``model.initialize_weights()`` (its ``_init_weights`` per
-     module, composite models dispatched per sub-model), with the skipped tensors flagged
-     ``_is_hf_initialized`` so the library's guarded init functions pass over them, then
-     ``model.tie_weights()``;
+   * Hugging Face ``PreTrainedModel``: the streamed writer's own init
+     (:func:`condinit.models.stream.own_init_`): each module's ``_init_weights`` (and its
+     ancestors', in ``initialize_weights``' order) with every ``normal_`` drawn from the tensor's
+     named counter-based stream under ``seed``, so the tensors are bit for bit those that
+     ``condinit init`` / :func:`condinit.models.stream.write_pretrained` write with that seed (the
+     model is allocated module by module instead of by ``to_empty``; ties are kept), then
+     ``model.tie_weights()``. A sharded one (DTensor parameters) gets ``model.initialize_weights()``
+     on its shards instead (torch's generator), with the skipped tensors flagged
+     ``_is_hf_initialized`` so the library's guarded init functions pass over them;
    * anything else: ``reset_parameters()`` (or ``_reset_parameters()``, as ``nn.MultiheadAttention`` /
      ``nn.Transformer`` name it) on every module, children before parents (the order of
      construction, so a parent's scheme wins as it does at construction, and torch's generator is
@@ -33,12 +38,16 @@ Memory: the model itself, once; nothing else of its size.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
-from condinit._validate import check_bool
+from condinit._validate import check_bool, check_seed
+from condinit.init.functional import draw_seed
+
+from .sharded import is_dtensor
 
 __all__ = ["has_meta", "materialize_"]
 
@@ -60,6 +69,12 @@ def _param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
             if p is not None:
                 owners.setdefault(id(p), []).append((mod, attr))
     return owners
+
+
+def _is_pretrained(model) -> bool:
+    """A transformers ``PreTrainedModel`` (whose module is then already imported)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 def _is_hf_model(model) -> bool:
@@ -119,26 +134,38 @@ def _generic_init(model: nn.Module):
 
 
 def materialize_(model: nn.Module, device=None, *, skip: Iterable[torch.Tensor] = (),
-                 init_fn: Optional[Callable[[nn.Module], None]] = None, check: bool = True) -> nn.Module:
+                 init_fn: Optional[Callable[[nn.Module], None]] = None, check: bool = True,
+                 seed: Optional[int] = None) -> nn.Module:
     """Allocate a meta-device ``model`` on ``device`` (default CPU) and run its own init (see module doc).
 
     ``skip``: parameters (as the meta model holds them) that the caller overwrites next; they are
-    neither initialized nor checked. Returns ``model`` (modified in place).
+    neither initialized nor checked. ``seed``: the own-init streams of a Hugging Face model
+    (``0 <= seed < 2**64``; default None: one draw from torch's default generator, so
+    ``torch.manual_seed`` controls it); not used by ``init_fn`` or by other models. Returns
+    ``model`` (modified in place).
 
     Examples:
         >>> with torch.device("meta"):
         ...     model = MyModel(cfg)
         >>> materialize_(model, "cuda")                          # the model's own init, on the GPU
         >>> materialize_(model2, init_fn=lambda m: m.init_weights(std=0.02))
+        >>> materialize_(llama_on_meta, seed=0)                 # the tensors condinit init --seed 0 writes
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a callable init_fn(model) or None, got {type(init_fn).__name__}")
     check = check_bool("check", check)
+    seed = check_seed("seed", seed, allow_none=True)
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type == "meta":
         raise ValueError("materialize_: device must be a real device (cpu, cuda, ...), got meta")
+    if init_fn is None and _is_pretrained(model) and not any(is_dtensor(t) for t in _tensors(model)):
+        # imported here: the stream package imports condinit.models.apply, which imports this module
+        from .stream import own_init_
+
+        _check_initialized(own_init_(model, draw_seed(seed, None), device, skip=skip, check=check))
+        return model
     skip_names = set()
     by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     for t in skip:
@@ -176,9 +203,14 @@ def materialize_(model: nn.Module, device=None, *, skip: Iterable[torch.Tensor] 
             local = t.to_local() if hasattr(t, "to_local") else t
             if bool(torch.isnan(local).any()):
                 bad.append(name)
-        if bad:
-            shown = ", ".join(bad[:8]) + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")
-            raise ValueError(f"materialize: {len(bad)} tensor(s) of the meta model were not initialized by its own "
-                             f"init (no reset_parameters / _init_weights / init_weights covers them): {shown}; "
-                             f"pass init_fn=callable(model) to initialize them")
+        _check_initialized(bad)
     return model
+
+
+def _check_initialized(bad: list) -> None:
+    """Raise for the tensors ``bad`` (names) that the model's own init left uninitialized."""
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")
+        raise ValueError(f"materialize: {len(bad)} tensor(s) of the meta model were not initialized by its own "
+                         f"init (no reset_parameters / _init_weights / init_weights covers them): {shown}; "
+                         f"pass init_fn=callable(model) to initialize them")
