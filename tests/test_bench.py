@@ -17,6 +17,7 @@ QUICK_MATMUL_FLOPS = 268435456.0     # 2 n^3, n = 512
 # CholeskyQR2 on the quick stack (2 layers, D=512, 8 + 2 heads of 64): 4 GEMMs of 2 d^2 D per
 # block, 2 * (8 + 2) = 20 blocks: 4 * 2 * 64^2 * 512 * 20
 QUICK_INIT_FLOPS = 335544320.0
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
 def _run(capsys, *argv):
@@ -44,7 +45,7 @@ def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
         assert r["name"] in out and r["backend"] in out, key     # every row in the table, with its backend
     # automatically chosen: one of the CPU's backends (which one: the forced test below)
     assert rows["attention.jvp"]["backend"] in ("cpp-cpu", "torch")
-    assert rows["attention.sdpa_fwd"]["backend"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+    assert rows["attention.sdpa_fwd"]["backend"] in SDPA_BACKENDS
     # side by side: ratios to the baselines of the same run, rates against the measured ceilings
     per, batched = rows["init.per_tensor"], rows["init.batched"]
     assert per["ratios"]["init.batched"] == pytest.approx(per["seconds"] / batched["seconds"])
@@ -88,7 +89,7 @@ def test_rows_name_the_backend_the_environment_forces(tmp_path, capsys, forced_b
         assert rows[key]["error"] is None and rows[key]["backend"] == "torch", (key, rows[key])
     for key in ("init.batched", "init.per_tensor"):
         assert rows[key]["backend"] == "orthogonalize=torch (cholqr2), randn=torch", (key, rows[key])
-    assert rows["attention.sdpa_fwd"]["backend"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+    assert rows["attention.sdpa_fwd"]["backend"] in SDPA_BACKENDS
 
 
 @pytest.mark.parametrize("argv, message", [

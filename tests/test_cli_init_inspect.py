@@ -1,4 +1,5 @@
-"""``condinit init`` and ``condinit inspect`` end to end (through ``condinit.cli.main``), and bad input."""
+"""``condinit init`` and ``condinit inspect`` end to end (through ``condinit.cli.main``): presets and
+any config, the layouts in the metadata, ``--adapter`` and ``--strict``, directories, and bad input."""
 from __future__ import annotations
 
 import json
@@ -6,27 +7,45 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 from condinit.cli import main
+from condinit.models import AttentionSpec, Projection, UncoveredAttentionWarning
+from helpers import assert_orthonormal_rows, run_cli
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-
-
-def _run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _listing(d):
     return sorted(os.listdir(d))
 
 
+def _config_file(tmp_path, config, name="config.json"):
+    """``config`` written as JSON to ``tmp_path / name``, for ``--config``."""
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+# the configs given to --config: tiny models, no download
 GPT2_CONFIG = {"model_type": "gpt2", "n_embd": 48, "n_layer": 2, "n_head": 4, "vocab_size": 101, "n_positions": 32,
                "architectures": ["GPT2LMHeadModel"]}
+NEOX_CONFIG = {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "vocab_size": 99, "max_position_embeddings": 32}
+T5_CONFIG = {"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 1, "num_heads": 4,
+             "vocab_size": 99}
+# multi-head latent attention, which no built-in adapter conditions
+DEEPSEEK_CONFIG = {"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                   "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+                   "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 2,
+                   "moe_intermediate_size": 16, "vocab_size": 99}
+# global attention projections beside the covered local ones
+LONGFORMER_CONFIG = {"model_type": "longformer", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "vocab_size": 99, "attention_window": 4, "max_position_embeddings": 40,
+                     "pad_token_id": 1}
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +81,16 @@ def test_init_tiny_llama_writes_conditioned_checkpoint(tiny_llama, tmp_path, cap
     ids = torch.randint(0, 4096, (1, 8))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
     # the table is printed without --quiet
-    rc, out, _ = _run(capsys, "inspect", str(tiny_llama))
+    rc, out, _ = run_cli(capsys, "inspect", str(tiny_llama))
     assert rc == 0 and "model.layers.3.self_attn" in out
 
 
 def test_init_same_seed_same_file_content(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(GPT2_CONFIG))
+    cfg = _config_file(tmp_path, GPT2_CONFIG)
     files = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.safetensors"
-        rc, text, err = _run(capsys, "init", "--config", str(cfg), "--seed", "5", "--out", str(out))
+        rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--seed", "5", "--out", str(out))
         assert rc == 0, err
         assert "transformer.h.1.attn" in text and "wrote" in text  # the per-layer table and summary
         files.append(out)
@@ -86,11 +104,11 @@ def test_init_same_seed_same_file_content(tmp_path, capsys):
 
 def test_inspect_reads_metadata_and_plots(tiny_llama, tmp_path, capsys):
     plot = tmp_path / "cond.png"
-    rc, out, err = _run(capsys, "inspect", str(tiny_llama), "--plot", str(plot))
+    rc, out, err = run_cli(capsys, "inspect", str(tiny_llama), "--plot", str(plot))
     assert rc == 0, err
     assert "model.layers.0.self_attn" in out and "8/4x32" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and _listing(tmp_path) == ["cond.png"]
-    rc, out, _ = _run(capsys, "inspect", str(tiny_llama), "--json")
+    rc, out, _ = run_cli(capsys, "inspect", str(tiny_llama), "--json")
     data = json.loads(out)
     assert len(data["layers"]) == 4
     for layer in data["layers"]:
@@ -100,10 +118,9 @@ def test_inspect_reads_metadata_and_plots(tiny_llama, tmp_path, capsys):
 
 
 def test_config_gpt2_bf16_and_inspect_without_metadata(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(GPT2_CONFIG))
+    cfg = _config_file(tmp_path, GPT2_CONFIG)
     out = tmp_path / "gpt2.safetensors"
-    rc, _, err = _run(capsys, "init", "--config", str(cfg), "--dtype", "bf16", "--out", str(out), "--quiet")
+    rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--dtype", "bf16", "--out", str(out), "--quiet")
     assert rc == 0, err
     sd = load_file(str(out))
     w = sd["transformer.h.1.attn.c_attn.weight"]  # Conv1D: [in, 3E]
@@ -112,15 +129,15 @@ def test_config_gpt2_bf16_and_inspect_without_metadata(tmp_path, capsys):
     assert torch.count_nonzero(sd["transformer.h.1.attn.c_attn.bias"]) == 0
     with safe_open(str(out), "pt") as fh:   # no --seed: the explicit default 0, never a drawn seed
         assert json.loads(fh.metadata()["condinit"])["seed"] == 0
-    rc, text, _ = _run(capsys, "inspect", str(out), "--json")
+    rc, text, _ = run_cli(capsys, "inspect", str(out), "--json")
     conds = json.loads(text)["layers"][0]["q"]["cond_per_head"]
     assert len(conds) == 4 and max(conds) < 1.05  # bf16 rounding moves kappa off 1 a little
     # without the condinit header: names are enough, head counts come from the options
     bare = tmp_path / "bare.safetensors"
     save_file(sd, str(bare))
-    rc, _, err = _run(capsys, "inspect", str(bare))
+    rc, _, err = run_cli(capsys, "inspect", str(bare))
     assert rc == 2 and "--num-heads" in err
-    rc, text, err = _run(capsys, "inspect", str(bare), "--num-heads", "4", "--json")
+    rc, text, err = run_cli(capsys, "inspect", str(bare), "--num-heads", "4", "--json")
     assert rc == 0, err
     layers = json.loads(text)["layers"]
     assert [l["name"] for l in layers] == ["transformer.h.0.attn", "transformer.h.1.attn"]
@@ -133,7 +150,7 @@ def test_inspect_finds_separate_projections_by_name(tmp_path, capsys):
           for i in range(2) for p, rows in (("query", 20), ("key", 10), ("value", 10))}
     f = tmp_path / "plain.safetensors"
     save_file(sd, str(f))
-    rc, text, err = _run(capsys, "inspect", str(f), "--num-heads", "4", "--head-dim", "5", "--json")
+    rc, text, err = run_cli(capsys, "inspect", str(f), "--num-heads", "4", "--head-dim", "5", "--json")
     assert rc == 0, err
     layers = json.loads(text)["layers"]
     assert len(layers) == 2 and layers[0]["num_kv_heads"] == 2
@@ -144,32 +161,32 @@ def test_inspect_finds_separate_projections_by_name(tmp_path, capsys):
 
 def test_init_bad_inputs_leave_nothing_behind(tmp_path, capsys):
     before = _listing(tmp_path)
-    rc, _, err = _run(capsys, "init", "--preset", "llama-7t", "--out", str(tmp_path / "x.safetensors"))
+    rc, _, err = run_cli(capsys, "init", "--preset", "llama-7t", "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "unknown preset 'llama-7t'" in err and "tiny-llama" in err
-    rc, _, err = _run(capsys, "init", "--out", str(tmp_path / "missing" / "x.safetensors"))
+    rc, _, err = run_cli(capsys, "init", "--out", str(tmp_path / "missing" / "x.safetensors"))
     assert rc == 2 and "does not exist" in err
     afile = tmp_path / "afile"
     afile.write_text("x")
-    rc, _, err = _run(capsys, "init", "--out", str(afile / "x.safetensors"))
+    rc, _, err = run_cli(capsys, "init", "--out", str(afile / "x.safetensors"))
     assert rc == 2 and "not a directory" in err
-    rc, _, err = _run(capsys, "init", "--out", str(tmp_path / "d") + "/", "--max-shard-size", "0")
+    rc, _, err = run_cli(capsys, "init", "--out", str(tmp_path / "d") + "/", "--max-shard-size", "0")
     assert rc == 2 and "max-shard-size" in err and not (tmp_path / "d").exists()   # a directory --out
-    rc, _, err = _run(capsys, "init", "--seed", str(2 ** 64), "--out", str(tmp_path / "x.safetensors"))
+    rc, _, err = run_cli(capsys, "init", "--seed", str(2 ** 64), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "--seed must be an int in [0, 2**64)" in err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    rc, _, err = _run(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
+    rc, _, err = run_cli(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "not readable JSON" in err
-    bad.write_text(json.dumps({"model_type": "no-such-model"}))
-    rc, _, err = _run(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
+    _config_file(tmp_path, {"model_type": "no-such-model"}, "bad.json")
+    rc, _, err = run_cli(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "no-such-model" in err
     assert _listing(tmp_path) == sorted(before + ["afile", "bad.json"])
 
 
 def test_init_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch):
-    from condinit.models import stream
+    from condinit.models.stream.materialize import Materializer
 
-    real, calls = stream._Materializer.unit, [0]
+    real, calls = Materializer.unit, [0]
 
     def broken(self, unit):
         calls[0] += 1
@@ -177,10 +194,9 @@ def test_init_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch
             raise ValueError("disk full (simulated)")
         return real(self, unit)
 
-    monkeypatch.setattr(stream._Materializer, "unit", broken)
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(GPT2_CONFIG))
-    rc, _, err = _run(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
+    monkeypatch.setattr(Materializer, "unit", broken)
+    cfg = _config_file(tmp_path, GPT2_CONFIG)
+    rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "disk full" in err and calls[0] == 6
     assert _listing(tmp_path) == ["config.json"]
 
@@ -188,51 +204,172 @@ def test_init_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch
 def test_inspect_bad_inputs(tmp_path, tiny_llama, capsys):
     pt = tmp_path / "model.pt"
     torch.save({"w": torch.ones(2)}, pt)
-    rc, _, err = _run(capsys, "inspect", str(pt))
+    rc, _, err = run_cli(capsys, "inspect", str(pt))
     assert rc == 2 and "never unpickles" in err
     pkl = tmp_path / "model.safetensors"  # a pickle with a safetensors name: caught by content
     import pickle
     pkl.write_bytes(pickle.dumps({"w": 1}))
-    rc, _, err = _run(capsys, "inspect", str(pkl))
+    rc, _, err = run_cli(capsys, "inspect", str(pkl))
     assert rc == 2 and "pickle" in err
     zipped = tmp_path / "zip.safetensors"
     zipped.write_bytes(pt.read_bytes())
-    rc, _, err = _run(capsys, "inspect", str(zipped))
+    rc, _, err = run_cli(capsys, "inspect", str(zipped))
     assert rc == 2 and "zip" in err
     data = tiny_llama.read_bytes()
     trunc = tmp_path / "trunc.safetensors"
     trunc.write_bytes(data[: len(data) // 2])
-    rc, _, err = _run(capsys, "inspect", str(trunc))
+    rc, _, err = run_cli(capsys, "inspect", str(trunc))
     assert rc == 2 and "truncated" in err
     trunc.write_bytes(data[:5])
-    rc, _, err = _run(capsys, "inspect", str(trunc))
+    rc, _, err = run_cli(capsys, "inspect", str(trunc))
     assert rc == 2 and "too short" in err
-    rc, _, err = _run(capsys, "inspect", str(tmp_path / "nope.safetensors"))
+    rc, _, err = run_cli(capsys, "inspect", str(tmp_path / "nope.safetensors"))
     assert rc == 2 and "does not exist" in err
     empty = tmp_path / "empty.safetensors"
     save_file({"mlp.weight": torch.ones(3, 3)}, str(empty))
-    rc, _, err = _run(capsys, "inspect", str(empty), "--num-heads", "1")
+    rc, _, err = run_cli(capsys, "inspect", str(empty), "--num-heads", "1")
     assert rc == 2 and "no attention weights" in err
     listing = _listing(tmp_path)
-    rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--plot", str(tmp_path / "no" / "p.png"))
+    rc, _, err = run_cli(capsys, "inspect", str(tiny_llama), "--plot", str(tmp_path / "no" / "p.png"))
     assert rc == 2 and "does not exist" in err
-    rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--num-heads", "0")
+    rc, _, err = run_cli(capsys, "inspect", str(tiny_llama), "--num-heads", "0")
     assert rc == 2 and "--num-heads" in err
-    rc, _, err = _run(capsys, "inspect", str(tiny_llama), "--num-heads", "3")
+    rc, _, err = run_cli(capsys, "inspect", str(tiny_llama), "--num-heads", "3")
     assert rc == 2 and "3 heads" in err
     assert _listing(tmp_path) == listing
+
+
+# ------------------------------------------------------------------------------------------------
+# any config: layouts in the metadata, --adapter, --strict
+
+def test_init_config_neox_metadata_layout_and_inspect(tmp_path, capsys):
+    cfg = _config_file(tmp_path, NEOX_CONFIG, "neox.json")
+    out = tmp_path / "neox.safetensors"
+    rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--strict", "--out", str(out))
+    assert rc == 0, err
+    assert "per_head" in text
+    with safe_open(str(out), "pt") as fh:
+        meta = json.loads(fh.metadata()["condinit"])
+    ent = meta["layers"][0]
+    assert ent["layout"] == "per_head" and meta["uncovered"] == []
+    assert ent["q"] == {"tensor": "gpt_neox.layers.0.attention.query_key_value.weight", "start": 0, "stop": 8,
+                        "transposed": False, "groups": 4, "stride": 24}
+    # the file's rows, read per head as GPT-NeoX reads them
+    w = load_file(str(out))["gpt_neox.layers.1.attention.query_key_value.weight"].unflatten(0, (4, 3, 8))
+    for h in range(4):
+        assert_orthonormal_rows(w[h, 0], f"file Q head {h}")
+    rc, text, err = run_cli(capsys, "inspect", str(out), "--json")
+    assert rc == 0, err
+    for layer in json.loads(text)["layers"]:
+        assert layer["layout"] == "per_head"
+        for p in "qk":
+            assert max(abs(c - 1) for c in layer[p]["cond_per_head"]) < 1e-4
+        assert layer["v"]["cond_per_head"] == [1.0] * 4
+    # every head block of a conditioned file has kappa 1 whichever rows are read: give the heads
+    # known, different kappas (Q head h: h + 2, K head h: h + 10) so that only the right rows match
+    with safe_open(str(out), "pt") as fh:
+        header = fh.metadata()
+    sd = load_file(str(out))
+    for L in range(2):
+        w = sd[f"gpt_neox.layers.{L}.attention.query_key_value.weight"].unflatten(0, (4, 3, 8))
+        for h in range(4):
+            for part, kappa in ((0, h + 2.0), (1, h + 10.0)):
+                w[h, part] = torch.linspace(1.0, kappa, 8)[:, None] * w[h, part]
+    marked = tmp_path / "marked.safetensors"
+    save_file(sd, str(marked), metadata=header)
+    expect = {"q": [2.0, 3.0, 4.0, 5.0], "k": [10.0, 11.0, 12.0, 13.0], "v": [1.0] * 4}
+
+    def kappas(*argv):
+        rc, text, err = run_cli(capsys, "inspect", *argv, "--json")
+        assert rc == 0, err
+        return [{p: layer[p]["cond_per_head"] for p in "qkv"} for layer in json.loads(text)["layers"]]
+
+    for got in kappas(str(marked)):
+        for p in "qkv":
+            assert got[p] == pytest.approx(expect[p], rel=1e-5), p
+    # without the metadata the layout must be given; the contiguous reading mixes the heads
+    bare = tmp_path / "bare.safetensors"
+    save_file(sd, str(bare))
+    rc, _, err = run_cli(capsys, "inspect", str(bare), "--num-heads", "4")
+    assert rc == 2 and "--layout per_head" in err
+    for got in kappas(str(bare), "--num-heads", "4", "--layout", "per_head"):
+        assert got["q"] == pytest.approx(expect["q"], rel=1e-5) and got["k"] == pytest.approx(expect["k"], rel=1e-5)
+    wrong = kappas(str(bare), "--num-heads", "4", "--layout", "contiguous")[0]
+    assert wrong["q"] == pytest.approx([2.0, 10.0, 1.0, 3.0], rel=1e-5)     # q0, k0, v0, q1
+    rc, _, err = run_cli(capsys, "inspect", str(out), "--layout", "contiguous")
+    assert rc == 2 and "metadata" in err
+
+
+def test_init_config_model_classes(tmp_path, capsys):
+    """Decoder LMs are built as AutoModelForCausalLM, encoders and encoder-decoders as AutoModel."""
+    from condinit.models.presets import build_model, model_class_for
+
+    assert model_class_for("llama", transformers.LlamaConfig()) == "AutoModelForCausalLM"
+    for mt in ("bert", "roberta", "t5", "bart", "whisper", "vit"):
+        assert model_class_for(mt, transformers.AutoConfig.for_model(mt)) == "AutoModel", mt
+    model, family = build_model(config=dict(T5_CONFIG))
+    assert type(model).__name__ == "T5Model" and family == "t5"
+    cfg = _config_file(tmp_path, T5_CONFIG, "t5.json")
+    rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "t5.safetensors"))
+    assert rc == 0, err
+    assert "EncDecAttention" in text and "(cross)" in text
+
+
+def test_init_unsupported_config_lists_modules_and_strict_writes_nothing(tmp_path, capsys):
+    cfg = _config_file(tmp_path, dict(DEEPSEEK_CONFIG, qk_nope_head_dim=4), "ds.json")
+    out = tmp_path / "ds.safetensors"
+    rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(out))
+    assert rc == 2 and "model.layers.0.self_attn (DeepseekV3Attention): multi-head latent attention" in err
+    assert "--adapter" in err and not out.exists()
+    # a model with an uncovered module: --strict refuses before writing, the default lists it
+    mixed = _config_file(tmp_path, LONGFORMER_CONFIG, "mixed.json")
+    rc, _, err = run_cli(capsys, "init", "--config", str(mixed), "--strict", "--out", str(out))
+    assert rc == 2 and "query_global/key_global/value_global" in err and not out.exists()
+    with pytest.warns(UncoveredAttentionWarning):
+        rc, text, err = run_cli(capsys, "init", "--config", str(mixed), "--out", str(out))
+    assert rc == 0, err
+    assert "not conditioned" in text and "query_global" in text
+    rc, text, _ = run_cli(capsys, "inspect", str(out))
+    assert "not conditioned when the file was written" in text and "LongformerSelfAttention" in text
+
+
+def mla_adapter(module):
+    """An ``--adapter`` for the tests: conditions only DeepSeek's q_b_proj / kv_b_proj factors."""
+    if type(module).__name__ != "DeepseekV3Attention":
+        return None
+    kv = module.kv_b_proj.weight          # [H * (nope + v), rank]: per head its K-nope rows, then its V rows
+    H, nope, vd = module.config.num_attention_heads, module.qk_nope_head_dim, module.v_head_dim
+    return AttentionSpec(Projection(module.q_b_proj.weight, 0, nope, groups=H, stride=nope + module.qk_rope_head_dim),
+                         Projection(kv, 0, nope, groups=H, stride=nope + vd),
+                         Projection(kv, nope, nope + vd, groups=H, stride=nope + vd), H, H, nope)
+
+
+def test_init_adapter_from_the_command_line(tmp_path, capsys):
+    cfg = _config_file(tmp_path, DEEPSEEK_CONFIG, "ds.json")
+    out = tmp_path / "ds.safetensors"
+    rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--adapter", "test_cli_init_inspect:mla_adapter",
+                            "--strict", "--out", str(out))
+    assert rc == 0, err
+    assert "--adapter test_cli_init_inspect:mla_adapter" in text
+    from condinit.models import registered_adapters
+
+    assert nn.Module not in registered_adapters()       # registered for the command only
+    for bad, msg in (("nocolon", "expected MODULE:FUNCTION"), ("no_such_module_xyz:f", "cannot import"),
+                     ("test_cli_init_inspect:missing", "has no attribute"),
+                     ("test_cli_init_inspect:NEOX_CONFIG", "expected a function")):
+        rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--adapter", bad, "--out", str(out))
+        assert rc == 2 and msg in err, (bad, err)
 
 
 # ------------------------------------------------------------------------------------------------
 # directories, the single file, dry runs, refusals, bad arguments
 
 def test_file_and_directory_hold_the_same_tensors_and_inspect_alike(tmp_path, capsys):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(GPT2_CONFIG))
+    cfg = _config_file(tmp_path, GPT2_CONFIG)
     one, d = tmp_path / "one.safetensors", tmp_path / "dir"
     assert main(["init", "--config", str(cfg), "--seed", "4", "--out", str(one), "--quiet"]) == 0
-    rc, out, err = _run(capsys, "init", "--config", str(cfg), "--seed", "4", "--out", str(d) + os.sep,
-                        "--max-shard-size", "30kB")
+    rc, out, err = run_cli(capsys, "init", "--config", str(cfg), "--seed", "4", "--out", str(d) + os.sep,
+                           "--max-shard-size", "30kB")
     assert rc == 0, err
     assert "wrote" in out and "transformer.h.1.attn" in out
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -243,30 +380,30 @@ def test_file_and_directory_hold_the_same_tensors_and_inspect_alike(tmp_path, ca
     for name in shards:
         merged.update(load_file(str(d / name)))
     assert merged.keys() == flat.keys() and all(torch.equal(merged[k], flat[k]) for k in flat)
-    rc, a, err = _run(capsys, "inspect", str(one), "--json")
+    rc, a, err = run_cli(capsys, "inspect", str(one), "--json")
     assert rc == 0, err
-    rc, b, err = _run(capsys, "inspect", str(d), "--json")
+    rc, b, err = run_cli(capsys, "inspect", str(d), "--json")
     assert rc == 0, err
     la, lb = json.loads(a)["layers"], json.loads(b)["layers"]
     assert len(la) == 2 and la == lb          # per layer and head, read through the index
     # a directory that does not hold a complete model: one-line errors naming what is missing
     os.unlink(d / shards[-1])
-    rc, _, err = _run(capsys, "inspect", str(d))
+    rc, _, err = run_cli(capsys, "inspect", str(d))
     assert rc == 2 and shards[-1] in err and "missing" in err and len(err.strip().splitlines()) == 1
     os.unlink(d / "model.safetensors.index.json")
-    rc, _, err = _run(capsys, "inspect", str(d))
+    rc, _, err = run_cli(capsys, "inspect", str(d))
     assert rc == 2 and "model.safetensors.index.json" in err
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
-    rc, out, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", str(tmp_path / "d") + os.sep,
-                        "--max-shard-size", "2MB", "--dtype", "bf16", "--dry-run")
+    rc, out, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", str(tmp_path / "d") + os.sep,
+                           "--max-shard-size", "2MB", "--dtype", "bf16", "--dry-run")
     assert rc == 0, err
     assert "dry run, nothing written" in out and "model-00001-of-" in out
     assert "peak memory about" in out and "expected time on this machine" in out and "elements/s" in out
     assert _listing(tmp_path) == []
-    rc, out, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", str(tmp_path / "x.safetensors"),
-                        "--dry-run", "--quiet")
+    rc, out, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", str(tmp_path / "x.safetensors"),
+                           "--dry-run", "--quiet")
     assert rc == 0 and "x.safetensors" in out and _listing(tmp_path) == []
 
 
@@ -275,13 +412,13 @@ def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys)
     assert main(["init", "--preset", "tiny-llama", "--out", d, "--quiet", "--seed", "1"]) == 0
     capsys.readouterr()
     before = {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")}
-    rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2")
+    rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2")
     assert rc == 2 and "another model" in err and "--overwrite" in err and "seed" in err
-    rc, _, err = _run(capsys, "init", "--config", str(_gpt2_config(tmp_path)), "--out", d)
+    rc, _, err = run_cli(capsys, "init", "--config", str(_config_file(tmp_path, GPT2_CONFIG, "gpt2.json")), "--out", d)
     assert rc == 2 and "config.json differs" in err
     assert {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")} == before
-    rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--overwrite", "--quiet",
-                      "--max-shard-size", "2MB")
+    rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--overwrite", "--quiet",
+                         "--max-shard-size", "2MB")
     assert rc == 0, err
     # --resume: an interrupted write (a shard and the index missing) is finished, the rest kept
     full = {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")}
@@ -289,16 +426,10 @@ def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys)
     assert len(shards) >= 3
     os.unlink(tmp_path / "d" / shards[1])
     os.unlink(tmp_path / "d" / "model.safetensors.index.json")
-    rc, out, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--resume",
-                        "--max-shard-size", "2MB")
+    rc, out, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--resume",
+                           "--max-shard-size", "2MB")
     assert rc == 0 and f"{len(shards) - 1} complete shard(s) kept" in out, err
     assert {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")} == full
-
-
-def _gpt2_config(tmp_path):
-    cfg = tmp_path / "gpt2.json"
-    cfg.write_text(json.dumps(GPT2_CONFIG))
-    return cfg
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -309,9 +440,8 @@ def _gpt2_config(tmp_path):
     ({"n_layer": True}, "n_layer must be an int, got bool True"),
 ])
 def test_bad_config_values_are_one_line_errors(tmp_path, capsys, change, needle):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(dict(GPT2_CONFIG, **change)))
-    rc, _, err = _run(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
+    cfg = _config_file(tmp_path, dict(GPT2_CONFIG, **change))
+    rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and needle in err and f"--config {cfg}" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert _listing(tmp_path) == ["config.json"]
@@ -320,8 +450,7 @@ def test_bad_config_values_are_one_line_errors(tmp_path, capsys, change, needle)
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 50}
-    cfg = tmp_path / "llama.json"
-    cfg.write_text(json.dumps(llama))
+    cfg = _config_file(tmp_path, llama, "llama.json")
     d = str(tmp_path / "d") + os.sep
     f = str(tmp_path / "x.safetensors")
     cases = [
@@ -336,7 +465,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         (["--out", f, "--max-rows", "-1"], "--max-rows must be an int in [0"),
     ]
     for argv, needle in cases:
-        rc, _, err = _run(capsys, "init", *argv)
+        rc, _, err = run_cli(capsys, "init", *argv)
         assert rc == 2 and needle in err, (argv, err)
         assert len(err.strip().splitlines()) == 1 and "invalid literal" not in err, (argv, err)
     assert _listing(tmp_path) == ["llama.json"]

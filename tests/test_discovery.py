@@ -21,11 +21,10 @@ from torch import nn
 from condinit.models import (AttentionSpec, Projection, UncoveredAttentionError, UncoveredAttentionWarning,
                              UnsupportedAttention, apply, discover, fused_layout, register_adapter,
                              unregister_adapter)
+from helpers import assert_orthonormal_rows
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-ORTHO_ATOL = 1e-5   # fp32: max |W W^T - I| per head
 
 BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=99,
             max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -248,18 +247,11 @@ def _attention_modules(model, classes):
                                                                         "in_proj", "kv_proj", "k_proj"))]
 
 
-def _assert_orthonormal_rows(w, what):
-    w = w.detach().double()
-    assert w.shape[0] <= w.shape[1], what
-    err = (w @ w.T - torch.eye(w.shape[0], dtype=torch.float64)).abs().max().item()
-    assert err <= ORTHO_ATOL, f"{what}: max |W W^T - I| = {err:.3g}"
-
-
 def _assert_conditioned(read, what):
     for i, w in enumerate(read["q"]):
-        _assert_orthonormal_rows(w, f"{what} Q head {i}")
+        assert_orthonormal_rows(w, f"{what} Q head {i}")
     for i, w in enumerate(read["k"]):
-        _assert_orthonormal_rows(w, f"{what} K head {i}")
+        assert_orthonormal_rows(w, f"{what} K head {i}")
     v = torch.cat([w.detach().float() for w in read["v"]])
     assert torch.equal(v, torch.eye(*v.shape)), f"{what}: V is not the rectangular identity in the model's head order"
     for b in read["bias"]:
@@ -315,7 +307,7 @@ def test_cross_attention_reads_decoder_and_encoder_widths():
     a = mha["multihead_attn"]
     for w, name in ((a.q_proj_weight, "q"), (a.k_proj_weight, "k")):
         for h in range(4):
-            _assert_orthonormal_rows(w[h * 6:(h + 1) * 6], f"{name} head {h}")
+            assert_orthonormal_rows(w[h * 6:(h + 1) * 6], f"{name} head {h}")
     assert torch.equal(a.v_proj_weight.detach(), torch.eye(24, 16))
     assert "(cross)" in str(rep)
 
@@ -383,7 +375,7 @@ def test_fused_layouts_through_the_models_own_forward(arch):
         q, k, v = (_effective(t, D) for t in records[l.name])
         for name, (w, b) in (("q", q), ("k", k)):
             for h in range(w.shape[0]):
-                _assert_orthonormal_rows(w[h], f"{arch} {l.name} effective {name} head {h}")
+                assert_orthonormal_rows(w[h], f"{arch} {l.name} effective {name} head {h}")
             assert b.abs().max() == 0
         wv, bv = v
         # the forward may repeat K/V heads for GQA: attention head h reads KV head h // (H / H_kv)
@@ -421,7 +413,7 @@ def test_squeezebert_grouped_convolutions_are_conditioned_per_head_and_block():
             w = _conv_matrix(getattr(m, name))
             for h in range(8):
                 # a head reads the 8 input channels of its group only, and is semi-orthogonal there
-                _assert_orthonormal_rows(w[h * 4:(h + 1) * 4], f"{name} head {h}")
+                assert_orthonormal_rows(w[h * 4:(h + 1) * 4], f"{name} head {h}")
         assert torch.equal(_conv_matrix(m.value), torch.eye(32))     # the identity, block by block
         assert all(torch.count_nonzero(getattr(m, n).bias) == 0 for n in ("query", "key", "value"))
     qkv = {id(getattr(m, n).weight) for m in mods for n in ("query", "key", "value")} | \
@@ -529,7 +521,7 @@ def test_siglip_encoders_and_pooling_head():
     w = head.in_proj_weight.detach()
     for h in range(4):
         for part in range(2):
-            _assert_orthonormal_rows(w[part * 32 + h * 8:part * 32 + (h + 1) * 8], f"head Q/K {part} {h}")
+            assert_orthonormal_rows(w[part * 32 + h * 8:part * 32 + (h + 1) * 8], f"head Q/K {part} {h}")
     assert torch.equal(w[64:], torch.eye(32)) and torch.count_nonzero(head.in_proj_bias) == 0
 
 
@@ -560,8 +552,8 @@ def test_timm_vit_map_pool_and_swin_eva_beit():
     assert [l.name for l in rep] == ["blocks.0.attn", "blocks.1.attn", "attn_pool"]
     pool = vit.attn_pool
     for h in range(4):
-        _assert_orthonormal_rows(pool.q.weight[h * 8:(h + 1) * 8], f"attn_pool Q head {h}")
-        _assert_orthonormal_rows(pool.kv.weight[h * 8:(h + 1) * 8], f"attn_pool K head {h}")   # kv = [K; V]
+        assert_orthonormal_rows(pool.q.weight[h * 8:(h + 1) * 8], f"attn_pool Q head {h}")
+        assert_orthonormal_rows(pool.kv.weight[h * 8:(h + 1) * 8], f"attn_pool K head {h}")   # kv = [K; V]
     assert torch.equal(pool.kv.weight[32:].detach(), torch.eye(32)) and torch.equal(pool.latent, latent)
     for name, kw in (("swin_tiny_patch4_window7_224", dict(img_size=32, patch_size=4, embed_dim=16, depths=(1, 1),
                                                             num_heads=(2, 4), window_size=4)),
@@ -853,156 +845,3 @@ def test_low_precision_is_the_fp32_result_rounded_once(arch, dtype):
             gate = m.q_proj.weight.unflatten(0, (4, 2, -1))[:, 1]
             name = next(n for n, p in m16.named_parameters() if p is m.q_proj.weight)
             assert torch.equal(gate, others[name].unflatten(0, (4, 2, -1))[:, 1])
-
-
-# ------------------------------------------------------------------------------------------------
-# condinit init / inspect: any config, layouts in the metadata, --adapter, --strict
-
-def _cli(capsys, *argv):
-    from condinit.cli import main
-
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-NEOX = {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "vocab_size": 99, "max_position_embeddings": 32}
-
-
-def test_init_config_neox_metadata_layout_and_inspect(tmp_path, capsys):
-    pytest.importorskip("safetensors")
-    from safetensors.torch import load_file, save_file
-
-    cfg = tmp_path / "neox.json"
-    cfg.write_text(json.dumps(NEOX))
-    out = tmp_path / "neox.safetensors"
-    rc, text, err = _cli(capsys, "init", "--config", str(cfg), "--strict", "--out", str(out))
-    assert rc == 0, err
-    assert "per_head" in text
-    from safetensors import safe_open
-
-    with safe_open(str(out), "pt") as fh:
-        meta = json.loads(fh.metadata()["condinit"])
-    ent = meta["layers"][0]
-    assert ent["layout"] == "per_head" and meta["uncovered"] == []
-    assert ent["q"] == {"tensor": "gpt_neox.layers.0.attention.query_key_value.weight", "start": 0, "stop": 8,
-                        "transposed": False, "groups": 4, "stride": 24}
-    # the file's rows, read per head as GPT-NeoX reads them
-    w = load_file(str(out))["gpt_neox.layers.1.attention.query_key_value.weight"].unflatten(0, (4, 3, 8))
-    for h in range(4):
-        _assert_orthonormal_rows(w[h, 0], f"file Q head {h}")
-    rc, text, err = _cli(capsys, "inspect", str(out), "--json")
-    assert rc == 0, err
-    for layer in json.loads(text)["layers"]:
-        assert layer["layout"] == "per_head"
-        for p in "qk":
-            assert max(abs(c - 1) for c in layer[p]["cond_per_head"]) < 1e-4
-        assert layer["v"]["cond_per_head"] == [1.0] * 4
-    # every head block of a conditioned file has kappa 1 whichever rows are read: give the heads
-    # known, different kappas (Q head h: h + 2, K head h: h + 10) so that only the right rows match
-    with safe_open(str(out), "pt") as fh:
-        header = fh.metadata()
-    sd = load_file(str(out))
-    for L in range(2):
-        w = sd[f"gpt_neox.layers.{L}.attention.query_key_value.weight"].unflatten(0, (4, 3, 8))
-        for h in range(4):
-            for part, kappa in ((0, h + 2.0), (1, h + 10.0)):
-                w[h, part] = torch.linspace(1.0, kappa, 8)[:, None] * w[h, part]
-    marked = tmp_path / "marked.safetensors"
-    save_file(sd, str(marked), metadata=header)
-    expect = {"q": [2.0, 3.0, 4.0, 5.0], "k": [10.0, 11.0, 12.0, 13.0], "v": [1.0] * 4}
-
-    def kappas(*argv):
-        rc, text, err = _cli(capsys, "inspect", *argv, "--json")
-        assert rc == 0, err
-        return [{p: layer[p]["cond_per_head"] for p in "qkv"} for layer in json.loads(text)["layers"]]
-
-    for got in kappas(str(marked)):
-        for p in "qkv":
-            assert got[p] == pytest.approx(expect[p], rel=1e-5), p
-    # without the metadata the layout must be given; the contiguous reading mixes the heads
-    bare = tmp_path / "bare.safetensors"
-    save_file(sd, str(bare))
-    rc, _, err = _cli(capsys, "inspect", str(bare), "--num-heads", "4")
-    assert rc == 2 and "--layout per_head" in err
-    for got in kappas(str(bare), "--num-heads", "4", "--layout", "per_head"):
-        assert got["q"] == pytest.approx(expect["q"], rel=1e-5) and got["k"] == pytest.approx(expect["k"], rel=1e-5)
-    wrong = kappas(str(bare), "--num-heads", "4", "--layout", "contiguous")[0]
-    assert wrong["q"] == pytest.approx([2.0, 10.0, 1.0, 3.0], rel=1e-5)     # q0, k0, v0, q1
-    rc, _, err = _cli(capsys, "inspect", str(out), "--layout", "contiguous")
-    assert rc == 2 and "metadata" in err
-
-
-def test_init_config_model_classes(tmp_path, capsys):
-    """Decoder LMs are built as AutoModelForCausalLM, encoders and encoder-decoders as AutoModel."""
-    from condinit.models.presets import build_model, model_class_for
-
-    assert model_class_for("llama", transformers.LlamaConfig()) == "AutoModelForCausalLM"
-    for mt in ("bert", "roberta", "t5", "bart", "whisper", "vit"):
-        assert model_class_for(mt, transformers.AutoConfig.for_model(mt)) == "AutoModel", mt
-    model, family = build_model(config={"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 1,
-                                        "num_heads": 4, "vocab_size": 99})
-    assert type(model).__name__ == "T5Model" and family == "t5"
-    cfg = tmp_path / "t5.json"
-    cfg.write_text(json.dumps({"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 1,
-                               "num_heads": 4, "vocab_size": 99}))
-    rc, text, err = _cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "t5.safetensors"))
-    assert rc == 0, err
-    assert "EncDecAttention" in text and "(cross)" in text
-
-
-def test_init_unsupported_config_lists_modules_and_strict_writes_nothing(tmp_path, capsys):
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
-                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-                               "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
-                               "v_head_dim": 8, "n_routed_experts": 2, "moe_intermediate_size": 16, "vocab_size": 99}))
-    out = tmp_path / "ds.safetensors"
-    rc, _, err = _cli(capsys, "init", "--config", str(cfg), "--out", str(out))
-    assert rc == 2 and "model.layers.0.self_attn (DeepseekV3Attention): multi-head latent attention" in err
-    assert "--adapter" in err and not out.exists()
-    # a model with an uncovered module: --strict refuses before writing, the default lists it
-    mixed = tmp_path / "mixed.json"
-    mixed.write_text(json.dumps({"model_type": "longformer", "hidden_size": 32, "intermediate_size": 64,
-                                 "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 99,
-                                 "attention_window": 4, "max_position_embeddings": 40, "pad_token_id": 1}))
-    rc, _, err = _cli(capsys, "init", "--config", str(mixed), "--strict", "--out", str(out))
-    assert rc == 2 and "query_global/key_global/value_global" in err and not out.exists()
-    with pytest.warns(UncoveredAttentionWarning):
-        rc, text, err = _cli(capsys, "init", "--config", str(mixed), "--out", str(out))
-    assert rc == 0, err
-    assert "not conditioned" in text and "query_global" in text
-    rc, text, _ = _cli(capsys, "inspect", str(out))
-    assert "not conditioned when the file was written" in text and "LongformerSelfAttention" in text
-
-
-def mla_adapter(module):
-    """An ``--adapter`` for the tests: conditions only DeepSeek's q_b_proj / kv_b_proj factors."""
-    if type(module).__name__ != "DeepseekV3Attention":
-        return None
-    kv = module.kv_b_proj.weight          # [H * (nope + v), rank]: per head its K-nope rows, then its V rows
-    H, nope, vd = module.config.num_attention_heads, module.qk_nope_head_dim, module.v_head_dim
-    return AttentionSpec(Projection(module.q_b_proj.weight, 0, nope, groups=H, stride=nope + module.qk_rope_head_dim),
-                         Projection(kv, 0, nope, groups=H, stride=nope + vd),
-                         Projection(kv, nope, nope + vd, groups=H, stride=nope + vd), H, H, nope)
-
-
-def test_init_adapter_from_the_command_line(tmp_path, capsys):
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
-                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-                               "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
-                               "v_head_dim": 8, "n_routed_experts": 2, "moe_intermediate_size": 16, "vocab_size": 99}))
-    out = tmp_path / "ds.safetensors"
-    rc, text, err = _cli(capsys, "init", "--config", str(cfg), "--adapter", "test_discovery:mla_adapter", "--strict",
-                         "--out", str(out))
-    assert rc == 0, err
-    assert "--adapter test_discovery:mla_adapter" in text
-    from condinit.models.adapters import registered_adapters
-
-    assert nn.Module not in registered_adapters()       # registered for the command only
-    for bad, msg in (("nocolon", "expected MODULE:FUNCTION"), ("no_such_module_xyz:f", "cannot import"),
-                     ("test_discovery:missing", "has no attribute"), ("test_discovery:NEOX", "expected a function")):
-        rc, _, err = _cli(capsys, "init", "--config", str(cfg), "--adapter", bad, "--out", str(out))
-        assert rc == 2 and msg in err, (bad, err)
