@@ -458,8 +458,3 @@ def entry_rows(proj: dict) -> list:
     """Storage row ranges of a projection entry, in logical order."""
     n, step = proj.get("groups", 1), proj.get("stride", 0)
     return [(proj["start"] + g * step, proj["stop"] + g * step) for g in range(n)]
-
-
-# names condinit.models.stream still reads from here
-from ..io.atomic import check_output_path, removing_temps_on_sigterm as _removing_temps_on_sigterm  # noqa: E402,F401
-_canonical_json, _read_header = canonical_json, read_header
