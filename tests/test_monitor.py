@@ -7,27 +7,10 @@ import torch
 from torch import nn
 
 from condinit.probe import JacobianMonitor
+from helpers import TinyTransformer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class TinyTransformer(nn.Module):
-    """Two encoder layers (nn.MultiheadAttention inside) with dropout, so any draw from the global RNG
-    by the monitor would change the loss trajectory."""
-
-    def __init__(self, vocab=11, D=16, H=2, layers=2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, D)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, H, dim_feedforward=24, dropout=0.1,
-                                                               batch_first=True) for _ in range(layers))
-        self.head = nn.Linear(D, vocab)
-
-    def forward(self, tok):
-        h = self.emb(tok)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
 
 
 def train(monitor_kwargs=None, steps=5, tmp_path=None):

@@ -20,6 +20,7 @@ from condinit.probe.bound import softmax_jacobian_kappa
 from condinit.probe.operator import NonFiniteError
 
 from conftest import F64, assert_close
+from helpers import TinyTransformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -285,33 +286,12 @@ def test_cli_probe_one_token_and_nan_weight(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # the monitor inside a training loop
 
-class PadLM(nn.Module):
-    """Token 0 is padding (a zero embedding: an all-padding batch is an all-zero attention input);
-    token ``vocab - 1`` has a NaN embedding when ``poison`` (a NaN activation in that forward)."""
-
-    def __init__(self, vocab=11, D=16, poison=False):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, D, padding_idx=0)
-        if poison:
-            with torch.no_grad():
-                self.emb.weight[vocab - 1] = math.nan
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, 2, dim_feedforward=24, dropout=0.1,
-                                                               batch_first=True) for _ in range(2))
-        self.head = nn.Linear(D, vocab)
-
-    def forward(self, tok):
-        h = self.emb(tok)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
 def _train(scenario, monitor_kwargs=None, steps=3):
     """A seeded loop that skips the optimizer step on a non-finite loss (as AMP's GradScaler does).
     Scenario: 'autocast' (bf16 autocast around forward, backward and monitor.step), 'nan' (step 1's
     batch holds the NaN token), 'zero' (step 1's batch is all padding)."""
     torch.manual_seed(0)
-    model = PadLM(poison=scenario == "nan")
+    model = TinyTransformer(padding_idx=0, nan_token=scenario == "nan")   # token 0: a zero embedding
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     mon = JacobianMonitor(model, **monitor_kwargs) if monitor_kwargs is not None else None
     losses = []
