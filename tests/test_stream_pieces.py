@@ -1,7 +1,8 @@
 """Streamed writes: module units drawn in pieces from the writes their init was recorded making.
 
 The reference is the same write with every unit materialized whole (the model's init run on real
-tensors, then checked): the files must be byte-identical, whatever the piece size.
+tensors, then checked; ``tuned(replay_units=False)``): the files must be byte-identical, whatever the
+piece size. Which modules are computed whole, and why, is what the write's plan reports.
 """
 import hashlib
 import os
@@ -14,8 +15,10 @@ transformers = pytest.importorskip("transformers")
 from coverage_models import CONFIG_FIXES, hf_config  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from condinit.models import stream  # noqa: E402
-from condinit.models.stream import OWN_INIT_BLOCK, own_normal_, write_pretrained  # noqa: E402
+from condinit.models.stream import (OWN_INIT_BLOCK, own_normal_, tuned, tuning, write_checkpoint,  # noqa: E402
+                                    write_pretrained)
+from condinit.models.stream.recording import SMALL_NUMEL, ConstructorValue, ConstructorWrites, Fill, Normal, \
+    build_on_meta  # noqa: E402
 
 
 def _digests(d):
@@ -31,20 +34,18 @@ def _tensors(d):
     return sd
 
 
-def _engine(cfg, **kw):
-    return stream._prepare(cfg, seed=0, method="auto", v_mode="identity", qk_gain=1.0, v_gain=1.0, dtype=None,
-                           model_class=None, include=None, exclude=None, strict=False, memory_budget=None,
-                           family=None, extra_metadata=None, device=None, **kw).engine
+def _plan(tmp_path, cfg):
+    """The plan of writing ``cfg`` (nothing written)."""
+    return write_pretrained(cfg, tmp_path / "plan", dry_run=True).plan
 
 
-def _whole_and_pieces(tmp_path, monkeypatch, cfg, **kw):
+def _whole_and_pieces(tmp_path, cfg, **kw):
     """(directory written with pieces of one Philox block, directory written with every unit whole)."""
-    monkeypatch.setattr(stream, "_PIECE_BYTES", 1)       # one 2**16-element block per piece
     pieces = tmp_path / "pieces"
-    write_pretrained(cfg, pieces, **kw)
-    with monkeypatch.context() as m:
-        m.setattr(stream._Materializer, "replays", lambda self, unit: None)
-        whole = tmp_path / "whole"
+    with tuned(piece_bytes=1):         # one 2**16-element block per piece
+        write_pretrained(cfg, pieces, **kw)
+    whole = tmp_path / "whole"
+    with tuned(replay_units=False):
         write_pretrained(cfg, whole, **kw)
     return pieces, whole
 
@@ -61,27 +62,23 @@ def _tiny_llama(**kw):
 @pytest.mark.parametrize("family, whole_units", [
     ("llama", []), ("gpt2", []), ("bert", []), ("t5", []), ("mixtral", []),
     ("whisper", ["encoder.embed_positions"]), ("vit", ["embeddings"])])
-def test_pieces_write_the_bytes_of_the_whole_init(tmp_path, monkeypatch, family, whole_units):
+def test_pieces_write_the_bytes_of_the_whole_init(tmp_path, family, whole_units):
     cfg = hf_config(family)
     if family in CONFIG_FIXES:
         CONFIG_FIXES[family](cfg)
-    engine = _engine(cfg)
-    modules = [u for u in engine.unit_modules if u[0] == "module"]
-    assert sorted(u[1] for u in modules if engine.replays(u) is None) == whole_units
-    assert sorted(u[1] for u in engine.whole_why) == whole_units      # each with its reason
-    assert all(why.startswith(f"{u[1]}.") for u, why in engine.whole_why.items()), engine.whole_why
-    assert len(modules) > len(whole_units) + 3
-    pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=5, max_shard_size="20KB")
+    plan = _plan(tmp_path, cfg)
+    assert sorted(plan.whole_modules) == whole_units      # each with its reason
+    assert all(why.startswith(f"{name}.") for name, why in plan.whole_modules.items()), plan.whole_modules
+    assert plan.replayed_units > 3
+    pieces, whole = _whole_and_pieces(tmp_path, cfg, seed=5, max_shard_size="20KB")
     assert _digests(pieces) == _digests(whole)
 
 
-def test_padding_row_across_a_piece_boundary(tmp_path, monkeypatch, seed):
+def test_padding_row_across_a_piece_boundary(tmp_path, seed):
     # D = 48: row 1365 holds elements 65520..65567, across the first piece boundary (65536)
     cfg = _tiny_llama(pad_token_id=1365)
-    engine = _engine(cfg)
-    replay = engine.replays(("module", "model.embed_tokens"))["model.embed_tokens.weight"]
-    assert replay.base[0] == "normal" and replay.fills == [(1365 * 48, 1366 * 48, 0)]
-    pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=seed, max_shard_size="200KB")
+    assert "model.embed_tokens" not in _plan(tmp_path, cfg).whole_modules    # drawn in pieces
+    pieces, whole = _whole_and_pieces(tmp_path, cfg, seed=seed, max_shard_size="200KB")
     assert _digests(pieces) == _digests(whole)
     emb = _tensors(pieces)["model.embed_tokens.weight"]
     assert emb.numel() > 2 * OWN_INIT_BLOCK
@@ -116,18 +113,16 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
 
     monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", unusual)
     cfg = _tiny_llama()
-    engine = _engine(cfg)
-    whole = sorted(u[1] for u in engine.unit_modules if u[0] == "module" and engine.replays(u) is None)
-    assert whole == sorted(["model.embed_tokens", "model.norm", "lm_head"] +
-                           [f"model.layers.{i}.{m}" for i in range(2)
-                            for m in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                                      "post_attention_layernorm")])
-    assert engine.replays(("module", "model.layers.0.self_attn.o_proj")) is not None
-    why = {u[1]: w for u, w in engine.whole_why.items()}
+    why = _plan(tmp_path, cfg).whole_modules
+    assert sorted(why) == sorted(["model.embed_tokens", "model.norm", "lm_head"] +
+                                 [f"model.layers.{i}.{m}" for i in range(2)
+                                  for m in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                                            "post_attention_layernorm")])
+    assert "model.layers.0.self_attn.o_proj" not in why       # drawn in pieces
     assert "aten.mul_" in why["model.layers.0.mlp.up_proj"] and "uniform_" in why["model.embed_tokens"]
     assert "trunc_normal_" in why["model.layers.0.mlp.down_proj"]
     assert "non-contiguous view" in why["model.norm"] and "storage was replaced" in why["lm_head"]
-    rep = stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=seed)
+    rep = write_checkpoint(cfg, tmp_path / "a.safetensors", seed=seed)
     sd = load_file(rep.files[0])
     name = "model.layers.1.mlp.up_proj.weight"
     assert torch.equal(sd[name], 2 * own_normal_(torch.empty(sd[name].shape), seed, name, std=0.02))
@@ -138,7 +133,7 @@ def test_writes_the_recorder_cannot_replay_make_the_unit_whole(tmp_path, seed, m
     assert sd[down].abs().max() <= 2 and 0.015 < sd[down].std() < 0.025
     emb = sd["model.embed_tokens.weight"]
     assert emb.abs().max() <= 0.1 and emb.std() > 0.05
-    again = load_file(stream.write_checkpoint(cfg, tmp_path / "b.safetensors", seed=seed).files[0])
+    again = load_file(write_checkpoint(cfg, tmp_path / "b.safetensors", seed=seed).files[0])
     assert all(torch.equal(again[k], sd[k]) for k in sd)
 
 
@@ -161,7 +156,7 @@ def test_dry_run_counts_the_units_drawn_in_pieces(tmp_path):
     plan = rep.plan
     layers = cfg.num_hidden_layers
     assert plan.units == layers + 6 * layers + 3 and plan.replayed_units == plan.units - layers
-    assert plan.largest_unit[0] == "model.layers.0.self_attn" and plan.piece_bytes == stream._PIECE_BYTES
+    assert plan.largest_unit.name == "model.layers.0.self_attn" and plan.piece_bytes == tuning().piece_bytes
     assert not (tmp_path / "d").exists()
 
 
@@ -174,23 +169,20 @@ def test_dry_run_counts_the_units_drawn_in_pieces(tmp_path):
 ])
 def test_values_only_a_constructor_sets_are_from_config_s(tmp_path, family, auto, pattern):
     cfg = hf_config(family)
-    sd = load_file(stream.write_checkpoint(cfg, tmp_path / "a.safetensors", seed=3).files[0])
+    sd = load_file(write_checkpoint(cfg, tmp_path / "a.safetensors", seed=3).files[0])
     ref = getattr(transformers, auto).from_config(cfg).state_dict()
     keys = [k for k in sd if pattern in k]
     assert keys and all(torch.equal(sd[k], ref[k]) for k in keys), {k: (sd[k], ref[k]) for k in keys}
 
 
-def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, monkeypatch, seed):
+def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, seed):
     # OpenAI-GPT's Conv1D draws normal(0, 0.02) in its constructor; the model's init never touches it.
-    # D = 288: the projections are above _SMALL_NUMEL, so their draws are recorded, not computed
+    # D = 288: the projections are above SMALL_NUMEL, so their draws are recorded, not computed
     cfg = hf_config("openai-gpt")
     cfg.n_embd = 288
-    assert 288 * 288 > stream._SMALL_NUMEL
-    engine = _engine(cfg)
-    unit = ("module", "transformer.h.0.attn.c_proj")
-    assert engine.replays(unit) is not None
-    assert engine.constructed["transformer.h.0.attn.c_proj.weight"][0] == "writes"
-    pieces, whole = _whole_and_pieces(tmp_path, monkeypatch, cfg, seed=seed, max_shard_size="50KB")
+    assert 288 * 288 > SMALL_NUMEL
+    assert "transformer.h.0.attn.c_proj" not in _plan(tmp_path, cfg).whole_modules   # drawn in pieces
+    pieces, whole = _whole_and_pieces(tmp_path, cfg, seed=seed, max_shard_size="50KB")
     assert _digests(pieces) == _digests(whole)
     sd = _tensors(pieces)
     for k in ("transformer.h.0.attn.c_proj.weight", "transformer.h.0.mlp.c_fc.weight"):
@@ -201,7 +193,7 @@ def test_constructor_normals_are_own_init_normals_and_drawn_in_pieces(tmp_path, 
 def test_a_constructor_draw_from_torch_depends_on_the_seed_only(tmp_path):
     # SEW-D's masked_spec_embed: torch.Tensor(n).uniform_() in its constructor, made on the CPU
     cfg = hf_config("sew-d")
-    a, b, c = (load_file(stream.write_checkpoint(cfg, tmp_path / f"{i}.safetensors", seed=s).files[0])
+    a, b, c = (load_file(write_checkpoint(cfg, tmp_path / f"{i}.safetensors", seed=s).files[0])
                for i, s in enumerate((4, 4, 5)))
     k = "masked_spec_embed"
     assert torch.equal(a[k], b[k]) and not torch.equal(a[k], c[k])
@@ -223,7 +215,7 @@ class _Constructed(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        big = stream._SMALL_NUMEL + 1
+        big = SMALL_NUMEL + 1
         self.literal = torch.nn.Parameter(torch.tensor([2.5, -1.0]))                 # a torch.tensor literal
         self.computed = torch.nn.Parameter(torch.log(torch.exp(torch.tensor([0.8, 0.3])) - 1))   # arithmetic
         self.ones = torch.nn.Parameter(torch.ones(8))                                 # small: a constant
@@ -240,19 +232,16 @@ class _Constructed(torch.nn.Module):
 
 
 def test_build_recorder_follows_constructors():
-    recorder = stream._BuildRecorder()
-    with stream._seeded(torch.device("cpu"), 11), torch.device("meta"), recorder, stream._TensorLiterals(recorder), \
-            recorder.unfollowed_inits():
-        model = _Constructed()
+    model, got = build_on_meta(_Constructed, seed=11)
     assert all(p.is_meta for p in model.parameters())
-    got = recorder.values(model)
     assert set(got) == {"literal", "computed", "ones", "drawn", "big_zeros", "big_normal"}, sorted(got)
-    assert got["literal"][0] == "value" and torch.equal(got["literal"][1], torch.tensor([2.5, -1.0]))
-    assert torch.equal(got["computed"][1], torch.log(torch.exp(torch.tensor([0.8, 0.3])) - 1))
-    big = stream._SMALL_NUMEL + 1
-    assert got["ones"] == ("writes", [("fill", 0, 8, 1.0)]) and got["big_zeros"] == ("writes", [("fill", 0, big, 0)])
-    assert got["big_normal"] == ("writes", [("normal", 0, big, 0.0, 0.5), ("fill", 0, 3, 7.0)])
+    assert isinstance(got["literal"], ConstructorValue) and torch.equal(got["literal"].tensor, torch.tensor([2.5, -1.0]))
+    assert torch.equal(got["computed"].tensor, torch.log(torch.exp(torch.tensor([0.8, 0.3])) - 1))
+    big = SMALL_NUMEL + 1
+    assert got["ones"] == ConstructorWrites([Fill(0, 8, 1.0)]) and got["big_zeros"] == ConstructorWrites([Fill(0, big, 0)])
+    assert got["big_normal"] == ConstructorWrites([Normal(0, big, 0.0, 0.5), Fill(0, 3, 7.0)])
     # the small draw: torch's CPU generator, seeded for the build
-    with stream._seeded(torch.device("cpu"), 11):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
         expected = torch.empty(16).uniform_(-1, 1)
-    assert torch.equal(got["drawn"][1], expected)
+    assert torch.equal(got["drawn"].tensor, expected)
