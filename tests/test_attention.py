@@ -26,6 +26,7 @@ from attention_cases import (CASES, DEVICE, F64, ODD_HEAD_DIM_CASES, accepts, ba
                              backend_params, cases_per_backend, empty_rows, f64, joint_floor,
                              make_qkv, naive_attention, naive_lse, naive_vjp, randn, require)
 from conftest import assert_close
+from helpers import make_kernels_unreachable, valid_attention_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -324,10 +325,7 @@ def test_torch_compile_inductor(rng):
 # ------------------------------------------------------------------------------------------------
 
 def _bad_calls():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 8, 16, generator=g)
-    k = torch.randn(1, 2, 6, 16, generator=g)
-    v = torch.randn(1, 2, 6, 16, generator=g)
+    q, k, v = valid_attention_inputs()
     return [
         ("q 3-D", ValueError, "q must be 4-D", (q[0], k, v), {}),
         ("k 5-D", ValueError, "k must be 4-D", (q, k[None], v), {}),
@@ -353,12 +351,8 @@ def _bad_calls():
 def test_bad_arguments_raise_clear_errors(case, monkeypatch):
     """Validated once, before any kernel runs (every table row would raise if reached)."""
     _, exc, match, args, kwargs = case
-
-    def unreachable(*_):
-        raise AssertionError("a kernel ran for an invalid call")
-    for table in (attention_op.ATTENTION_FWD, attention_op.ATTENTION_BWD, attention_op.ATTENTION_JVP):
-        for name, impl in table.impls.items():
-            monkeypatch.setitem(table.impls, name, dataclasses.replace(impl, fn=unreachable))
+    make_kernels_unreachable(monkeypatch, attention_op.ATTENTION_FWD, attention_op.ATTENTION_BWD,
+                             attention_op.ATTENTION_JVP)
     with pytest.raises(exc, match=match):
         condinit.attention(*args, **kwargs)
 

@@ -19,6 +19,7 @@ from attention_cases import (CASES, DEVICE, F64, ODD_HEAD_DIM_CASES, TRITON_CASE
                              backend_param, backend_params, case_id, empty_rows, f64, joint_floor,
                              make_qkv, make_tangents, naive_jvp, randn, require)
 from conftest import assert_close
+from helpers import make_kernels_unreachable, valid_attention_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -239,10 +240,7 @@ def test_torch_compile(rng):
 
 
 def _bad_calls():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 8, 16, generator=g)
-    k = torch.randn(1, 2, 6, 16, generator=g)
-    v = torch.randn(1, 2, 6, 16, generator=g)
+    q, k, v = valid_attention_inputs()
     tq, tk, tv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
     return [
         ("q 3-D", ValueError, "q must be 4-D", (q[0], k, v, None, None, tv[0]), {}),
@@ -266,11 +264,7 @@ def _bad_calls():
 def test_bad_arguments_raise_clear_errors(case, monkeypatch):
     """Validated once, before any kernel runs."""
     _, exc, match, args, kwargs = case
-
-    def unreachable(*_):
-        raise AssertionError("a kernel ran for an invalid call")
-    for name, impl in ATTENTION_JVP.impls.items():
-        monkeypatch.setitem(ATTENTION_JVP.impls, name, dataclasses.replace(impl, fn=unreachable))
+    make_kernels_unreachable(monkeypatch, ATTENTION_JVP)
     with pytest.raises(exc, match=match):
         condinit.attention_jvp(*args, **kwargs)
 
