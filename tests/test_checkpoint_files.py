@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from condinit.cli import main
 from condinit.commands.inspect import locate_attention, projection_blocks
 from condinit.io import atomic
 from condinit.io.atomic import atomic_output, check_output_path
 from condinit.io.safetensors_format import MAX_HEADER_BYTES
 from condinit.models.checkpoint import open_checkpoint, read_metadata, save_model_atomic
+from helpers import run_cli
 
 pytest.importorskip("safetensors")
 from safetensors.torch import save_file  # noqa: E402
@@ -38,12 +38,6 @@ def _temps(d, base):
 
 def _sha256(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
-
-
-def _run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 class _Buffers(torch.nn.Module):
@@ -264,7 +258,7 @@ def test_special_files_are_refused_before_any_work(tmp_path, capsys):
         link.symlink_to("/dev/null")
         with pytest.raises(ValueError, match=r"/dev/null \(the target of symlink .*null.safetensors\) is a character"):
             check_output_path(link)
-        rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--out", str(fifo))
+        rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", str(fifo))
         assert rc == 2 and err.count("\n") == 1 and "FIFO" in err and str(fifo) in err
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
         assert sorted(os.listdir(tmp_path)) == ["null.safetensors", "pipe", "s.sock"]
@@ -297,7 +291,7 @@ def test_init_same_arguments_byte_identical(tmp_path, capsys):
     hashes = set()
     for name in ("a", "b"):
         out = tmp_path / f"{name}.safetensors"
-        rc, _, err = _run(capsys, "init", "--preset", "tiny-llama", "--seed", "0", "--out", str(out), "--quiet")
+        rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--seed", "0", "--out", str(out), "--quiet")
         assert rc == 0, err
         hashes.add(_sha256(out))
     assert len(hashes) == 1
@@ -425,7 +419,7 @@ def test_one_dimensional_tensor_where_a_projection_is_expected(tmp_path, capsys)
         with pytest.raises(ValueError, match=rf"^{path}: tensor 'a\.q_proj\.weight' \(a\.q\) is 1-D"):
             projection_blocks(fh, loc, "q", {})
         assert projection_blocks(fh, loc, "k", {}).shape == (2, 4, 6)
-    rc, _, err = _run(capsys, "inspect", str(path))
+    rc, _, err = run_cli(capsys, "inspect", str(path))
     assert rc == 2 and err.count("\n") == 1 and err.startswith(f"condinit inspect: error: {path}: ")
 
 
@@ -434,7 +428,7 @@ def test_inspect_bad_files_one_line_errors(tmp_path, capsys):
              _raw(tmp_path / "offsets.safetensors", json.dumps({"w": _entry(offsets=(0,))}).encode(), b"\0" * 4),
              _with_meta(tmp_path / "meta.safetensors", _tiny_meta(layers__0__num_heads="2"))]
     for path in cases:
-        rc, out, err = _run(capsys, "inspect", str(path))
+        rc, out, err = run_cli(capsys, "inspect", str(path))
         assert rc == 2 and out == "" and err.count("\n") == 1, err
         assert err.startswith(f"condinit inspect: error: {path}")
     # the real entry point, for the case that used to end in a RecursionError traceback
