@@ -16,7 +16,8 @@ from typing import Iterable, Optional
 import torch
 
 __all__ = ["SEED_MAX", "check_int", "check_real", "check_bool", "check_seed", "check_choice",
-           "check_tensor", "check_no_internal_overlap", "check_disjoint", "overlaps"]
+           "check_tensor", "check_dtype", "check_finite", "NonFiniteError", "check_no_internal_overlap",
+           "check_disjoint", "overlaps"]
 
 # Seeds key a 64-bit counter-based generator: every seed in [0, 2**64) is valid everywhere.
 SEED_MAX = 2 ** 64
@@ -105,6 +106,27 @@ def check_tensor(name: str, value, *, floating: bool = False, dim: Optional[int]
     if min_dim is not None and value.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimensions, got shape {tuple(value.shape)}")
     return value
+
+
+def check_dtype(name: str, dtype, *, allow_none: bool = True) -> Optional[torch.dtype]:
+    """``dtype`` is a floating-point ``torch.dtype`` (or None)."""
+    if dtype is None and allow_none:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        what = "a floating-point torch.dtype" + (" or None" if allow_none else "")
+        raise TypeError(f"{name} must be {what}, got {dtype!r}")
+    return dtype
+
+
+class NonFiniteError(ValueError):
+    """A probe's input (``x``, ``q, k, v``, or a layer's weights) holds NaN or Inf."""
+
+
+def check_finite(what: str, t: torch.Tensor) -> None:
+    """Every entry of ``t`` is finite, else :class:`NonFiniteError` naming ``what``."""
+    # max and min propagate NaN and are finite only when every entry is: two reductions, no mask
+    if t.numel() and not bool(torch.isfinite(torch.stack([t.max(), t.min()])).all()):
+        raise NonFiniteError(f"{what} must be finite, got NaN or Inf (in {t.dtype})")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from condinit.init import recondition_, spectrum
 from condinit.probe import (JacobianMonitor, JacobianOperator, condition_number, condition_number_bound,
                             frobenius_hutchinson, lanczos_svd, power_sigma_max)
 from condinit.probe.bound import softmax_jacobian_kappa
-from condinit.probe.operator import NonFiniteError
+from condinit.probe import NonFiniteError
 
 from conftest import F64, assert_close
 from helpers import TinyTransformer

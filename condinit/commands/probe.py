@@ -128,7 +128,7 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
     from condinit.probe import (InputCapture, JacobianOperator, condition_number_bound, frobenius_hutchinson,
                                 lanczos_svd)
     from condinit.probe.capture import layer_position_embeddings
-    from condinit.probe.operator import NonFiniteError
+    from condinit.probe import NonFiniteError
 
     layers = find_attention(model)
     if not layers:

@@ -32,7 +32,7 @@ def _callback_base():
 
 
 def _build():
-    from condinit.probe.monitor import _logged_metrics
+    from condinit.probe.monitor import logged_metrics
 
     Callback = _callback_base()
 
@@ -101,7 +101,7 @@ def _build():
             self.monitor.capturing = False
             records = self.monitor.step(step=trainer.global_step - 1)
             self._done_step = trainer.global_step
-            metrics = _logged_metrics(records) if self.log_signals else {}
+            metrics = logged_metrics(records) if self.log_signals else {}
             if metrics:
                 pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from condinit._validate import check_bool, check_int
 from condinit.integrations.trainer_common import fsdp2_sharded
-from condinit.probe.monitor import _logged_metrics
+from condinit.probe.monitor import logged_metrics
 
 __all__ = ["JacobianMonitorCallback"]
 
@@ -92,7 +92,7 @@ class JacobianMonitorCallback(TrainerCallback):
         # global_step was advanced before on_step_end: the step that just ran is global_step - 1
         records = self.monitor.step(step=state.global_step - 1)
         if self.log_signals:
-            self._pending.update(_logged_metrics(records))
+            self._pending.update(logged_metrics(records))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._pending or logs is None:

@@ -13,12 +13,14 @@
 * :class:`NonFiniteError` -- a ``ValueError``: the operator was given NaN / Inf data (``x``, ``q, k, v``
   or a layer's weights).
 """
+from condinit._validate import NonFiniteError
+
 from .bound import ConditionNumberBound, condition_number_bound
 from .capture import InputCapture, layer_input
 from .estimators import (FrobeniusEstimate, SpectrumEstimate, condition_number, frobenius_hutchinson,
                          lanczos_svd, power_sigma_max)
 from .monitor import JacobianMonitor
-from .operator import JacobianOperator, NonFiniteError
+from .operator import JacobianOperator
 
 __all__ = ["JacobianOperator", "JacobianMonitor", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "condition_number_bound", "SpectrumEstimate", "FrobeniusEstimate",

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from condinit._validate import check_bool, check_int, check_seed
 
-from .operator import _autocast_disabled
+from .autocast import autocast_disabled
 
 __all__ = ["ConditionNumberBound", "condition_number_bound", "softmax_jacobian_kappa"]
 
@@ -157,7 +157,7 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     op = JacobianOperator(layer, x, wrt="weights", causal=causal, dtype=dtype, scale=scale, transforms="none")
     B, N, H, Hkv, d, G = op.B, op.N, op.H, op.Hkv, op.d, op.G
     f64 = torch.float64
-    with torch.no_grad(), _autocast_disabled(op.device):
+    with torch.no_grad(), autocast_disabled(op.device):
         X = op.X.to(f64)
         kX = _kappa(torch.linalg.svdvals(X))                                  # [B]
         blocks = lambda w, h: w.to(f64).reshape(h, d, -1)                     # noqa: E731

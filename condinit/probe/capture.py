@@ -8,13 +8,12 @@ they never change the forward pass.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["InputCapture", "layer_input", "layer_position_embeddings"]
+__all__ = ["InputCapture", "layer_input", "layer_position_embeddings", "call_position_embeddings"]
 
 # keyword names under which attention modules receive their input
 _INPUT_KEYWORDS = ("hidden_states", "query", "x", "input")
@@ -44,14 +43,19 @@ def layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.
 def layer_position_embeddings(module: nn.Module, args: tuple, kwargs: dict):
     """The ``(cos, sin)`` rotary tables a call passes to the module (Hugging Face attention modules
     receive them as ``position_embeddings``, by keyword or by position), detached, or None."""
+    from condinit.models.discovery import position_embeddings_arg
+
+    return call_position_embeddings(args, kwargs, position_embeddings_arg(module))
+
+
+def call_position_embeddings(args: tuple, kwargs: dict, position: Optional[int]):
+    """The ``(cos, sin)`` tables of one call, detached, or None: the keyword ``position_embeddings``,
+    else positional argument ``position`` (where ``position_embeddings`` sits among the parameters
+    of the module's ``forward``, :attr:`condinit.models.AttentionDetails.position_embeddings_arg`;
+    None: the module takes none)."""
     pe = kwargs.get("position_embeddings")
-    if pe is None and args:
-        try:
-            params = list(inspect.signature(module.forward).parameters)
-        except (TypeError, ValueError):
-            params = []
-        if "position_embeddings" in params and params.index("position_embeddings") < len(args):
-            pe = args[params.index("position_embeddings")]
+    if pe is None and position is not None and position < len(args):
+        pe = args[position]
     if (isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe)):
         return tuple(t.detach() for t in pe)
     return None

@@ -46,7 +46,8 @@ from torch import Tensor
 
 from condinit._validate import check_choice, check_int, check_real, check_seed
 
-from .operator import JacobianOperator, _autocast_disabled
+from .autocast import autocast_disabled
+from .operator import JacobianOperator
 
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "default_rank_rtol"]
@@ -151,7 +152,7 @@ def _many(op, ops: list, fn, **kw):
     """``fn`` on each operator (autocast off): one result for a single operator, a list for a sequence."""
     results = []
     for o in ops:
-        with _autocast_disabled(o.device):
+        with autocast_disabled(o.device):
             results.append(fn(o, **kw))
     return results[0] if isinstance(op, JacobianOperator) else results
 

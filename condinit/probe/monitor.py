@@ -93,12 +93,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, check_real, check_seed
+from condinit._validate import SEED_MAX, check_bool, check_choice, check_dtype, check_int, check_real, check_seed
 
-from .capture import InputCapture, layer_position_embeddings
-from .operator import _autocast_disabled
+from .autocast import autocast_disabled
+from .capture import InputCapture, call_position_embeddings
 
-__all__ = ["JacobianMonitor", "ConditioningWarning", "ALERT_KINDS"]
+__all__ = ["JacobianMonitor", "ConditioningWarning", "ALERT_KINDS", "LOGGED_KEYS", "logged_metrics"]
 
 # per-head signals: the layer aggregate is the key without "_heads"
 _HEAD_SIGNALS = ("max_logit_heads", "entropy_mean_heads", "entropy_min_heads", "qk_norm_heads")
@@ -142,7 +142,7 @@ def _check_alerts(alerts) -> dict:
 LOGGED_KEYS = ("kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
 
 
-def _logged_metrics(records) -> dict:
+def logged_metrics(records) -> dict:
     """``{"jacobian/LAYER/KEY": value}`` for the non-None :data:`LOGGED_KEYS` of ``records`` (a later
     record of a layer overrides an earlier one): what the trainer callbacks log."""
     out = {}
@@ -172,7 +172,7 @@ def _attention_signals(op) -> dict:
     under ``torch.no_grad`` with autocast off; scores in row blocks of at most
     ``_SIGNAL_TILE_ELEMENTS`` entries.
     """
-    with torch.no_grad(), _autocast_disabled(op.device):
+    with torch.no_grad(), autocast_disabled(op.device):
         q, k = op._primal()[:2]                     # [B, H, N, d], [B, Hkv, N, d]: the operator's own
         B, H, N, d = q.shape
         Hkv, G = k.shape[1], H // k.shape[1]
@@ -277,7 +277,7 @@ class JacobianMonitor:
                  exclude=None, tensorboard: bool = True, signals: bool = True, alerts: Optional[dict] = None,
                  distributed: Optional[bool] = None):
         from condinit.models.apply import no_attention_error, find_attention
-        from .operator import WRT, check_dtype
+        from .operator import WRT
 
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -364,14 +364,15 @@ class JacobianMonitor:
         if x is None:
             self._errors[idx] = "could not find a [B, N, D] input tensor"
             return
-        pe = layer_position_embeddings(module, *call)
+        details = self.layers[idx].spec.details
+        pe = call_position_embeddings(*call, details.position_embeddings_arg)
         if self.max_batch is not None:
             x = x[: self.max_batch]
             pe = None if pe is None else tuple(t[: self.max_batch] if t.dim() == 3 else t for t in pe)
         if self.max_tokens is not None:
             x = x[:, : self.max_tokens]
             pe = None if pe is None else tuple(t[..., : self.max_tokens, :] for t in pe)
-        causal = self.causal if self.causal is not None else bool(getattr(module, "is_causal", False))
+        causal = self.causal if self.causal is not None else details.causal
         if idx in self._sharded:
             # only this rank's input is kept; the layer's weights are gathered one layer at a time in step()
             self._pending[idx] = (x.clone(), None if pe is None else tuple(t.clone() for t in pe), causal)
@@ -384,7 +385,7 @@ class JacobianMonitor:
             # copies x and the weights now (cast to the compute dtype, whatever autocast does in this
             # forward): the estimate refers to these weights
             self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype,
-                                                   position_embeddings=pe)
+                                                   position_embeddings=pe, spec=self.layers[idx].spec)
         except (ValueError, TypeError) as exc:
             # non-finite data (NonFiniteError) or a layer the operator cannot read: logged as skipped
             # with the reason; training goes on
@@ -454,7 +455,7 @@ class JacobianMonitor:
                 continue
             t0 = time.perf_counter()
             seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
-            with torch.no_grad(), _autocast_disabled(op.device):
+            with torch.no_grad(), autocast_disabled(op.device):
                 sig = _attention_signals(op) if self.signals else {}
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
                 fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
