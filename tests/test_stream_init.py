@@ -54,19 +54,16 @@ def test_loads_and_matches_apply(tmp_path, seed, dtype, tie):
     for k in attn:
         assert torch.equal(sd[k], ref_sd[k]), k
 
-    # everything else: the model's own init rule (norms ones, Linear / Embedding normal(0, 0.02))
-    std = cfg.initializer_range
+    # every tensor: condinit.apply on the model built on meta (its own init drawn as the writer draws it)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    condinit.apply(meta, seed=seed, report=False)
+    meta_sd = meta.state_dict()
+    assert sd.keys() == meta_sd.keys()
     for k, t in sd.items():
-        if k in attn or (tie and k == "lm_head.weight"):
-            continue
-        if "norm" in k:
-            assert torch.equal(t, torch.ones_like(t)), k
-        else:
-            x = t.double()
-            n = x.numel()
-            # std of the sample std of n normals ~ std / sqrt(2n); 6 sigma, and a mean near 0
-            assert abs(x.std().item() / std - 1) < 6 / (2 * n) ** 0.5 + 0.01, (k, x.std().item())
-            assert abs(x.mean().item()) < 6 * std / n ** 0.5, k
+        assert torch.equal(t, meta_sd[k]), k
+    norms = [k for k in sd if "norm" in k]     # the model's own rule: RMSNorm weights are ones
+    assert norms and all(torch.equal(sd[k], torch.ones_like(sd[k])) for k in norms)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr() if tie else \
         not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
     assert ("lm_head.weight" in index_of(out)["weight_map"]) is not tie
@@ -184,12 +181,13 @@ def test_bounded_memory(tmp_path):
     # the writer's queue, a piece being drawn, one attention layer (Q/K/V and their scratch), slack:
     # neither the largest tensor nor the model's size
     from condinit.ops.orthogonalize.op import DEFAULT_BUDGET
-    from condinit.models.stream import _MAX_QUEUED_BYTES, _PIECE_BYTES
+    from condinit.models.stream import Tuning
 
+    sizes = Tuning()
     layer = (1024 * 1024 + 2 * 256 * 1024) * 4
-    bound = _MAX_QUEUED_BYTES + 2 * _PIECE_BYTES + layer + 3 * DEFAULT_BUDGET["cpu"] + 16e6
+    bound = sizes.max_queued_bytes + 2 * sizes.piece_bytes + layer + 3 * DEFAULT_BUDGET["cpu"] + 16e6
     assert small["growth"] < bound and big["growth"] < bound, (small, big, bound)
-    assert abs(big["growth"] - small["growth"]) < 2 * _PIECE_BYTES, (small, big)
+    assert abs(big["growth"] - small["growth"]) < 2 * sizes.piece_bytes, (small, big)
 
 
 def test_cli_directory_out(tmp_path, capsys):
@@ -221,8 +219,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from condinit.ops.random import op as philox  # noqa: E402
 from condinit.ops.random.op import block_randn  # noqa: E402
-from condinit.models import stream  # noqa: E402
-from condinit.models.stream import own_init_stream, own_normal_, write_checkpoint  # noqa: E402
+from condinit.models.stream import own_init_stream, own_normal_, tuned, write_checkpoint  # noqa: E402
+from condinit.models.stream.writer import Progress  # noqa: E402
 
 
 def tiny_gpt2(**kw):
@@ -258,9 +256,9 @@ def test_chunking_does_not_change_the_bytes(tmp_path, monkeypatch, forced_backen
     a = write_pretrained(cfg, tmp_path / "a", seed=4, max_shard_size=40_000)
     forced_backend("normal=torch")                             # own-init normals by the torch composite,
     monkeypatch.setattr(philox, "NORMAL_CHUNK", 1)             # one Philox block per draw
-    monkeypatch.setattr(stream, "_MAX_QUEUED_BYTES", 1)        # the writer never runs ahead
-    monkeypatch.setattr(stream._Writeback, "step", 4096)       # writeback started (and cache dropped) often
-    b = write_pretrained(cfg, tmp_path / "b", seed=4, max_shard_size=40_000)
+    # the writer never runs ahead; writeback started (and cache dropped) often
+    with tuned(max_queued_bytes=1, writeback_step=4096):
+        b = write_pretrained(cfg, tmp_path / "b", seed=4, max_shard_size=40_000)
     assert [os.path.basename(f) for f in a.files] == [os.path.basename(f) for f in b.files]
     assert _files(a.out_dir) == _files(b.out_dir)
 
@@ -374,23 +372,40 @@ def test_resume_rewrites_only_what_is_not_complete(tmp_path):
     assert _files(out) == _files(ref.out_dir)
 
 
-# Writes a tiny model, pausing inside the unit that `sys.argv[2]` numbers, so that the parent can
-# send SIGTERM while a shard is half written.
+def _on_real_init(k: int, action):
+    """A Llama ``_init_weights`` that calls ``action()`` at its ``k``-th call on a module holding real
+    (not meta) tensors: the attention projections, which a write computes whole, in layer order, while
+    their shard is being written (3 per layer: ``k = 4`` is layer 1's ``q_proj``)."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    real, calls = LlamaPreTrainedModel._init_weights, [0]
+
+    def init_weights(self, module):
+        if any(not t.is_meta for t in module.parameters(recurse=False)):
+            calls[0] += 1
+            if calls[0] == k:
+                action()
+        return real(self, module)
+    return init_weights
+
+
+# Writes a tiny model, pausing in the model's init of the attention projections that `sys.argv[2]`
+# numbers, so that the parent can send SIGTERM while a shard is half written.
 _INTERRUPTED = textwrap.dedent("""
     import sys, time
     import transformers
-    from condinit.models import stream
-    real, calls = stream._Materializer.unit, [0]
-    def unit(self, u):
-        calls[0] += 1
-        if calls[0] == int(sys.argv[2]):
-            print("paused", flush=True)
-            time.sleep(120)
-        return real(self, u)
-    stream._Materializer.unit = unit
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+    from condinit.models.stream import write_pretrained
+    from test_stream_init import _on_real_init
+
+    def pause():
+        print("paused", flush=True)
+        time.sleep(120)
+
+    LlamaPreTrainedModel._init_weights = _on_real_init(int(sys.argv[2]), pause)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=False)
-    stream.write_pretrained(cfg, sys.argv[1], seed=21, max_shard_size=40_000)
+    write_pretrained(cfg, sys.argv[1], seed=21, max_shard_size=40_000)
 """)
 
 
@@ -398,8 +413,8 @@ def test_sigterm_then_resume_gives_the_uninterrupted_directory(tmp_path):
     cfg = tiny_config(False)
     ref = write_pretrained(cfg, tmp_path / "ref", seed=21, max_shard_size=40_000)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(out), "20"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(out), "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(__file__))
     try:
         assert proc.stdout.readline().strip() == "paused", proc.stderr.read()
         deadline = time.monotonic() + 30
@@ -425,20 +440,20 @@ def test_sigterm_then_resume_gives_the_uninterrupted_directory(tmp_path):
 
 
 def test_writer_and_generator_errors_leave_no_partial_file(tmp_path, monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
     cfg = tiny_config(False)
-    real, calls = stream._Materializer.unit, [0]
 
-    def failing(self, u):
-        calls[0] += 1
-        if calls[0] == 12:
-            raise RuntimeError("generation failed (simulated)")
-        return real(self, u)
+    def fail():
+        raise RuntimeError("generation failed (simulated)")
 
-    monkeypatch.setattr(stream._Materializer, "unit", failing)
-    with pytest.raises(RuntimeError, match="simulated"):
-        write_pretrained(cfg, tmp_path / "a", max_shard_size=40_000)
-    assert not any(n.startswith(".") or n == WEIGHTS_INDEX_NAME for n in os.listdir(tmp_path / "a"))
-    monkeypatch.setattr(stream._Materializer, "unit", real)
+    with monkeypatch.context() as m:
+        m.setattr(LlamaPreTrainedModel, "_init_weights", _on_real_init(4, fail))
+        with pytest.raises(RuntimeError, match="simulated"):
+            write_pretrained(cfg, tmp_path / "a", max_shard_size=40_000)
+    written = os.listdir(tmp_path / "a")
+    assert any(n.endswith(".safetensors") for n in written)           # it failed while writing
+    assert not any(n.startswith(".") or n == WEIGHTS_INDEX_NAME for n in written)
 
     def full(fd):
         raise OSError(28, "No space left on device (simulated)")
@@ -460,7 +475,7 @@ def test_progress_lines_without_tqdm(monkeypatch, capsys):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tqdm)
-    bar = stream._Progress(4_000_000, "condinit write", every_s=0.0)
+    bar = Progress(4_000_000, "condinit write", every_s=0.0)
     bar.update(1_000_000)
     bar.update(1_000_000)
     bar.close()
