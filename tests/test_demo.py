@@ -17,6 +17,7 @@ from condinit.demo.report import select_best_lr, spearman, summarize
 from condinit.demo.tasks import (CHAR_VOCAB, DATA_SEED, bert_mask, encode_chars, make_task, mqar_sequences,
                                  mqar_shortcut_baseline, stdlib_corpus)
 from condinit.demo.train import attention_jacobian_sigma, head_probe
+from helpers import run_cli
 
 INITS = demo_inits.INITS
 
@@ -388,9 +389,8 @@ def test_tiny_end_to_end(tiny_run):
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, argv, needle):
     out = tmp_path / "out"
-    rc = main(["demo", "--quick", "--out", str(out), "--no-progress"] + argv)
+    rc, _, err = run_cli(capsys, "demo", "--quick", "--out", str(out), "--no-progress", *argv)
     assert rc == 2
-    err = capsys.readouterr().err
     assert "condinit demo: error:" in err and needle in err
     assert not out.exists()
 
@@ -399,7 +399,6 @@ def test_out_under_a_regular_file(tmp_path, capsys):
     f = tmp_path / "file.txt"
     f.write_text("x")
     for out in (f, f / "sub" / "dir"):
-        rc = main(["demo", "--quick", "--task", "mqar-32", "--out", str(out), "--no-progress"])
-        assert rc == 2
-        assert "not a directory" in capsys.readouterr().err
+        rc, _, err = run_cli(capsys, "demo", "--quick", "--task", "mqar-32", "--out", str(out), "--no-progress")
+        assert rc == 2 and "not a directory" in err
     assert sorted(os.listdir(tmp_path)) == ["file.txt"] and f.read_text() == "x"

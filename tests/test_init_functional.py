@@ -20,10 +20,28 @@ def cols_err(W: torch.Tensor) -> float:
     return rows_err(W.transpose(-1, -2))
 
 
-def test_public_names():
-    for name in ("orthogonalize", "semi_orthogonal_", "rect_identity_", "conditioned_init_",
-                 "conditioned_init_layers_", "spectrum", "recondition_"):
-        assert callable(getattr(condinit, name))
+def test_top_level_functions_do_what_their_documentation_says(rng):
+    """Called as ``condinit.<name>``: semi-orthogonal heads, the rectangular identity, an
+    orthonormalized stack, a conditioned layer (one by one and as a stack), singular values, and
+    condition numbers clamped."""
+    w = condinit.semi_orthogonal_(torch.empty(32, 50), head_dim=8, seed=11)
+    assert rows_err(w.view(4, 8, 50)) <= 1e-5
+    assert torch.equal(condinit.rect_identity_(torch.randn(6, 10, generator=rng)), torch.eye(6, 10))
+    assert rows_err(condinit.orthogonalize(torch.randn(3, 8, 40, generator=rng))) <= 1e-5
+    q, k, v = (torch.randn(rows, 24, generator=rng) for rows in (16, 8, 8))
+    condinit.conditioned_init_(q, k, v, num_heads=4, num_kv_heads=2, seed=1)
+    assert rows_err(q.view(4, 4, 24)) <= 1e-5 and rows_err(k.view(2, 4, 24)) <= 1e-5
+    assert torch.equal(v, torch.eye(8, 24))
+    layers = [{p: torch.randn(rows, 24, generator=rng) for p, rows in (("q", 16), ("k", 8), ("v", 8))}
+              for _ in range(2)]
+    condinit.conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=1)
+    assert all(torch.equal(layers[0][p], t) for p, t in (("q", q), ("k", k), ("v", v)))   # layer 0 alike
+    assert rows_err(layers[1]["q"].view(4, 4, 24)) <= 1e-5 and not torch.equal(layers[1]["q"], q)
+    W = torch.randn(3, 8, 40, generator=rng) * torch.logspace(0, -3, 8)[:, None]   # kappa ~ 1e3
+    sv = torch.linalg.svdvals(W.double())
+    torch.testing.assert_close(condinit.spectrum(W).cond, sv[:, 0] / sv[:, -1], rtol=1e-7, atol=0)
+    assert condinit.recondition_(W, max_cond=10.0) is W
+    assert bool((condinit.spectrum(W).cond <= 10.0 * (1 + 1e-5)).all())
 
 
 @pytest.mark.parametrize("method", ["auto", "householder", "cholqr2", "polar", "svd"])
