@@ -47,7 +47,7 @@ from __future__ import annotations
 import fnmatch
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -84,7 +84,9 @@ class UncoveredAttentionError(ValueError):
 @dataclass
 class AttentionLayer:
     """One attention module found in a model: its layer index, qualified name, adapter and spec
-    (``cross``: Q reads the decoder's states, K and V the encoder's)."""
+    (``cross``: Q reads the decoder's states, K and V the encoder's). The spec is bound to the
+    module (:meth:`AttentionSpec.bound_to`): it reads the module's tensors as they are at each use,
+    also after they are materialized or swapped."""
 
     index: int
     name: str
@@ -92,6 +94,17 @@ class AttentionLayer:
     adapter: str
     spec: AttentionSpec
     cross: bool = False
+
+    def live(self) -> "AttentionLayer":
+        """This layer with a spec that reads the module's current tensors: itself when its spec is
+        bound to the module, else the module described again (an adapter that returned tensors the
+        module holds under no parameter or buffer name)."""
+        if self.spec.is_bound:
+            return self
+        hit = describe(self.module)
+        if hit is None:
+            raise ValueError(f"{self.name}: the layer is no longer recognised once materialized")
+        return replace(self, adapter=hit.adapter, spec=hit.spec)
 
 
 @dataclass(frozen=True)
@@ -304,6 +317,10 @@ class BlockStats:
 
 @dataclass
 class LayerReport:
+    """What :func:`apply` did to one layer: its index, name, adapter, heads, the ``[rows, in]``
+    shape of each projection (``shapes``), layout, and the singular values of its head blocks
+    ``before`` and ``after`` (:class:`BlockStats` per projection, None where not measured)."""
+
     index: int
     name: str
     adapter: str
@@ -316,6 +333,14 @@ class LayerReport:
     time_s: float = 0.0
     layout: str = "separate"
     cross: bool = False
+
+    @classmethod
+    def of(cls, layer: AttentionLayer) -> "LayerReport":
+        """The report of ``layer`` before anything is measured."""
+        s = layer.spec
+        return cls(index=layer.index, name=layer.name, adapter=layer.adapter, num_heads=s.num_heads,
+                   num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                   shapes={p: tuple(proj.shape) for p, proj in s.projections()}, layout=s.layout, cross=layer.cross)
 
     def to_dict(self) -> dict:
         def st(s):
@@ -657,8 +682,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         materialize_(model, device, skip=covered_tensors(layers), init_fn=init_fn, check=check_init,
                      seed=seed)
         init_time = time.perf_counter() - t0
-        names = {l.name for l in layers}
-        layers = [l for l in _discover(model, layer_offset, None, None).layers if l.name in names]
+        layers = [l.live() for l in layers]     # the bound specs read the materialized tensors
 
     sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
@@ -696,8 +720,9 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
             if key not in v_stats:
                 v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key, v_gain))
             rep.after["v"] = v_stats[key]
-    return ApplyReport(reports, seed, method, v_mode, launches, meta, sharded, init_time,
-                       time.perf_counter() - t_start, list(uncovered), qk_gain, v_gain)
+    return ApplyReport(layers=reports, seed=seed, method=method, v_mode=v_mode, launches=launches, materialized=meta,
+                       sharded=sharded, init_time_s=init_time, total_time_s=time.perf_counter() - t_start,
+                       uncovered=list(uncovered), qk_gain=qk_gain, v_gain=v_gain)
 
 
 def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool, qk_gain: float = 1.0,
@@ -711,8 +736,7 @@ def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before
     sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
     for i, l in enumerate(layers):
         s = l.spec
-        rep = LayerReport(l.index, l.name, l.adapter, s.num_heads, s.num_kv_heads, s.head_dim,
-                          {p: tuple(proj.shape) for p, proj in s.projections()}, layout=s.layout, cross=l.cross)
+        rep = LayerReport.of(l)
         reports.append(rep)
         for p, proj in s.projections():
             heads = s.num_heads if p == "q" else s.num_kv_heads

@@ -465,6 +465,12 @@ class AttentionSpec:
     def projections(self):
         return (("q", self.q), ("k", self.k), ("v", self.v))
 
+    @property
+    def is_bound(self) -> bool:
+        """Whether every weight and bias is a :class:`Ref` (read from its module at each use)."""
+        return all(isinstance(p.weight_source, Ref) and (p.bias_source is None or isinstance(p.bias_source, Ref))
+                   for _, p in self.projections())
+
     def bound_to(self, module: nn.Module, details: Optional[AttentionDetails] = None) -> "AttentionSpec":
         """This layout with every weight and bias that ``module`` holds referenced by where it holds
         it (a :class:`Ref`, read at each use), and ``details`` (default: this spec's own)."""

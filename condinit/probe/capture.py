@@ -51,7 +51,7 @@ def layer_position_embeddings(module: nn.Module, args: tuple, kwargs: dict):
 def call_position_embeddings(args: tuple, kwargs: dict, position: Optional[int]):
     """The ``(cos, sin)`` tables of one call, detached, or None: the keyword ``position_embeddings``,
     else positional argument ``position`` (where ``position_embeddings`` sits among the parameters
-    of the module's ``forward``, :attr:`condinit.models.AttentionDetails.position_embeddings_arg`;
+    of the module's ``forward``, :attr:`condinit.models.spec.AttentionDetails.position_embeddings_arg`;
     None: the module takes none)."""
     pe = kwargs.get("position_embeddings")
     if pe is None and position is not None and position < len(args):
