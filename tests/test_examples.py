@@ -1,4 +1,7 @@
-"""The examples the README points at run, and what they compute is right."""
+"""The examples the README points at run as scripts, and what they compute is right.
+
+Each runs in this process (a fresh interpreter would spend most of the time importing timm or
+transformers again)."""
 import copy
 import pathlib
 import runpy
@@ -6,19 +9,33 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+
+from conftest import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-timm = pytest.importorskip("timm")
-
-sys.path.insert(0, str(ROOT / "examples"))
-import meanflow_step  # noqa: E402
-
-from conftest import assert_close  # noqa: E402
-
 F64 = torch.float64
+SDPA = F.scaled_dot_product_attention   # PyTorch's, captured before any example patches it
 
 
-def test_meanflow_gradients_match_explicit_attention_in_float64(seed):
+def _run_example(name: str, capsys) -> str:
+    """examples/NAME run as ``__main__``; what it printed."""
+    runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
+    return capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def meanflow_step():
+    pytest.importorskip("timm")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import meanflow_step
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return meanflow_step
+
+
+def test_meanflow_gradients_match_explicit_attention_in_float64(meanflow_step, seed):
     """The gradient of the tangent loss through condinit's attention equals float64 autograd through
     timm's explicit (non-fused) attention, which forward AD handles op by op."""
     from timm.models.vision_transformer import VisionTransformer
@@ -44,17 +61,30 @@ def test_meanflow_gradients_match_explicit_attention_in_float64(seed):
 
 
 def test_meanflow_example_runs_as_a_script_and_trains(capsys):
-    runpy.run_path(str(ROOT / "examples" / "meanflow_step.py"), run_name="__main__")
-    losses = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines() if "loss" in line]
+    pytest.importorskip("timm")
+    out = _run_example("meanflow_step.py", capsys)
+    losses = [float(line.split()[-1]) for line in out.splitlines() if "loss" in line]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
 
 
 def test_probe_hf_llama_example_runs_as_a_script(capsys):
     pytest.importorskip("transformers")
-    runpy.run_path(str(ROOT / "examples" / "probe_hf_llama.py"), run_name="__main__")
-    rows = [line for line in capsys.readouterr().out.splitlines() if "kappa" in line]
+    rows = [line for line in _run_example("probe_hf_llama.py", capsys).splitlines() if "kappa" in line]
     assert [r.split(":")[0] for r in rows] == ["layers.0.self_attn", "layers.1.self_attn"]
     for r in rows:
         values = [float(t) for t in r.split()[2::2]]
         assert len(values) == 3 and all(v > 0 and v < float("inf") for v in values)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_jvp_through_llama_example_runs(capsys):
+    pytest.importorskip("transformers")
+    assert "tangent norm" in _run_example("jvp_through_llama.py", capsys)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_jvp_through_timm_example_runs_and_unpatches_sdpa(capsys):
+    pytest.importorskip("timm")
+    assert "tangent norm" in _run_example("jvp_through_timm.py", capsys)
+    assert F.scaled_dot_product_attention is SDPA

@@ -1,7 +1,5 @@
 """condinit.sdpa against PyTorch's SDPA (MATH backend) in float64, which path each call takes,
-its argument errors, and condinit.patch_sdpa (with a timm ViT, and the example script)."""
-import pathlib
-import runpy
+its argument errors, and condinit.patch_sdpa (with a timm ViT)."""
 import threading
 
 import pytest
@@ -17,7 +15,6 @@ from conftest import F64, assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 FP32 = torch.float32
 SDPA = F.scaled_dot_product_attention   # PyTorch's, captured before any patch
 
@@ -297,12 +294,3 @@ def test_timm_vit_jvp_needs_the_patch_and_matches_float64(rng):
         out_ref, tangent_ref = torch.func.jvp(model64, (x.double(),), (dx.double(),))
     assert_close(out, out_ref, FP32, "ViT output", factor=10)
     assert_close(tangent, tangent_ref, FP32, "ViT tangent", factor=10)
-
-
-def test_timm_example_runs(capsys):
-    """examples/jvp_through_timm.py runs as a script (in this process: a fresh interpreter would
-    spend most of the time importing timm and torchvision again)."""
-    pytest.importorskip("timm")
-    runpy.run_path(str(ROOT / "examples" / "jvp_through_timm.py"), run_name="__main__")
-    assert "tangent norm" in capsys.readouterr().out
-    assert F.scaled_dot_product_attention is SDPA
