@@ -21,6 +21,7 @@ def _run(code: str, **env) -> str:
 
 
 def test_import_does_not_initialize_cuda_or_import_triton():
+    """Every public name resolves (getattr raises for one that does not) without touching CUDA or triton."""
     code = (
         "import sys, json, torch, condinit\n"
         "names = [n for n in condinit.__all__ if n != '__version__']\n"
@@ -29,13 +30,6 @@ def test_import_does_not_initialize_cuda_or_import_triton():
     )
     res = json.loads(_run(code))
     assert res == {"cuda": False, "triton": False}
-
-
-def test_public_names_resolve():
-    code = ("import condinit\n"
-            "missing = [n for n in condinit.__all__ if not hasattr(condinit, n)]\n"
-            "print(missing)")
-    assert _run(code) == "[]"
 
 
 def test_import_survives_missing_triton_and_extension(tmp_path):
