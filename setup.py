@@ -179,7 +179,9 @@ def _extensions():
 ext_modules, cmdclass = _extensions()
 
 setup(
-    packages=find_packages(include=["condinit", "condinit.*"]) + ["condinit.kernels"],
+    # kernels/ (the Triton kernels, one folder per op family) is installed as condinit.kernels.
+    packages=(find_packages(include=["condinit", "condinit.*"]) + ["condinit.kernels"]
+              + ["condinit.kernels." + p for p in find_packages(os.path.join(ROOT, "kernels"))]),
     package_dir={"condinit.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

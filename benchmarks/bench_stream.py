@@ -101,11 +101,11 @@ t0 = time.perf_counter()
 import torch, transformers
 import transformers.models.llama.modeling_llama
 from condinit.cli import finish, main
-from condinit.models import stream
+from condinit.models.stream import tuned
 t1 = time.perf_counter()
-stream._OVERLAP_WRITES = sys.argv[3] == "overlap"
-rc = main(["init", "--config", sys.argv[1], "--dtype", "bf16", "--out", sys.argv[2], "--max-shard-size", "5GB",
-           "--quiet"])
+with tuned(overlap_writes=sys.argv[3] == "overlap"):
+    rc = main(["init", "--config", sys.argv[1], "--dtype", "bf16", "--out", sys.argv[2], "--max-shard-size", "5GB",
+               "--quiet"])
 print(json.dumps({"import_s": t1 - t0, "work_s": time.perf_counter() - t1}), flush=True)
 finish(rc)   # as the console script ends (condinit.cli.run)
 """

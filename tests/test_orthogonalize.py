@@ -308,7 +308,7 @@ def triton_interp():
 
 
 def test_triton_polar_kernels(triton_interp, rng):
-    from condinit.kernels import polar as kp
+    from condinit.kernels.orthogonalize import polar as kp
     X = torch.randn(3, 17, 45, generator=rng)
     G = kp.gram(X)
     torch.testing.assert_close(G.double(), X.double() @ X.double().transpose(1, 2), atol=1e-5, rtol=1e-5)

@@ -32,14 +32,13 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     from coverage_models import CONFIG_FIXES, hf_config
 
-    from condinit.models import stream
+    from condinit.models.stream import tuned, write_pretrained
 
     types = list(argv if argv is not None else sys.argv[1:])
     if not types:
         readme = (ROOT / "README.md").read_text(encoding="utf-8")
         types = re.findall(r"\| transformers `([^`]+)` \| conditioned", readme)
     counts = {"same": 0, "DIFFERENT": 0, "refused": 0}
-    real = stream._Materializer.replays
     root = pathlib.Path(tempfile.mkdtemp(prefix="condinit-init-sweep-"))
     try:
         for mt in types:
@@ -51,15 +50,13 @@ def main(argv=None) -> int:
                 for mode in ("pieces", "whole"):
                     d = root / mode
                     shutil.rmtree(d, ignore_errors=True)
-                    stream._Materializer.replays = real if mode == "pieces" else (lambda self, unit: None)
-                    stream.write_pretrained(cfg, d, seed=3, max_shard_size="200KB")
+                    with tuned(replay_units=mode == "pieces"):
+                        write_pretrained(cfg, d, seed=3, max_shard_size="200KB")
                     out[mode] = _digests(d)
             except (ValueError, TypeError) as exc:
                 counts["refused"] += 1
                 print(f"{mt}: refused: {str(exc)[:160]}", flush=True)
                 continue
-            finally:
-                stream._Materializer.replays = real
             verdict = "same" if out["pieces"] == out["whole"] else "DIFFERENT"
             counts[verdict] += 1
             print(f"{mt}: {verdict}", flush=True)

@@ -1,5 +1,5 @@
-// Fused attention with forward-mode (JVP) and reverse-mode (VJP) derivatives: the torch.library
-// schema of condinit_C::attention_{fwd,bwd,jvp} and their C++ CPU kernels (math: docs/design.md, "Attention").
+// The C++ CPU kernels of condinit_C::attention_{fwd,bwd,jvp,jvp_bwd} (schema: attention.cpp; math:
+// docs/design.md, "Attention").
 //
 // Per head, S = s Q K^T (+ causal mask), P = softmax(S), O = P V, lse = log rowsum exp(S).
 //   fwd: online softmax over key tiles (flash attention), O(N) memory.
@@ -14,8 +14,7 @@
 //        D = rowsum(gO o O) + sum_p (rowsum(gO'_p o O'_p) - r_p d'_p), gS'_p = P o (gO'_p V^T - d'_p),
 //        gP = gO V^T + sum_p (gO'_p V'_p^T + dP'_p o (S'_p - r_p) - S'_p d'_p), gS = P o (gP - D).
 // Layouts: q [B, H, Nq, d]; k, v [B, Hkv, Nk, d] with Hkv | H (q head h reads kv head h / (H / Hkv));
-// tangents carry a leading probe dimension [P, ...]. Causal masks are bottom-right aligned: query i
-// sees key j iff j <= i + (Nk - Nq). A row that sees no key gets out 0, tangent 0, lse -inf, grads 0.
+// tangents carry a leading probe dimension [P, ...]. Masks: docs/design.md, "Attention", "Masks".
 //
 // CPU strategy: parallel over (batch, head, query tile) with a shared work counter (causal tiles
 // differ in cost, so threads pull the most expensive tiles first); every tile matrix product is
@@ -24,362 +23,16 @@
 // AVX-512/AVX2 at run time, no -march needed). fp16/bf16 inputs are computed in fp32, fp64 in fp64.
 #include <torch/library.h>
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <memory>
 #include <optional>
-#include <utility>
-#include <vector>
+#include <tuple>
 
-// MKL/OpenBLAS Fortran GEMM exported by libtorch_cpu (LP64). Weak: a torch build without them
-// falls back to at::addmm_ on from_blob views (slower per call, same math).
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-            const float* beta, float* c, const int* ldc) __attribute__((weak));
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
-            const double* beta, double* c, const int* ldc) __attribute__((weak));
-}
+#include "attention/attention_checks.h"
+#include "attention/cpu/tile_ops.h"
 
 namespace condinit {
 namespace attention_cpu {
 namespace {
-
-using at::Tensor;
-
-// Tiles: the backward kernels work on [kBlockM x kBlockN] tiles (four live at once per worker),
-// the forward / JVP on [kFwdM x kFwdN] ones (fewer, larger products: MKL's per-call packing is a
-// visible share of the time at 64 x 128). Measured on a 2-core AVX-512 machine: larger backward
-// tiles gave no gain, larger forward tiles 10-20 %.
-constexpr int64_t kBlockM = 64;    // queries per backward tile
-constexpr int64_t kBlockN = 128;   // keys per backward tile
-constexpr int64_t kFwdM = 128;     // queries per forward tile
-constexpr int64_t kFwdN = 256;     // keys per forward tile
-constexpr int64_t kMaxM = kFwdM > kBlockM ? kFwdM : kBlockM;
-
-// ------------------------------------------------------------------------------------------------
-// Row-major GEMM on raw tiles: C[M x N] = alpha op(A)[M x K] op(B)[K x N] + beta C.
-// (A row-major product is the column-major product of the transposes with the operands swapped.)
-template <typename T>
-void gemm_aten(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
-               const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
-  auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
-  Tensor a = ta ? at::from_blob(const_cast<T*>(A), {K, M}, {lda, 1}, opts).t()
-                : at::from_blob(const_cast<T*>(A), {M, K}, {lda, 1}, opts);
-  Tensor b = tb ? at::from_blob(const_cast<T*>(B), {N, K}, {ldb, 1}, opts).t()
-                : at::from_blob(const_cast<T*>(B), {K, N}, {ldb, 1}, opts);
-  Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, opts);
-  c.addmm_(a, b, beta, alpha);  // beta == 0 ignores C (no NaN propagation from stale buffers)
-}
-
-// fp32 plain products C (+)= A B of at least a few rows go to oneDNN's brgemm micro-kernel through
-// ATen (JIT-compiled per shape for the machine's vector ISA, no operand packing: 10-20 % faster
-// than MKL's sgemm on these tile shapes on an AVX-512 machine); the rest to BLAS.
-inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-#ifdef CPUBLAS_BRGEMM_F32F32F32
-  if (!ta && !tb && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) && M >= 8 && N >= 8 && K >= 8) {
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, beta == 1.0f, A, B, C, /*is_vnni=*/false);
-    return;
-  }
-#endif
-  if (sgemm_ == nullptr) return gemm_aten<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
-  const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
-  sgemm_(&tA, &tB, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-}
-
-inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const double* A,
-                 int64_t lda, const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
-  if (dgemm_ == nullptr) return gemm_aten<double>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  const char tA = tb ? 'T' : 'N', tB = ta ? 'T' : 'N';
-  const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
-  dgemm_(&tA, &tB, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-}
-
-// ------------------------------------------------------------------------------------------------
-// x[j] <- exp(x[j] - mu) for j < n, returns the sum. mu is finite; x may hold -inf (masked).
-// fp32: Cephes-style exp (range reduction by ln 2, degree-6 polynomial, ~1 ulp), written so that
-// GCC vectorizes it; the clones are chosen at load time from the CPU's features.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-float exp_shift_sum(float* __restrict x, int64_t n, float mu) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    float t = x[j] - mu;
-    t = t < -87.0f ? -87.0f : t;  // also maps masked -inf entries into range
-    // round(t / ln 2) by the 1.5 * 2^23 trick (floorf would keep GCC from vectorizing the clones)
-    const float fn = (t * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = t - fn * 0.693359375f;
-    r = r + fn * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const float two_n = __builtin_bit_cast(float, ((int32_t)fn + 127) << 23);
-    const float e = fn <= -126.f ? 0.f : p * two_n;  // below ~1.7e-38 (and masked): exactly 0
-    x[j] = e;
-    sum += e;
-  }
-  return sum;
-}
-
-double exp_shift_sum(double* __restrict x, int64_t n, double mu) {
-  double sum = 0.0;
-  for (int64_t j = 0; j < n; ++j) {
-    const double e = std::exp(x[j] - mu);
-    x[j] = e;
-    sum += e;
-  }
-  return sum;
-}
-
-// W <- P o W (in place), returns rowsum(W).
-template <typename T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-T mul_rowsum(const T* __restrict p, T* __restrict w, int64_t n) {
-  T sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    const T e = p[j] * w[j];
-    w[j] = e;
-    sum += e;
-  }
-  return sum;
-}
-
-// dS <- c P o (dP - D) (in place in dp).
-template <typename T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void ds_row(const T* __restrict p, T* __restrict dp, int64_t n, T D, T c = T(1)) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dp[j] = c * (p[j] * (dp[j] - D));
-}
-
-template <typename T>
-inline void scale_row(T* __restrict x, int64_t n, T a) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) x[j] *= a;
-}
-
-// The row maximum; NaN if the row holds a NaN (a NaN input must come out as NaN, not be dropped
-// by the comparison).
-template <typename T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-T row_max(const T* __restrict x, int64_t n) {
-  T mx = -std::numeric_limits<T>::infinity();
-  int nans = 0;  // counted beside the max (a vectorized max reduction drops NaN)
-#pragma omp simd reduction(max : mx) reduction(+ : nans)
-  for (int64_t j = 0; j < n; ++j) {
-    mx = x[j] > mx ? x[j] : mx;
-    nans += x[j] != x[j];
-  }
-  return nans ? std::numeric_limits<T>::quiet_NaN() : mx;
-}
-
-// Whether x[0..count) holds no NaN / Inf (x * 0 is NaN exactly for those).
-template <typename T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-bool all_finite(const T* __restrict x, int64_t count) {
-  T s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < count; ++j) s += x[j] * T(0);
-  return s == T(0);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Masks (docs/design.md, "Attention"). For batch entry b, with Lq, Lk its lengths and
-// off = Lk - Lq, query i < Lq attends the keys lo(i) <= j < hi(i): j < Lk, causal j <= i + off,
-// window_left >= 0: j >= i + off - window_left, window_right >= 0: j <= i + off + window_right.
-// Each constraint is an interval, so lo and hi grow with i: a query tile attends the keys
-// [lo(first row), hi(last valid row)) and a key tile is attended by one range of queries.
-
-struct MaskArgs {
-  bool causal;
-  int64_t window_left, window_right;
-  const int32_t* q_lens;   // [B] or nullptr (= Nq)
-  const int32_t* kv_lens;  // [B] or nullptr (= Nk)
-};
-
-struct SeqMask {
-  int64_t Lq, Lk, off, wl, wr;
-  bool causal;
-  int64_t lo(int64_t i) const {
-    int64_t x = wl >= 0 ? i + off - wl : 0;
-    x = x < 0 ? 0 : x;
-    return x < Lk ? x : Lk;
-  }
-  int64_t hi(int64_t i) const {
-    int64_t x = Lk;
-    if (causal) x = std::min<int64_t>(x, i + off + 1);
-    if (wr >= 0) x = std::min<int64_t>(x, i + off + wr + 1);
-    return std::max<int64_t>(x, lo(i));  // hi <= lo: the row attends nothing
-  }
-  // Queries [qfirst, qend) of [0, Lq) attend some key of [j0, j1) (empty when qfirst >= qend).
-  int64_t qfirst(int64_t j0) const {  // first i with hi(i) > j0
-    int64_t a = 0, b = Lq;
-    while (a < b) { const int64_t c = (a + b) / 2; if (hi(c) > j0) b = c; else a = c + 1; }
-    return a;
-  }
-  int64_t qend(int64_t j1) const {  // first i with lo(i) >= j1
-    int64_t a = 0, b = Lq;
-    while (a < b) { const int64_t c = (a + b) / 2; if (lo(c) >= j1) b = c; else a = c + 1; }
-    return a;
-  }
-};
-
-inline SeqMask seq_mask(const MaskArgs& M, int64_t b, int64_t Nq, int64_t Nk) {
-  const int64_t Lq = M.q_lens ? M.q_lens[b] : Nq, Lk = M.kv_lens ? M.kv_lens[b] : Nk;
-  return SeqMask{Lq, Lk, Lk - Lq, M.window_left, M.window_right, M.causal};
-}
-
-// The allowed columns [lo[i], hi[i]) of each row of an [m x n] tile at query i0 and key j0
-// (tile-local, clipped to [0, n]); full when every pair is allowed.
-struct TileMask {
-  bool full;
-  int64_t m, n;
-  int64_t lo[kMaxM], hi[kMaxM];
-
-  // Rows i >= mv of the tile are not valid queries (all masked).
-  void build(const SeqMask& sm, int64_t i0, int64_t m_, int64_t mv, int64_t j0, int64_t n_) {
-    m = m_;
-    n = n_;
-    full = mv == m && sm.lo(i0 + m - 1) <= j0 && sm.hi(i0) >= j0 + n;
-    if (full) return;
-    for (int64_t i = 0; i < m; ++i) {
-      if (i >= mv) { lo[i] = hi[i] = 0; continue; }
-      const int64_t a = std::clamp<int64_t>(sm.lo(i0 + i) - j0, 0, n);
-      const int64_t b = std::clamp<int64_t>(sm.hi(i0 + i) - j0, 0, n);
-      lo[i] = a;
-      hi[i] = b > a ? b : a;
-    }
-  }
-  // W[i, c] <- value outside the allowed columns.
-  template <typename T>
-  void fill_outside(T* W, int64_t ldW, T value) const {
-    if (full) return;
-    for (int64_t i = 0; i < m; ++i) {
-      T* row = W + i * ldW;
-      std::fill(row, row + lo[i], value);
-      std::fill(row + hi[i], row + n, value);
-    }
-  }
-};
-
-// C[g m x d] += alpha A[g m x n] X[n x d] (contraction over the tile's keys; A is 0 outside the
-// mask), A and C holding `groups` stacked [m x .] blocks that share the tile's mask row for row.
-// A plain product would let a NaN / Inf in a row of X that only masked pairs touch through
-// (0 * NaN = NaN); then each query row takes its allowed keys only.
-template <typename T>
-void mm_keys(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* X, int64_t ldx,
-             T* C, int64_t ldc, int64_t groups = 1) {
-  if (tm.full || all_finite(X, tm.n * ldx)) {
-    gemm(false, false, groups * tm.m, d, tm.n, alpha, A, lda, X, ldx, T(1), C, ldc);
-    return;
-  }
-  for (int64_t r = 0; r < groups * tm.m; ++r) {
-    const int64_t i = r % tm.m;
-    if (tm.hi[i] > tm.lo[i])
-      gemm(false, false, 1, d, tm.hi[i] - tm.lo[i], alpha, A + r * lda + tm.lo[i], lda,
-           X + tm.lo[i] * ldx, ldx, T(1), C + r * ldc, ldc);
-  }
-}
-
-// S <- P = exp(S - lse) of an [m x n] tile of scores (0 where masked and on rows that see no key).
-template <typename T>
-void probs_from_scores(T* S, const T* L, const TileMask& tm) {
-  tm.fill_outside(S, kBlockN, -std::numeric_limits<T>::infinity());
-  for (int64_t i = 0; i < tm.m; ++i) {
-    T* row = S + i * kBlockN;
-    if (std::isinf(L[i]) && L[i] < 0) std::fill(row, row + tm.n, T(0));  // nothing visible
-    else exp_shift_sum(row, tm.n, L[i]);
-  }
-  tm.fill_outside(S, kBlockN, T(0));  // exp(-inf - NaN) of a NaN row must not reach masked keys
-}
-
-// C[n x d] += alpha A[m x n]^T Y[m x d] (contraction over the tile's queries), exact in the same
-// way: each query row adds to its allowed keys only when Y holds non-finite values.
-template <typename T>
-void mm_queries(const TileMask& tm, int64_t d, T alpha, const T* A, int64_t lda, const T* Y, int64_t ldy,
-                T* C, int64_t ldc) {
-  if (tm.full || all_finite(Y, tm.m * ldy)) {
-    gemm(true, false, tm.n, d, tm.m, alpha, A, lda, Y, ldy, T(1), C, ldc);
-    return;
-  }
-  for (int64_t i = 0; i < tm.m; ++i) {
-    if (tm.hi[i] > tm.lo[i])
-      gemm(true, false, tm.hi[i] - tm.lo[i], d, 1, alpha, A + i * lda + tm.lo[i], lda, Y + i * ldy, ldy,
-           T(1), C + tm.lo[i] * ldc, ldc);
-  }
-}
-
-// C^T[d x n] += A^T[d x g m] X[g m x n]: the key-side gradient of mm_queries accumulated
-// transposed, from the query-side operand transposed (columns col0.. of the block AT [d x lda]:
-// its column col0 + r is row r of the stacked operand), so that the product is a plain C += A B
-// (see gemm). Exact in the same way as mm_queries: each query row adds to its allowed keys only
-// when the block holds non-finite values.
-template <typename T>
-void mm_queries_t(const TileMask& tm, int64_t d, const T* AT, int64_t lda, int64_t col0, const T* X, int64_t ldx,
-                  T* CT, int64_t ldc, int64_t groups = 1) {
-  if (tm.full || all_finite(AT, d * lda)) {
-    gemm(false, false, d, tm.n, groups * tm.m, T(1), AT + col0, lda, X, ldx, T(1), CT, ldc);
-    return;
-  }
-  for (int64_t r = 0; r < groups * tm.m; ++r) {
-    const int64_t i = r % tm.m, lo = tm.lo[i], hi = tm.hi[i];
-    for (int64_t c = 0; c < d && hi > lo; ++c) {
-      const T a = AT[c * lda + col0 + r];
-      T* crow = CT + c * ldc;
-      const T* xrow = X + r * ldx;
-      for (int64_t j = lo; j < hi; ++j) crow[j] += a * xrow[j];
-    }
-  }
-}
-
-// Runs body(task, worker) for task in [0, ntask) on at::get_num_threads() workers pulling tasks
-// from a shared counter (tasks are ordered most expensive first by the callers).
-template <typename F>
-void run_tasks(int64_t ntask, const F& body) {
-  if (ntask <= 0) return;
-  const int64_t nworkers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nworkers, 1, [&](int64_t w0, int64_t /*w1*/) {
-    for (;;) {
-      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= ntask) break;
-      body(t, w0);
-    }
-  });
-}
-
-struct Dims {
-  int64_t B, H, Hkv, Nq, Nk, d, P;
-  MaskArgs mask;
-};
-
-// x [..., N, d] -> f x as [..., ceil(N / block), d, block]: each block of `block` rows transposed
-// (zero-padded to a whole block). A tile of keys starting at a multiple of `block` then reads its
-// K^T / V^T with leading dimension `block` whatever N is, so the tile products see a few fixed
-// shapes (brgemm compiles a kernel per shape) and one O(N d) copy serves every query tile.
-Tensor blocked_transpose(const Tensor& x, int64_t block, double f) {
-  const int64_t N = x.size(-2), d = x.size(-1), nb = (N + block - 1) / block;
-  Tensor y = f == 1.0 ? x : x * f;
-  if (nb * block != N) y = at::constant_pad_nd(y, {0, 0, 0, nb * block - N});
-  auto sizes = y.sizes().vec();
-  sizes.resize(sizes.size() - 2);
-  sizes.insert(sizes.end(), {nb, block, d});
-  return y.reshape(sizes).transpose(-1, -2).contiguous();
-}
 
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
 // lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
@@ -808,45 +461,6 @@ void sum_groups(const T* parts, T* out, int64_t outer, int64_t Hkv, int64_t G, i
   });
 }
 
-// ------------------------------------------------------------------------------------------------
-// Layout checks (shared with the CUDA registration). These guard memory safety only: the kernels
-// index raw pointers by these shapes. Argument validation for users (with messages naming the
-// argument) happens once, in condinit.attention / attention_jvp, before these ops are called.
-
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
-  TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D [B, H, Nq, d], got ", q.dim(), "-D");
-  TORCH_CHECK(k.dim() == 4, op, ": k must be 4-D [B, Hkv, Nk, d], got ", k.dim(), "-D");
-  TORCH_CHECK(v.dim() == 4, op, ": v must be 4-D [B, Hkv, Nk, d], got ", v.dim(), "-D");
-  const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble, op,
-              ": q must be float32, float16, bfloat16 or float64, got ", dt);
-  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, op,
-              ": q, k, v must have the same dtype, got ", dt, ", ", k.scalar_type(), ", ", v.scalar_type());
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
-              ": q, k, v must be on the same device, got ", q.device(), ", ", k.device(), ", ", v.device());
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0), op, ": batch size of k (", k.size(0), ") != batch size of q (", q.size(0), ")");
-  TORCH_CHECK(k.size(3) == q.size(3), op, ": head dim of k (", k.size(3), ") != head dim of q (", q.size(3), ")");
-  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, op, ": the number of kv heads (", k.size(1),
-              ") must divide the number of query heads (", q.size(1), ")");
-  TORCH_CHECK(q.size(2) >= 1 && k.size(2) >= 1, op, ": sequence lengths must be >= 1, got Nq=", q.size(2),
-              ", Nk=", k.size(2));
-  TORCH_CHECK(q.size(3) >= 1, op, ": head dim must be >= 1");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), op,
-              ": q, k, v must be contiguous (call .contiguous())");
-}
-
-void check_tangent(const Tensor& t, const Tensor& primal, const char* name, int64_t P, const char* op) {
-  TORCH_CHECK(t.dim() == 5, op, ": ", name, " must be 5-D [P, ", (name[1] == 'q' ? "B, H, Nq" : "B, Hkv, Nk"),
-              ", d], got ", t.dim(), "-D");
-  TORCH_CHECK(t.scalar_type() == primal.scalar_type(), op, ": ", name, " must have dtype ",
-              primal.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.device() == primal.device(), op, ": ", name, " must be on ", primal.device(), ", got ", t.device());
-  TORCH_CHECK(t.size(0) == P && t.sizes().slice(1) == primal.sizes(), op, ": ", name, " must have shape [",
-              P, ", ", primal.sizes(), "], got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
-}
-
 Dims dims_of(const Tensor& q, const Tensor& k, const MaskArgs& mask, int64_t P) {
   return Dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), P, mask};
 }
@@ -856,14 +470,6 @@ MaskArgs mask_args(bool causal, int64_t window_left, int64_t window_right, const
                    const std::optional<Tensor>& kv_lens) {
   return MaskArgs{causal, window_left, window_right, q_lens ? q_lens->data_ptr<int32_t>() : nullptr,
                   kv_lens ? kv_lens->data_ptr<int32_t>() : nullptr};
-}
-
-// The kernels index rows and keys by the lens: out-of-range values would read out of bounds.
-void check_lens_values(const std::optional<Tensor>& lens, int64_t n, const char* name, const char* op) {
-  if (!lens) return;
-  const int32_t* x = lens->data_ptr<int32_t>();
-  for (int64_t b = 0; b < lens->numel(); ++b)
-    TORCH_CHECK(x[b] >= 0 && x[b] <= n, op, ": ", name, "[", b, "] = ", x[b], " is not in [0, ", n, "]");
 }
 
 at::ScalarType compute_type(at::ScalarType dt) { return dt == at::kDouble ? at::kDouble : at::kFloat; }
@@ -899,84 +505,12 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
   return {out.to(dt), tout.to(dt), lse_in_compute_type ? lse : lse.to(at::kFloat)};
 }
 
-}  // namespace
-
-// The checks are exported (also used by attention_cuda.cpp) through these functions.
-void check_fwd_args(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) { check_qkv(q, k, v, op); }
-
-// q_lens / kv_lens: None or int32 contiguous [B] on q's device (values are checked by the kernels'
-// hosts: reading them here would synchronize a GPU).
-void check_mask_args(const Tensor& q, const std::optional<Tensor>& q_lens, const std::optional<Tensor>& kv_lens,
-                     int64_t window_left, int64_t window_right, const char* op) {
-  TORCH_CHECK(window_left >= -1 && window_right >= -1, op, ": window_left and window_right must be >= -1, got ",
-              window_left, " and ", window_right);
-  for (const auto& [name, lens] : {std::pair<const char*, const std::optional<Tensor>&>{"q_lens", q_lens},
-                                   {"kv_lens", kv_lens}}) {
-    if (!lens) continue;
-    TORCH_CHECK(lens->scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", lens->scalar_type());
-    TORCH_CHECK(lens->dim() == 1 && lens->size(0) == q.size(0), op, ": ", name, " must have shape [B] = [",
-                q.size(0), "], got ", lens->sizes());
-    TORCH_CHECK(lens->device() == q.device(), op, ": ", name, " must be on ", q.device(), ", got ", lens->device());
-    TORCH_CHECK(lens->is_contiguous(), op, ": ", name, " must be contiguous");
-  }
-}
-
-void check_jvp_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& tq, const Tensor& tk,
-                    const Tensor& tv, const char* op) {
-  check_qkv(q, k, v, op);
-  TORCH_CHECK(tq.dim() == 5, op, ": tq must be 5-D [P, B, H, Nq, d], got ", tq.dim(), "-D");
-  const int64_t P = tq.size(0);
-  check_tangent(tq, q, "tq", P, op);
-  check_tangent(tk, k, "tk", P, op);
-  check_tangent(tv, v, "tv", P, op);
-}
-
-void check_bwd_args(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                    const Tensor& lse, const char* op) {
-  check_qkv(q, k, v, op);
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), op,
-              ": dout and out must have the dtype of q (", q.scalar_type(), "), got ", dout.scalar_type(),
-              " and ", out.scalar_type());
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), op, ": dout and out must have the shape of q ",
-              q.sizes(), ", got ", dout.sizes(), " and ", out.sizes());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
-  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), op, ": lse must have shape [B, H, Nq] = ",
-              q.sizes().slice(0, 3), ", got ", lse.sizes());
-  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), op,
-              ": dout, out, lse must be on ", q.device());
-  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), op,
-              ": dout, out, lse must be contiguous (call .contiguous())");
-}
-
-void check_jvp_bwd_args(const Tensor& gout, const Tensor& gtout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& tq, const Tensor& tk, const Tensor& tv, const Tensor& out, const Tensor& tout,
-                        const Tensor& lse, const char* op) {
-  check_jvp_args(q, k, v, tq, tk, tv, op);
-  const int64_t P = tq.size(0);
-  for (const auto& [name, t, like] : {std::tuple<const char*, const Tensor&, const Tensor&>{"gout", gout, q},
-                                      {"out", out, q}, {"gtout", gtout, tq}, {"tout", tout, tq}}) {
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have the dtype of q (", q.scalar_type(),
-                "), got ", t.scalar_type());
-    TORCH_CHECK(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ", t.sizes());
-    TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on ", q.device(), ", got ", t.device());
-    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
-  }
-  TORCH_CHECK(P >= 1, op, ": the probe count must be >= 1");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat || lse.scalar_type() == at::kDouble, op,
-              ": lse must be float32 or float64, got ", lse.scalar_type());
-  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), op, ": lse must have shape [B, H, Nq] = ",
-              q.sizes().slice(0, 3), ", got ", lse.sizes());
-  TORCH_CHECK(lse.device() == q.device() && lse.is_contiguous(), op, ": lse must be contiguous on ", q.device());
-}
-
-namespace {
-
 // Checks of the mask arguments, values included (the CPU kernels read the lens on the host).
 MaskArgs checked_mask(const Tensor& q, const Tensor& k, bool causal, int64_t window_left, int64_t window_right,
                       const std::optional<Tensor>& q_lens, const std::optional<Tensor>& kv_lens, const char* op) {
-  check_mask_args(q, q_lens, kv_lens, window_left, window_right, op);
-  check_lens_values(q_lens, q.size(2), "q_lens", op);
-  check_lens_values(kv_lens, k.size(2), "kv_lens", op);
+  attention_checks::check_mask_args(q, q_lens, kv_lens, window_left, window_right, op);
+  attention_checks::check_lens_values(q_lens, q.size(2), "q_lens", op);
+  attention_checks::check_lens_values(kv_lens, k.size(2), "kv_lens", op);
   return mask_args(causal, window_left, window_right, q_lens, kv_lens);
 }
 
@@ -984,7 +518,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k, c
                                              double scale, int64_t window_left, int64_t window_right,
                                              const std::optional<Tensor>& q_lens,
                                              const std::optional<Tensor>& kv_lens) {
-  check_fwd_args(q, k, v, "attention_fwd");
+  attention_checks::check_fwd_args(q, k, v, "attention_fwd");
   const MaskArgs M = checked_mask(q, k, causal, window_left, window_right, q_lens, kv_lens, "attention_fwd");
   auto r = fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale);
   return {std::get<0>(r), std::get<2>(r)};
@@ -995,7 +529,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_jvp_cpu(const Tensor& q, const Tens
                                                      bool causal, double scale, int64_t window_left,
                                                      int64_t window_right, const std::optional<Tensor>& q_lens,
                                                      const std::optional<Tensor>& kv_lens) {
-  check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
+  attention_checks::check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
   const MaskArgs M = checked_mask(q, k, causal, window_left, window_right, q_lens, kv_lens, "attention_jvp");
   return fwd_jvp_cpu(q, k, v, &tq, &tk, &tv, tq.size(0), M, scale);
 }
@@ -1005,7 +539,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const 
                                                      bool causal, double scale, int64_t window_left,
                                                      int64_t window_right, const std::optional<Tensor>& q_lens,
                                                      const std::optional<Tensor>& kv_lens) {
-  check_bwd_args(dout_, q_, k_, v_, out_, lse_, "attention_bwd");
+  attention_checks::check_bwd_args(dout_, q_, k_, v_, out_, lse_, "attention_bwd");
   const MaskArgs M = checked_mask(q_, k_, causal, window_left, window_right, q_lens, kv_lens, "attention_bwd");
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const Dims D = dims_of(q_, k_, M, 0);
@@ -1037,7 +571,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
     const Tensor& tq_, const Tensor& tk_, const Tensor& tv_, const Tensor& out_, const Tensor& tout_,
     const Tensor& lse_, bool causal, double scale, int64_t window_left, int64_t window_right,
     const std::optional<Tensor>& q_lens, const std::optional<Tensor>& kv_lens) {
-  check_jvp_bwd_args(gout_, gtout_, q_, k_, v_, tq_, tk_, tv_, out_, tout_, lse_, "attention_jvp_bwd");
+  attention_checks::check_jvp_bwd_args(gout_, gtout_, q_, k_, v_, tq_, tk_, tv_, out_, tout_, lse_, "attention_jvp_bwd");
   const MaskArgs M = checked_mask(q_, k_, causal, window_left, window_right, q_lens, kv_lens, "attention_jvp_bwd");
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const int64_t P = tq_.size(0);
@@ -1095,72 +629,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   return {dq.to(dt), dk.to(dt), dv.to(dt), dtq.to(dt), dtk.to(dt), dtv.to(dt)};
 }
 
-// Shapes only, for torch.compile / FakeTensor tracing.
-using OptT = std::optional<Tensor>;
-
-std::tuple<Tensor, Tensor> attention_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool, double,
-                                              int64_t wl, int64_t wr, const OptT& ql, const OptT& kl) {
-  check_fwd_args(q, k, v, "attention_fwd");
-  check_mask_args(q, ql, kl, wl, wr, "attention_fwd");
-  return {at::empty_like(q), at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
-}
-
-std::tuple<Tensor, Tensor, Tensor> attention_jvp_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                      const Tensor& tq, const Tensor& tk, const Tensor& tv, bool,
-                                                      double, int64_t wl, int64_t wr, const OptT& ql,
-                                                      const OptT& kl) {
-  check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
-  check_mask_args(q, ql, kl, wl, wr, "attention_jvp");
-  return {at::empty_like(q), at::empty_like(tq),
-          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
-}
-
-std::tuple<Tensor, Tensor, Tensor> attention_bwd_meta(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                      const Tensor& v, const Tensor& out, const Tensor& lse, bool,
-                                                      double, int64_t wl, int64_t wr, const OptT& ql,
-                                                      const OptT& kl) {
-  check_bwd_args(dout, q, k, v, out, lse, "attention_bwd");
-  check_mask_args(q, ql, kl, wl, wr, "attention_bwd");
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_meta(
-    const Tensor& gout, const Tensor& gtout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& tq,
-    const Tensor& tk, const Tensor& tv, const Tensor& out, const Tensor& tout, const Tensor& lse, bool, double,
-    int64_t wl, int64_t wr, const OptT& ql, const OptT& kl) {
-  check_jvp_bwd_args(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, "attention_jvp_bwd");
-  check_mask_args(q, ql, kl, wl, wr, "attention_jvp_bwd");
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v),
-          at::empty_like(tq), at::empty_like(tk), at::empty_like(tv)};
-}
-
 }  // namespace
 }  // namespace attention_cpu
 }  // namespace condinit
-
-TORCH_LIBRARY_FRAGMENT(condinit_C, m) {
-  // The mask arguments (docs/design.md, "Attention") follow causal, scale in every op.
-  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window_left, "
-        "int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor)");
-  m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-        "float scale, int window_left, int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor, Tensor)");
-  m.def("attention_jvp(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, bool causal, "
-        "float scale, int window_left, int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor, Tensor)");
-  m.def("attention_jvp_bwd(Tensor gout, Tensor gtout, Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, "
-        "Tensor tv, Tensor out, Tensor tout, Tensor lse, bool causal, float scale, int window_left, "
-        "int window_right, Tensor? q_lens, Tensor? kv_lens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-}
 
 TORCH_LIBRARY_IMPL(condinit_C, CPU, m) {
   m.impl("attention_fwd", &condinit::attention_cpu::attention_fwd_cpu);
   m.impl("attention_bwd", &condinit::attention_cpu::attention_bwd_cpu);
   m.impl("attention_jvp", &condinit::attention_cpu::attention_jvp_cpu);
   m.impl("attention_jvp_bwd", &condinit::attention_cpu::attention_jvp_bwd_cpu);
-}
-
-TORCH_LIBRARY_IMPL(condinit_C, Meta, m) {
-  m.impl("attention_fwd", &condinit::attention_cpu::attention_fwd_meta);
-  m.impl("attention_bwd", &condinit::attention_cpu::attention_bwd_meta);
-  m.impl("attention_jvp", &condinit::attention_cpu::attention_jvp_meta);
-  m.impl("attention_jvp_bwd", &condinit::attention_cpu::attention_jvp_bwd_meta);
 }

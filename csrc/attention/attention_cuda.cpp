@@ -1,7 +1,6 @@
-// CUDA registration of condinit_C::attention_{fwd,bwd,jvp,jvp_bwd} (schema in attention_cpu.cpp):
-// checks the tensors, allocates the outputs with the caching allocator, and calls the launchers of
-// attention_kernels.cu on the current stream (the .cu has another name than this file: both would
-// compile to attention_cuda.o).
+// CUDA registration of condinit_C::attention_{fwd,bwd,jvp,jvp_bwd} (schema: attention.cpp): checks
+// the tensors, allocates the outputs with the caching allocator, and calls the launchers of
+// attention_cuda.h on the current stream.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: it needs cusparse.h, absent from slim toolkits
@@ -9,24 +8,10 @@
 
 #include <optional>
 
-#include "attention_cuda.h"
+#include "attention/attention_checks.h"
+#include "attention/attention_cuda.h"
 
 namespace condinit {
-namespace attention_cpu {
-// Shared argument checks (attention_cpu.cpp).
-void check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* op);
-void check_jvp_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tq,
-                    const at::Tensor& tk, const at::Tensor& tv, const char* op);
-void check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& out, const at::Tensor& lse, const char* op);
-void check_jvp_bwd_args(const at::Tensor& gout, const at::Tensor& gtout, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& tq, const at::Tensor& tk, const at::Tensor& tv,
-                        const at::Tensor& out, const at::Tensor& tout, const at::Tensor& lse, const char* op);
-void check_mask_args(const at::Tensor& q, const std::optional<at::Tensor>& q_lens,
-                     const std::optional<at::Tensor>& kv_lens, int64_t window_left, int64_t window_right,
-                     const char* op);
-}  // namespace attention_cpu
-
 namespace attention_cuda {
 namespace {
 
@@ -78,8 +63,8 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q_, const Tensor& k_
                                               double scale, int64_t window_left, int64_t window_right,
                                               const OptTensor& q_lens, const OptTensor& kv_lens) {
   const char* op = "attention_fwd";
-  attention_cpu::check_fwd_args(q_, k_, v_, op);
-  attention_cpu::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
+  attention_checks::check_fwd_args(q_, k_, v_, op);
+  attention_checks::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
   check_cuda(q_, op);
   c10::cuda::CUDAGuard guard(q_.device());
   Tensor q = aligned(q_), k = aligned(k_), v = aligned(v_);
@@ -99,8 +84,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_jvp_cuda(const Tensor& q_, const Te
                                                       int64_t window_right, const OptTensor& q_lens,
                                                       const OptTensor& kv_lens) {
   const char* op = "attention_jvp";
-  attention_cpu::check_jvp_args(q_, k_, v_, tq_, tk_, tv_, op);
-  attention_cpu::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
+  attention_checks::check_jvp_args(q_, k_, v_, tq_, tk_, tv_, op);
+  attention_checks::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
   check_cuda(q_, op);
   c10::cuda::CUDAGuard guard(q_.device());
   Tensor q = aligned(q_), k = aligned(k_), v = aligned(v_);
@@ -131,8 +116,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(const Tensor& dout_, const
                                                       int64_t window_right, const OptTensor& q_lens,
                                                       const OptTensor& kv_lens) {
   const char* op = "attention_bwd";
-  attention_cpu::check_bwd_args(dout_, q_, k_, v_, out_, lse_, op);
-  attention_cpu::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
+  attention_checks::check_bwd_args(dout_, q_, k_, v_, out_, lse_, op);
+  attention_checks::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
   check_cuda(q_, op);
   c10::cuda::CUDAGuard guard(q_.device());
   Tensor dout = aligned(dout_), q = aligned(q_), k = aligned(k_), v = aligned(v_);
@@ -157,8 +142,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cud
     const Tensor& lse_, bool causal, double scale, int64_t window_left, int64_t window_right,
     const OptTensor& q_lens, const OptTensor& kv_lens) {
   const char* op = "attention_jvp_bwd";
-  attention_cpu::check_jvp_bwd_args(gout_, gtout_, q_, k_, v_, tq_, tk_, tv_, out_, tout_, lse_, op);
-  attention_cpu::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
+  attention_checks::check_jvp_bwd_args(gout_, gtout_, q_, k_, v_, tq_, tk_, tv_, out_, tout_, lse_, op);
+  attention_checks::check_mask_args(q_, q_lens, kv_lens, window_left, window_right, op);
   check_cuda(q_, op);
   TORCH_CHECK(lse_.scalar_type() == at::kFloat, op, ": lse must be float32 for the CUDA kernels, got ",
               lse_.scalar_type());

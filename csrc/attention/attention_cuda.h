@@ -1,6 +1,12 @@
-// Launchers of the CUDA attention kernels (attention_kernels.cu). Light header: raw pointers only, no
-// torch, so the .cu compiles without ATen (and as host C++ in the emulator, csrc/attention/emu).
-// attention_cuda.cpp checks the tensors and calls these.
+// Launchers of the CUDA attention kernels: raw pointers only, no torch, so the .cu files compile
+// without ATen (and as host C++ in the emulator, csrc/attention/emu). attention_cuda.cpp checks the
+// tensors and calls these.
+//
+// Sources (FlashAttention-2 style): cuda/primitives.cuh (dtype helpers, PTX wrappers), cuda/tiles.cuh
+// (warp tile products, tile loads, shared-memory layouts), cuda/mask.cuh (geometry and masks),
+// cuda/{fwd,bwd,jvp_bwd}_kernel.cuh (the kernels), cuda/launch.cuh (host launch helpers), and the
+// translation units attention_fwd.cu, attention_bwd.cu, attention_jvp_bwd.cu (launchers) and
+// launch_plan.cu (launch_plan; the kernels are named by KernelKind, kernel_kind.h).
 //
 // Layouts (all contiguous, element offsets in int64): q, out [B, H, Nq, d]; k, v [B, Hkv, Nk, d];
 // tq, tout [P, B, H, Nq, d]; tk, tv [P, B, Hkv, Nk, d]; lse, Dvec [B, H, Nq] float32; q_lens, kv_lens
@@ -8,17 +14,16 @@
 // kernels). Tensor pointers must be 16-byte aligned when d * sizeof(element) is a multiple of 16
 // (the kernels then read 16-byte vectors; otherwise element by element).
 //
-// Masks (docs/design.md, "Attention"): for batch b, Lq = q_lens[b] (else Nq), Lk = kv_lens[b] (else
-// Nk), off = Lk - Lq. Query row i is valid iff i < Lq; key j is allowed for it iff j < Lk and
-// (!causal || j <= i + off) and (window_left < 0 || j >= i + off - window_left) and
-// (window_right < 0 || j <= i + off + window_right). A row with no allowed key gets out 0, tangents
-// 0, lse -inf and contributes nothing to any gradient.
+// Masks: causal, window_left / window_right and the lens of Shape, as docs/design.md ("Attention",
+// "Masks") states them.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+
+#include "attention/kernel_kind.h"
 
 namespace condinit {
 namespace attention_cuda {
@@ -39,17 +44,16 @@ constexpr int64_t kMaxHeadDim = 256;
 // 1 <= d <= kMaxHeadDim.
 bool head_dim_supported(int64_t d);
 
-// What a launcher runs for one kernel (kind: 0 fwd, 1 jvp, 2 bwd dq, 3 bwd dk/dv, 4 tangent-backward
-// r, 5 tangent-backward query side, 6 tangent-backward key side) at a per-block
-// shared-memory limit: warps per block (0: nothing fits), dynamic shared memory, the padded head
-// dim, output columns per block and the tile along the looped sequence. Exposed for the offline
-// resource checks (tests/test_gpu_resources.py) and the static model in BENCHMARKS.md.
+// What a launcher runs for one kernel at a per-block shared-memory limit: warps per block (0:
+// nothing fits), dynamic shared memory, the padded head dim, output columns per block and the tile
+// along the looped sequence. Exposed for the offline resource checks (tests/test_gpu_resources.py)
+// and the static model in BENCHMARKS.md.
 struct LaunchPlan {
   int warps;
   size_t smem_bytes;
   int dpad, cols_per_block, loop_tile;
 };
-LaunchPlan launch_plan(int kind, DType dtype, int64_t d, size_t smem_limit);
+LaunchPlan launch_plan(KernelKind kind, DType dtype, int64_t d, size_t smem_limit);
 
 // out = softmax(s q k^T + mask) v, lse = log rowsum exp(s q k^T + mask) (fp32 math).
 cudaError_t fwd(DType dtype, const Shape& s, const void* q, const void* k, const void* v, void* out, float* lse,

@@ -31,7 +31,7 @@ the *wide* orientation (``m <= n``); a tall block is handled as its transpose. M
     bound ``min(||G||_F, ||G||_inf)``). Iterations stop per block once ``max|X X^T - I| <= tol``
     (``tol = 1e-6`` or the fp32 rounding floor of the Gram, whichever is larger); a block that
     does not converge falls back to ``svd``. On CUDA the two GEMMs of a step run as Triton kernels
-    (``condinit.kernels.polar``).
+    (``condinit.kernels.orthogonalize.polar``).
 ``svd``
     ``U V^T`` from ``torch.linalg.svd``: the paper's own construction, the reference.
 ``auto``
@@ -473,7 +473,7 @@ def _torch_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Optio
 def _triton_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Optional[torch.Tensor],
                   gemm: torch.dtype) -> torch.Tensor:
     """One chunk of ``polar`` with the Triton GEMMs (IEEE fp32 whatever the torch settings)."""
-    from condinit.kernels import polar as kpolar
+    from condinit.kernels.orthogonalize import polar as kpolar
     return polar_iterate_(A, out, kpolar.gram, kpolar.step, scratch, gemm)
 
 

@@ -1,6 +1,6 @@
 // C entry points of the emulated launchers (see run_emu.py). Not part of the extension build (.cc).
 // dims = {B, H, Hkv, Nq, Nk, d, causal, window_left, window_right}; q_lens / kv_lens int32 [B] or null.
-#include "attention_cuda.h"
+#include "attention/attention_cuda.h"
 using namespace condinit::attention_cuda;
 
 static Shape shape_of(const int64_t* dims, float scale, const int* q_lens, const int* kv_lens) {
@@ -39,9 +39,9 @@ int emu_jvp_bwd(int dt, const int64_t* dims, float scale, const int* q_lens, con
                    ptrs[12], ptrs[13], ptrs[14], ptrs[15], ptrs[16], ptrs[17]};
   return jvp_bwd((DType)dt, shape_of(dims, scale, q_lens, kv_lens), P, a, nullptr);
 }
-// out = {warps, smem_bytes, dpad, cols_per_block, loop_tile}
+// kind: a KernelKind (kernel_kind.h); out = {warps, smem_bytes, dpad, cols_per_block, loop_tile}
 void emu_plan(int kind, int dt, int64_t d, int64_t smem_limit, int64_t* out) {
-  const LaunchPlan p = launch_plan(kind, (DType)dt, d, (size_t)smem_limit);
+  const LaunchPlan p = launch_plan((KernelKind)kind, (DType)dt, d, (size_t)smem_limit);
   out[0] = p.warps;
   out[1] = (int64_t)p.smem_bytes;
   out[2] = p.dpad;

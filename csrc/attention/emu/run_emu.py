@@ -1,11 +1,13 @@
-"""Build the CPU emulation of attention_kernels.cu and compare it with the float64 reference (see README.md).
+"""Build the CPU emulation of the CUDA attention kernels (csrc/attention/*.cu) and compare it with the float64 reference (see README.md).
 
     python csrc/attention/emu/run_emu.py [--smem 232448] [--case B,H,Hkv,Nq,Nk,d,causal,P ...] [--no-arch]
 """
 import argparse
 import ctypes
+import glob
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -15,11 +17,23 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # attention_cuda.h's DType
-KIND = {"fwd": 0, "jvp": 1, "dq": 2, "dkdv": 3, "jvp_bwd_r": 4, "jvp_bwd_q": 5, "jvp_bwd_kv": 6}  # launch_plan's
+SOURCES = sorted(glob.glob(os.path.join(HERE, "..", "*.cu")))
+
+
+def kernel_kinds():
+    """launch_plan's kernel kinds, read from kernel_kind.h: ``{"fwd": 0, ..., "jvp_bwd_kv": 6}``
+    (``KernelKind::kJvpBwdKv`` -> ``"jvp_bwd_kv"``)."""
+    with open(os.path.join(HERE, "..", "kernel_kind.h")) as f:
+        body = re.search(r"enum class KernelKind[^{]*\{(.*?)\};", f.read(), re.S).group(1)
+    return {re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower(): int(value)
+            for name, value in re.findall(r"\bk(\w+)\s*=\s*(\d+)", body)}
+
+
+KIND = kernel_kinds()
 
 
 def build(outdir, arch=800):
-    """Compile attention_kernels.cu unchanged as host C++ against mock/ (with ``CONDINIT_ATTN_EMU``:
+    """Compile the kernels' .cu files unchanged as host C++ against mock/ (with ``CONDINIT_ATTN_EMU``:
     the launch and the dynamic shared memory go through the mock, mma.sync through mock/mma.h).
     ``arch`` sets ``__CUDA_ARCH__`` as nvcc's device pass does (800: the mma.sync path of fp16 /
     bf16 runs; None: no arch macro, where the 16-bit products trap)."""
@@ -27,9 +41,8 @@ def build(outdir, arch=800):
     flags = ["-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-DCONDINIT_ATTN_EMU"]
     if arch is not None:
         flags.append(f"-D__CUDA_ARCH__={arch}")
-    subprocess.check_call(["g++", *flags, "-I" + os.path.join(HERE, "mock"), "-I" + os.path.join(HERE, ".."),
-                           "-x", "c++", os.path.join(HERE, "..", "attention_kernels.cu"),
-                           os.path.join(HERE, "emu_wrap.cc"), "-o", lib])
+    subprocess.check_call(["g++", *flags, "-I" + os.path.join(HERE, "mock"), "-I" + os.path.join(ROOT, "csrc"),
+                           "-x", "c++", *SOURCES, os.path.join(HERE, "emu_wrap.cc"), "-o", lib])
     return Emulator(ctypes.CDLL(lib))
 
 

@@ -1,0 +1,2 @@
+"""Triton kernels of the orthogonalize op: the two GEMMs of a polar iteration step
+(:mod:`.polar`)."""
