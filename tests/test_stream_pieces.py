@@ -235,10 +235,12 @@ def test_build_recorder_follows_constructors():
     model, got = build_on_meta(_Constructed, seed=11)
     assert all(p.is_meta for p in model.parameters())
     assert set(got) == {"literal", "computed", "ones", "drawn", "big_zeros", "big_normal"}, sorted(got)
-    assert isinstance(got["literal"], ConstructorValue) and torch.equal(got["literal"].tensor, torch.tensor([2.5, -1.0]))
+    assert isinstance(got["literal"], ConstructorValue)
+    assert torch.equal(got["literal"].tensor, torch.tensor([2.5, -1.0]))
     assert torch.equal(got["computed"].tensor, torch.log(torch.exp(torch.tensor([0.8, 0.3])) - 1))
     big = SMALL_NUMEL + 1
-    assert got["ones"] == ConstructorWrites([Fill(0, 8, 1.0)]) and got["big_zeros"] == ConstructorWrites([Fill(0, big, 0)])
+    assert got["ones"] == ConstructorWrites([Fill(0, 8, 1.0)])
+    assert got["big_zeros"] == ConstructorWrites([Fill(0, big, 0)])
     assert got["big_normal"] == ConstructorWrites([Normal(0, big, 0.0, 0.5), Fill(0, 3, 7.0)])
     # the small draw: torch's CPU generator, seeded for the build
     with torch.random.fork_rng(devices=[]):
