@@ -1,5 +1,5 @@
-"""The CUDA attention kernels (csrc/attention/attention_kernels.cu) on the CPU, through the
-emulator of csrc/attention/emu (see its README.md): the .cu file compiled unchanged as host C++
+"""The CUDA attention kernels (csrc/attention/*.cu) on the CPU, through the
+emulator of csrc/attention/emu (see its README.md): the .cu files compiled unchanged as host C++
 against mock CUDA headers, with ``__CUDA_ARCH__ = 800`` as in nvcc's device pass, so fp16 / bf16
 run the mma.sync code the GPU runs (the emulated mma.sync uses the PTX fragment layouts); one
 thread per CUDA thread, shared memory filled with a NaN pattern.

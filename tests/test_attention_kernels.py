@@ -134,7 +134,7 @@ def test_triton_unequal_tiles_on_the_causal_diagonal(triton_kernels, block_m, bl
                                                      monkeypatch):
     """BLOCK_M != BLOCK_N (as on a GPU): the causal key range, the unmasked / masked split of the
     forward and dQ loops and the query range of the dK/dV loop, with Nq > Nk and Nq < Nk."""
-    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    monkeypatch.setattr(triton_kernels.configs, "INTERPRET_CONFIG", dict(BLOCK_M=block_m, BLOCK_N=block_n))
     for n_q, n_k in ((40, 17), (17, 71)):
         q, k, v = make_qkv(1, 2, 1, n_q, n_k, 16, FP32, rng)
         tangents = make_tangents(q, k, v, 2, rng)
@@ -181,12 +181,12 @@ def test_triton_gpu_launch_configs(triton_kernels):
         for d in KERNEL_HEAD_DIMS:
             block_d = max(16, 1 << (d - 1).bit_length())         # the padded head dim
             for kind in ("fwd", "jvp", "dkdv", "dq", "jvp_bwd_rows", "jvp_bwd_dq", "jvp_bwd_dkdv"):
-                cfgs = triton_kernels._configs(kind, elem_bytes, block_d)
+                cfgs = triton_kernels.configs.configs(kind, elem_bytes, block_d)
                 assert cfgs and all(c.kwargs["BLOCK_M"] >= 16 and c.kwargs["BLOCK_N"] >= 16 for c in cfgs)
-            assert triton_kernels._probes_per_program(elem_bytes, block_d, False, 4) == 1
-            assert triton_kernels._probes_per_program(elem_bytes, block_d, True, 1) == 1
-            pair = triton_kernels._probes_per_program(elem_bytes, block_d, True, 4)
-            assert pair in (1, 2) and triton_kernels._configs("jvp", elem_bytes, block_d, pair)
+            assert triton_kernels.configs.probes_per_program(elem_bytes, block_d, False, 4) == 1
+            assert triton_kernels.configs.probes_per_program(elem_bytes, block_d, True, 1) == 1
+            pair = triton_kernels.configs.probes_per_program(elem_bytes, block_d, True, 4)
+            assert pair in (1, 2) and triton_kernels.configs.configs("jvp", elem_bytes, block_d, pair)
 
 
 @pytest.mark.triton
@@ -304,7 +304,7 @@ def test_triton_masked_kernels_against_float64(triton_kernels, name, rng, nan_po
     naive masked attention; rows with no allowed key give exact zeros and lse = -inf, padded keys
     exact zero gradients; the JVP's out and lse are the forward's bits."""
     B, H, Hkv, n_q, n_k, d, P, causal, wl, wr, q_lens, kv_lens, tiles = MASK_CASES[name]
-    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG", dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
+    monkeypatch.setattr(triton_kernels.configs, "INTERPRET_CONFIG", dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
     scale = 1.5 / d ** 0.5
     q, k, v = make_qkv(B, H, Hkv, n_q, n_k, d, FP32, rng)
     tq, tk, tv = make_tangents(q, k, v, P, rng)
@@ -450,14 +450,14 @@ def test_triton_half_precision_masked(triton_kernels, dtype, rng, nan_poison):
 
 @pytest.mark.triton
 def test_triton_window_skips_key_tiles(triton_kernels):
-    """The tile ranges the kernels loop over (``_tile_range``, run in a probe kernel): a sliding
+    """The tile ranges the kernels loop over (``tiles.tile_range``, run in a probe kernel): a sliding
     window visits O(W / BLOCK_N + 1) key tiles per query tile, not all of them; the tiles visited
     cover every allowed pair once, and the unmasked ones hold allowed pairs only."""
     import numpy as np
     import triton
     import triton.language as tl
     global _tile_range  # the interpreter runs the probe's source against this module's globals
-    _tile_range = triton_kernels._tile_range
+    _tile_range = triton_kernels.tiles.tile_range
 
     @triton.jit
     def probe(Out, n_own, len_own, len_other, lo_off, hi_off, BLOCK_OWN: tl.constexpr,
@@ -470,7 +470,7 @@ def test_triton_window_skips_key_tiles(triton_kernels):
     n_q = n_k = 256
     for causal, wl, wr, bm, bn in ((True, 15, -1, 16, 16), (False, 8, 40, 32, 16), (True, -1, -1, 16, 32),
                                    (False, -1, -1, 32, 16)):
-        _, _, left, right, _ = triton_kernels._mask_args(torch.empty(1, 1, n_q, 1), torch.empty(1, 1, n_k, 1),
+        _, _, left, right, _ = triton_kernels.host.mask_args(torch.empty(1, 1, n_q, 1), torch.empty(1, 1, n_k, 1),
                                                          causal, wl, wr, None, None)
         allowed = allowed_pairs(1, n_q, n_k, causal, wl, wr, None, None)[0, 0].numpy()
         # query tiles over keys (lo_off = off - left, hi_off = off + right, off = 0), and key tiles

@@ -1,14 +1,14 @@
 """Static resource model of the GPU attention kernels, checked without a GPU.
 
-**Triton** (kernels/attention.py). Each launch configuration is compiled offline for sm_80
+**Triton** (kernels/attention/). Each launch configuration is compiled offline for sm_80
 (A100) and sm_90 (H100 / H200) with ``triton.compile``, from the argument list the host code
 really builds: the host function runs on CPU tensors with a recording ``_launch``, and triton's
 own binder specializes those arguments (dtypes, 16-divisibility) as the JIT does on a GPU. The
 compiled kernel must fit its target: shared memory (dynamic + static) within the per-block
 opt-in limit, registers x threads within the register file, and a stack frame (spilled
-registers, bytes per thread) within ``_spill_limit`` of kernels/attention.py. Compiles run in
+registers, bytes per thread) within ``spill_limit`` of kernels/attention/configs.py. Compiles run in
 subprocesses without ``TRITON_INTERPRET`` and with an empty triton cache; their records are
-cached by a hash of kernels/attention.py, this file, the triton version and the job
+cached by a hash of kernels/attention/*.py, this file, the triton version and the job
 (``RESULT_CACHE``; ``CONDINIT_RESOURCE_CACHE=0`` turns it off), so a rerun without an edit of
 either file compiles nothing. A deliberately oversized config must be rejected by the same check.
 
@@ -22,7 +22,7 @@ the backward through the tangent output), bf16 and fp32, and for two lists with 
 every supported head dim, causal and not, on both targets (about 1000 compiles: 1-3 hours on 2
 cores; ``CONDINIT_RESOURCE_CHECK_JOBS`` sets the number of compiling processes, default 2).
 
-**CUDA** (csrc/attention/attention_kernels.cu). ``nvcc --resource-usage`` for sm_80 and sm_90
+**CUDA** (csrc/attention/*.cu). ``nvcc --resource-usage`` for sm_80 and sm_90
 gives registers, spills and static shared memory per kernel; a small host program built from the
 same source prints what the launchers pick (``launch_plan``: warps per block, dynamic shared
 memory) for every kernel, head dim and dtype at each target's opt-in limit. The launch must fit,
@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CU_SOURCE = ROOT / "csrc" / "attention" / "attention_kernels.cu"
+CU_SOURCES = sorted((ROOT / "csrc" / "attention").glob("*.cu"))
 
 # Per target: shared memory one block may opt in to, shared memory of the SM, register file.
 TARGETS = {
@@ -79,14 +79,14 @@ def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes, masked=
     ``[(kind, positional args, compile-time meta), ...]`` (``"pre"``: the backward's rowsum).
     ``masked``: with a sliding window and per-sequence lengths (the HAS_LENS kernels)."""
     calls = []
-    saved = attn._launch, attn._attn_bwd_preprocess_kernel
+    saved = attn.configs.launch, attn.bwd.attn_bwd_preprocess_kernel
 
     class _Recorder:
         def __getitem__(self, grid):
             return lambda *args, **meta: calls.append(("pre", args, meta))
 
-    attn._launch = lambda name, grid_fn, args, meta: calls.append((name, args, meta))
-    attn._attn_bwd_preprocess_kernel = _Recorder()
+    attn.configs.launch = lambda name, grid_fn, args, meta: calls.append((name, args, meta))
+    attn.bwd.attn_bwd_preprocess_kernel = _Recorder()
     try:
         t = getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[dtype])
         B, H, Hkv, N = 2, 4, 2, 1024  # GQA, N a multiple of 16 as in real models
@@ -107,7 +107,7 @@ def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes, masked=
         else:
             attn.attention_bwd(q, q, k, k, q, lse, causal, 0.125, *mask)
     finally:
-        attn._launch, attn._attn_bwd_preprocess_kernel = saved
+        attn.configs.launch, attn.bwd.attn_bwd_preprocess_kernel = saved
     return calls
 
 
@@ -139,11 +139,11 @@ def _compile_one(attn, job: dict) -> dict:
                                           job["head_dim"], job["causal"], job["n_probes"],
                                           job.get("masked", False)) if c[0] == kind]
     (_, args, meta), = launches
-    fn = attn._attn_bwd_preprocess_kernel if kind == "pre" else attn._KERNELS[kind]
+    fn = attn.bwd.attn_bwd_preprocess_kernel if kind == "pre" else attn.configs.KERNELS[kind]
     kwargs = dict(meta)
     rec = dict(job)
     if kind != "pre":
-        cfgs = attn._configs(kind, DTYPES[job["dtype"]], meta["BLOCK_D"], meta.get("PROBES_PER_PROGRAM", 1))
+        cfgs = attn.configs.configs(kind, DTYPES[job["dtype"]], meta["BLOCK_D"], meta.get("PROBES_PER_PROGRAM", 1))
         c = job["config"]
         if isinstance(c, int):
             cfg = dict(cfgs[c].kwargs, num_warps=cfgs[c].num_warps, num_stages=cfgs[c].num_stages)
@@ -199,7 +199,7 @@ def _cache_key(job: dict) -> str:
     import hashlib
     import triton
     h = hashlib.sha256()
-    for path in (ROOT / "kernels" / "attention.py", Path(__file__)):
+    for path in (*sorted((ROOT / "kernels" / "attention").glob("*.py")), Path(__file__)):
         h.update(path.read_bytes())
     h.update(triton.__version__.encode())
     h.update(json.dumps(job, sort_keys=True).encode())
@@ -264,7 +264,7 @@ def spill_bytes(rec: dict) -> int:
 
 def spill_limit(rec: dict) -> int:
     from condinit.kernels import attention as attn
-    return attn._spill_limit(rec["kind"], DTYPES[rec["dtype"]], rec["block_d"])
+    return attn.configs.spill_limit(rec["kind"], DTYPES[rec["dtype"]], rec["block_d"])
 
 
 def problems(rec: dict, spill_limit: int) -> list:
@@ -313,15 +313,15 @@ def _kernel_cases(head_dims, dtypes):
 
 
 def _probes_per_program(kind, dtype, head_dim, n_probes):
-    """What the host launches (kernels/attention.py decides)."""
+    """What the host launches (kernels/attention/ decides)."""
     from condinit.kernels import attention as attn
-    block_d = attn._common_meta(head_dim)["BLOCK_D"]
-    return block_d, attn._probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
+    block_d = attn.configs.common_meta(head_dim)["BLOCK_D"]
+    return block_d, attn.configs.probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
 
 
 def _list_length(kind, dtype, head_dim, n_probes):
     from condinit.kernels import attention as attn
-    return len(attn._configs(kind, DTYPES[dtype], *_probes_per_program(kind, dtype, head_dim, n_probes)))
+    return len(attn.configs.configs(kind, DTYPES[dtype], *_probes_per_program(kind, dtype, head_dim, n_probes)))
 
 
 def _runs_one_probe_per_program(kind, dtype, head_dim, n_probes):
@@ -450,21 +450,21 @@ def test_config_lists_cover_every_launch():
     """Every (kernel, dtype size, head-dim bucket) has a list with one probe per program; lists
     hold tl.dot-sized power-of-two tiles; two probes per program only where a list exists."""
     attn = _kernels()
-    for (kind, elem_bytes, bucket, ppp), cfgs in attn._CONFIGS.items():
-        assert kind in attn._KERNELS and elem_bytes in (2, 4) and bucket in (64, 128, 256)
+    for (kind, elem_bytes, bucket, ppp), cfgs in attn.configs.CONFIGS.items():
+        assert kind in attn.configs.KERNELS and elem_bytes in (2, 4) and bucket in (64, 128, 256)
         assert ppp == 1 or (kind == "jvp" and ppp == 2)
         assert cfgs and len(set(cfgs)) == len(cfgs)
         for m, n, w, s in cfgs:
             assert m >= 16 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0
             assert w in (4, 8) and 1 <= s <= 4
-    for kind in attn._KERNELS:
+    for kind in attn.configs.KERNELS:
         for elem_bytes in (2, 4):
             for block_d in (16, 32, 64, 128, 256):
-                assert attn._configs(kind, elem_bytes, block_d, 1)
+                assert attn.configs.configs(kind, elem_bytes, block_d, 1)
                 for n_probes in (1, 2, 5):
-                    ppp = attn._probes_per_program(elem_bytes, block_d, kind == "jvp", n_probes)
+                    ppp = attn.configs.probes_per_program(elem_bytes, block_d, kind == "jvp", n_probes)
                     assert ppp == 1 or (kind == "jvp" and n_probes > 1)
-                    assert attn._configs(kind, elem_bytes, block_d, ppp)
+                    assert attn.configs.configs(kind, elem_bytes, block_d, ppp)
 
 
 @pytest.mark.triton
@@ -485,8 +485,8 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("CONDINIT_ATTN_AUTOTUNE", "0")
-    monkeypatch.setattr(attn, "_KERNELS", {name: _Kernel(name) for name in attn._KERNELS})
-    monkeypatch.setattr(attn, "_attn_bwd_preprocess_kernel", _Kernel("pre"))
+    monkeypatch.setattr(attn.configs, "KERNELS", {name: _Kernel(name) for name in attn.configs.KERNELS})
+    monkeypatch.setattr(attn.bwd, "attn_bwd_preprocess_kernel", _Kernel("pre"))
     t = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     q = torch.empty(1, 2, 64, 80, dtype=t)
     k = torch.empty(1, 1, 64, 80, dtype=t)
@@ -504,8 +504,8 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
     for name, size, kw in launched:
         assert size == q.element_size() and kw["BLOCK_D"] == 128 and kw["HEAD_DIM"] == 80
         ppp = kw.get("PROBES_PER_PROGRAM", 1)
-        assert ppp == attn._probes_per_program(size, 128, name == "jvp", 3)
-        first = attn._configs(name, size, 128, ppp)[0]
+        assert ppp == attn.configs.probes_per_program(size, 128, name == "jvp", 3)
+        first = attn.configs.configs(name, size, 128, ppp)[0]
         got = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
         assert got == (first.kwargs["BLOCK_M"], first.kwargs["BLOCK_N"], first.num_warps, first.num_stages)
 
@@ -513,14 +513,14 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
 @pytest.mark.triton
 def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
     attn = _kernels()
-    for kind in attn._KERNELS:
+    for kind in attn.configs.KERNELS:
         for elem_bytes in (2, 4):
-            tuner = attn._tuned(kind, elem_bytes, 128, 1)
+            tuner = attn.configs.tuned(kind, elem_bytes, 128, 1)
             assert {"tune_q", "tune_k", "BLOCK_D", "CAUSAL", "HAS_LENS"} <= set(tuner.keys)
             if kind in ("fwd", "jvp"):
                 assert {"JVP", "PROBES_PER_PROGRAM"} <= set(tuner.keys)
             assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuner.configs] == [
-                (c.kwargs, c.num_warps, c.num_stages) for c in attn._configs(kind, elem_bytes, 128, 1)]
+                (c.kwargs, c.num_warps, c.num_stages) for c in attn.configs.configs(kind, elem_bytes, 128, 1)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -531,7 +531,8 @@ def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
 NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
 # Head dims the table and the checks cover (the kernels take 1..256, padded to a multiple of 16).
 CUDA_HEAD_DIMS = (16, 32, 64, 72, 80, 96, 128, 192, 256)
-# launch_plan's kinds 0..6, in order (the last three: the tangent backward's r, query side, key side).
+# launch_plan's KernelKinds (csrc/attention/kernel_kind.h), in their order: the kernel each one launches
+# (the last three: the tangent backward's r, query side, key side).
 CUDA_KERNELS = ("fwd", "jvp", "dq", "dkdv", "jvp_r", "jvp_bwd_q", "jvp_bwd_kv")
 
 
@@ -549,17 +550,17 @@ def _two_blocks_designed(kernel, arch, elem_bytes, d):
 # Prints, for the opt-in limit given as argv[1], what launch_plan (the launchers' choice) picks for
 # every kernel, head dim and element size: kind d elem warps smem_bytes dpad cols loop_tile.
 _CUDA_LAUNCH_PROBE = r"""
-#include "attention/attention_kernels.cu"
+#include "attention/attention_cuda.h"
 #include <cstdio>
 #include <cstdlib>
 using namespace condinit::attention_cuda;
 int main(int argc, char** argv) {
   const size_t limit = (size_t)atol(argv[1]);
   const int dims[] = {%(dims)s};
-  for (int kind = 0; kind < 7; ++kind)
+  for (int kind = 0; kind < kNumKernelKinds; ++kind)
     for (int d : dims)
       for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
-        const LaunchPlan p = launch_plan(kind, dt, d, limit);
+        const LaunchPlan p = launch_plan((KernelKind)kind, dt, d, limit);
         printf("%%d %%d %%d %%d %%zu %%d %%d %%d\n", kind, d, dt == DType::kFloat32 ? 4 : 2, p.warps, p.smem_bytes,
                p.dpad, p.cols_per_block, p.loop_tile);
       }
@@ -614,10 +615,11 @@ def cuda_resources(workdir: Path) -> tuple:
     probe.write_text(_CUDA_LAUNCH_PROBE % dict(dims=", ".join(map(str, CUDA_HEAD_DIMS))))
     usage = {}
     # sm_90: the probe program, built with the kernels (one nvcc run gives both); sm_80: the kernels.
-    cmds = {90: [nvcc, *NVCC_FLAGS, "--resource-usage", "-arch=sm_90", f"-I{ROOT / 'csrc'}", str(probe),
+    sources = [str(x) for x in CU_SOURCES]
+    cmds = {90: [nvcc, *NVCC_FLAGS, "--resource-usage", "-arch=sm_90", f"-I{ROOT / 'csrc'}", str(probe), *sources,
                  "-o", str(workdir / "launch_probe")],
-            80: [nvcc, *NVCC_FLAGS, "--resource-usage", "-arch=sm_80", f"-I{ROOT / 'csrc'}", "-c", str(CU_SOURCE),
-                 "-o", str(workdir / "kernels_sm80.o")]}
+            80: [nvcc, *NVCC_FLAGS, "--resource-usage", "-arch=sm_80", f"-I{ROOT / 'csrc'}", "-c", *sources,
+                 "-odir", str(workdir)]}
     procs = {arch: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for arch, cmd in cmds.items()}
     for arch, p in procs.items():
@@ -744,7 +746,7 @@ def print_tables(recs: list, cuda=None) -> None:
         rows = sorted((k, v) for k, v in by_key.items() if k[0] == kind)
         if not rows:
             continue
-        print(f"\n**{title}** (`{'_attn_bwd_preprocess_kernel' if kind == 'pre' else attn._KERNELS[kind].__name__}`)\n")
+        print(f"\n**{title}** (`{'attn_bwd_preprocess_kernel' if kind == 'pre' else attn.configs.KERNELS[kind].__name__}`)\n")
         print("| dtype | d | probes/program | list entry | BLOCK_M x BLOCK_N | warps | stages | "
               "sm_90 smem [KiB] | regs | spills [B] | blocks/SM (limit) | sm_80 smem [KiB] | regs | spills [B] |")
         print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
