@@ -382,7 +382,7 @@ class JacobianOperator:
         g = self._unheads(g)
         return g if norm is None else norm.vjp(g)
 
-    # -- masks ----------------------------------------------------------------------------------
+    # -- masks and the head layout --------------------------------------------------------------
 
     def allowed_keys(self, i0: int, i1: int) -> Optional[Tensor]:
         """``[i1 - i0, N]`` bool: the keys queries ``i0 .. i1 - 1`` attend (causal, window), or None for all."""

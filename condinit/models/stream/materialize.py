@@ -38,7 +38,6 @@ from torch import nn
 
 from condinit.init.functional import run_plan
 
-from ..registry import describe
 from ..apply import AttentionLayer, covered_tensors, plan_blocks
 from .recording import (FOLLOWED_INITS, ConstructorValue, ConstructorWrites, Fill, Normal, Write, WriteRecorder,
                         init_function_table, storage_key)
@@ -46,7 +45,8 @@ from .streams import OWN_INIT_BLOCK, own_normal_, seeded, unit_seed
 from .tuning import tuning
 from .writer import BufferPool
 
-__all__ = ["Conditioning", "LayerUnit", "ModuleUnit", "Unit", "Replay", "Materializer", "compute_threads"]
+__all__ = ["Conditioning", "LayerUnit", "ModuleUnit", "Unit", "Owner", "OwnInit", "Replay", "Materializer",
+           "compute_threads"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,21 @@ class ModuleUnit:
 
 
 Unit = Union[LayerUnit, ModuleUnit]
+
+
+class Owner(NamedTuple):
+    """Where a state-dict tensor lives: the module (qualified name) and its attribute."""
+
+    module: str
+    attr: str
+
+
+class OwnInit(NamedTuple):
+    """A module's direct state-dict tensors after the model's own init (``{attr: tensor}``), and
+    the keys of those it leaves uninitialized."""
+
+    tensors: dict
+    uninitialized: list
 
 
 class Conditioning(NamedTuple):
@@ -196,13 +211,12 @@ class Materializer:
                             (isinstance(v, ConstructorValue) or Replay.from_writes(k, state[k], v.writes) is not None)}
         self.modules = dict(model.named_modules())
         self.state = state
-        # key -> (module name, attribute)
-        self.owner = {}
+        self.owner = {}     # key -> Owner
         for mname, mod in self.modules.items():
             prefix = f"{mname}." if mname else ""
             for attr in list(mod._parameters) + list(mod._buffers):
                 if prefix + attr in state and prefix + attr not in self.owner:
-                    self.owner[prefix + attr] = (mname, attr)
+                    self.owner[prefix + attr] = Owner(mname, attr)
         # each module's init function: _init_weights of the deepest PreTrainedModel at or above it
         self.init_of = {}
         for mname, mod in self.modules.items():
@@ -225,7 +239,7 @@ class Materializer:
                     key = self.tensor_key.get(id(t))
                     if key is None:
                         raise ValueError(f"{l.name}: a Q/K/V tensor of this layer is not in the model's state dict")
-                    layer_of_module[self.owner[key][0]] = pos
+                    layer_of_module[self.owner[key].module] = pos
         self.unit_of = {key: LayerUnit(layer_of_module[m]) if m in layer_of_module else ModuleUnit(m)
                         for key, (m, _) in self.owner.items()}
         self.unit_modules = {}
@@ -383,9 +397,8 @@ class Materializer:
         else:
             Replay.from_writes(key, real, made.writes).write_into(real.view(-1), self.seed)
 
-    def own(self, mname: str) -> tuple[dict, list]:
-        """``({attr: real tensor}, keys left uninitialized)``: ``mname``'s direct state-dict tensors
-        after the model's own init.
+    def own_init(self, mname: str) -> OwnInit:
+        """``mname``'s direct state-dict tensors after the model's own init.
 
         Floating tensors start uninitialized: when every one of them was filled whole by an init
         primitive, that is all. Otherwise (with ``check``) the init is run again (it is a pure
@@ -394,14 +407,14 @@ class Materializer:
         model's init did not write."""
         fresh, unsure = self._init_module(mname, fill=False)
         if not self.check:
-            return fresh, []
+            return OwnInit(fresh, [])
         floating_unsure = [k for k in unsure if self.state[k].is_floating_point()]
         if floating_unsure:
             fresh, unsure = self._init_module(mname, fill=True)
         prefix = f"{mname}." if mname else ""
         left = [prefix + attr for attr, real in fresh.items()
                 if prefix + attr in unsure and _left_uninitialized(real.detach())]
-        return fresh, left
+        return OwnInit(fresh, left)
 
     def replays(self, unit: Unit) -> Optional[dict]:
         """``{key: Replay}`` for every state-dict tensor of a module ``unit`` whose init, run on
@@ -461,7 +474,7 @@ class Materializer:
         mnames = self.unit_modules[unit]
         own = {}
         for m in mnames:
-            own[m], left = self.own(m)
+            own[m], left = self.own_init(m)
             if left:
                 raise ValueError(f"{left[0]}: the model's own init (_init_weights) leaves this tensor "
                                  f"uninitialized; write_pretrained cannot compute it")
@@ -481,10 +494,7 @@ class Materializer:
         with contextlib.ExitStack() as stack:
             for m in mnames:
                 stack.enter_context(_swapped(self.modules[m], own[m]))
-            hit = describe(l.module)
-            if hit is None:
-                raise ValueError(f"{l.name}: the layer is no longer recognised once materialized")
-            live = AttentionLayer(l.index, l.name, l.module, hit.adapter, hit.spec, l.cross)
+            live = l.live()     # the carried description, reading the swapped-in tensors
             with torch.no_grad():
                 plan, _ = plan_blocks([live], c.v_mode, measure_before=False, qk_gain=c.qk_gain, v_gain=c.v_gain)
                 run_plan(plan, self.seed, c.method, memory_budget=c.memory_budget)
