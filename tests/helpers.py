@@ -83,3 +83,15 @@ def make_kernels_unreachable(monkeypatch, *tables) -> None:
     for table in tables:
         for name, impl in table.impls.items():
             monkeypatch.setitem(table.impls, name, dataclasses.replace(impl, fn=unreachable))
+
+
+def make_chosen_kernel_raise(monkeypatch, table, chosen: str, error: Exception) -> None:
+    """The ``chosen`` row of a backend ``table`` raises ``error``; every other row raises an
+    AssertionError: a call that reaches the caller with ``error`` tried no other backend."""
+    def boom(*_):
+        raise error
+
+    def fallback(*_):
+        raise AssertionError("fell back to another backend")
+    for name, impl in table.impls.items():
+        monkeypatch.setitem(table.impls, name, dataclasses.replace(impl, fn=boom if name == chosen else fallback))

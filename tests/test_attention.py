@@ -26,7 +26,7 @@ from attention_cases import (CASES, DEVICE, F64, ODD_HEAD_DIM_CASES, accepts, ba
                              backend_params, cases_per_backend, empty_rows, f64, joint_floor,
                              make_qkv, naive_attention, naive_lse, naive_vjp, randn, require)
 from conftest import assert_close
-from helpers import make_kernels_unreachable, valid_attention_inputs
+from helpers import make_chosen_kernel_raise, make_kernels_unreachable, valid_attention_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -374,14 +374,7 @@ def test_a_kernel_error_reaches_the_caller(stage, rng, monkeypatch):
              "forward mode": attention_op.ATTENTION_JVP}[stage]
     chosen = _chosen(table, q)
     error = RuntimeError(f"{chosen} kernel exploded")
-
-    def boom(*_):
-        raise error
-
-    def fallback(*_):
-        raise AssertionError("fell back to another backend")
-    for name, impl in table.impls.items():
-        monkeypatch.setitem(table.impls, name, dataclasses.replace(impl, fn=boom if name == chosen else fallback))
+    make_chosen_kernel_raise(monkeypatch, table, chosen, error)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     with warnings.catch_warnings(), pytest.raises(RuntimeError) as raised:
         warnings.simplefilter("error")

@@ -5,7 +5,6 @@ tangent for tangents without a probe dim and with P = 1, 2, 3 probes, None (zero
 the gradients through both outputs with respect to all six inputs, dtypes, vmap, second order,
 torch.compile, argument errors, and a kernel error reaching the caller.
 """
-import dataclasses
 import warnings
 
 import pytest
@@ -19,7 +18,7 @@ from attention_cases import (CASES, DEVICE, F64, ODD_HEAD_DIM_CASES, TRITON_CASE
                              backend_param, backend_params, case_id, empty_rows, f64, joint_floor,
                              make_qkv, make_tangents, naive_jvp, randn, require)
 from conftest import assert_close
-from helpers import make_kernels_unreachable, valid_attention_inputs
+from helpers import make_chosen_kernel_raise, make_kernels_unreachable, valid_attention_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -274,15 +273,7 @@ def test_a_kernel_error_reaches_the_caller(rng, monkeypatch):
     q, k, v = make_qkv(1, 2, 1, 5, 5, 16, FP32, rng)
     chosen = ATTENTION_JVP.choose("cpu", None, dtype=FP32, head_dim=16)
     error = RuntimeError(f"{chosen} kernel exploded")
-
-    def boom(*_):
-        raise error
-
-    def fallback(*_):
-        raise AssertionError("fell back to another backend")
-    for name, impl in ATTENTION_JVP.impls.items():
-        monkeypatch.setitem(ATTENTION_JVP.impls, name,
-                            dataclasses.replace(impl, fn=boom if name == chosen else fallback))
+    make_chosen_kernel_raise(monkeypatch, ATTENTION_JVP, chosen, error)
     with warnings.catch_warnings(), pytest.raises(RuntimeError) as raised:
         warnings.simplefilter("error")
         condinit.attention_jvp(q, k, v, q)
