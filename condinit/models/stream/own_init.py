@@ -55,7 +55,7 @@ def own_init_(model: nn.Module, seed: int, device: torch.device, *, skip: Iterab
                 replay.write_into(t.view(-1), seed)
                 computed[key] = t
             continue
-        fresh, uninitialized = engine.own(unit.name)
+        fresh, uninitialized = engine.own_init(unit.name)
         prefix = f"{unit.name}." if unit.name else ""
         computed.update({prefix + attr: t for attr, t in fresh.items()})
         left += [k for k in uninitialized if state[k].is_floating_point()]
