@@ -19,7 +19,8 @@ graph or a saved autograd context replays the same kernel):
   impl) -> (dq, dk, dv, dtq, dtk, dtv)`` (the backward through the tangent output)
 
 where ``<mask>`` is ``causal, scale, window_left, window_right, q_lens?, kv_lens?`` (the mask
-contract every backend implements: ``docs/design.md``, "Attention"; lens are int32 ``[B]``).
+contract every backend implements: :func:`attention` and ``docs/design.md``, "Attention",
+"Masks"; lens are int32 ``[B]``).
 
 Each has a fake (meta) kernel, so ``torch.compile`` traces them, and a vmap rule that folds the
 vmapped dimension into the batch dimension, so ``torch.vmap`` / ``jacfwd`` / ``jacrev`` work.
@@ -567,9 +568,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         q: ``[B, H, Nq, d]``.
         k, v: ``[B, Hkv, Nk, d]``, ``Hkv`` divides ``H`` (query head ``h`` uses key/value head
             ``h // (H // Hkv)``).
-        causal, window, q_lens, kv_lens: the mask (``docs/design.md``, "Attention"). For batch
-            entry ``b`` let ``Lq = q_lens[b]`` (default ``Nq``), ``Lk = kv_lens[b]`` (default
-            ``Nk``) and ``off = Lk - Lq``. Query ``i < Lq`` attends key ``j`` iff ``j < Lk`` and,
+        causal, window, q_lens, kv_lens: the mask, which every backend of every attention op
+            implements (also ``docs/design.md``, "Attention", "Masks"). For batch entry ``b`` let
+            ``Lq = q_lens[b]`` (default ``Nq``), ``Lk = kv_lens[b]`` (default ``Nk``) and
+            ``off = Lk - Lq``. Query ``i < Lq`` attends key ``j`` iff ``j < Lk`` and,
             with ``causal``, ``j <= i + off`` (bottom-right aligned) and, with ``window = (left,
             right)``, ``i + off - left <= j <= i + off + right`` (-1: unbounded on that side;
             Hugging Face's ``sliding_window=W`` is ``causal=True, window=(W - 1, -1)``). Queries
@@ -711,7 +713,7 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
 
 def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str], masks: tuple[str, ...]) -> str:
     """The backward's backend: the one forced for the forward where ``op`` has a row for it
-    (attention_jvp_bwd has no Triton / CUDA kernel yet), else the automatic choice."""
+    (every attention op has torch, Triton, cpp-cpu and CUDA rows), else the automatic choice."""
     return _choose(op, q, backend if backend is None or backend in op.impls else "auto", masks)
 
 

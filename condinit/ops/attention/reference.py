@@ -14,11 +14,8 @@ Conventions shared by every backend:
   ``h`` reads key/value head ``h // (H // Hkv)`` (grouped-query attention). Here the ``G = H / Hkv``
   query heads of a group are a broadcast dimension: ``q`` is viewed as ``[B, Hkv, G, Nq, d]`` and
   ``k``, ``v`` as ``[B, Hkv, 1, Nk, d]``, so K and V are never repeated.
-* ``S = scale * Q K^T``; the mask (``causal``, ``window_left``, ``window_right``, ``q_lens``,
-  ``kv_lens``: docs/design.md, "Attention") lets valid query ``i < Lq`` of batch ``b`` attend the
-  keys ``j < Lk`` with ``j <= i + off`` (causal), ``j >= i + off - window_left`` and
-  ``j <= i + off + window_right`` (when >= 0), ``off = Lk - Lq`` (bottom-right aligned, the
-  FlashAttention convention). Masked-out entries never contribute, even NaN / Inf ones.
+* ``S = scale * Q K^T`` under the mask (``causal``, ``window_left``, ``window_right``, ``q_lens``,
+  ``kv_lens``) of :func:`condinit.attention` and docs/design.md ("Attention", "Masks").
 * ``lse[b, h, i] = log(sum_j exp(S_ij))`` over the attended keys, float32 (float64 for float64
   inputs). A row that attends no key has ``out = 0``, tangent 0, ``lse = -inf`` and gradient 0.
 * Tangents are 5-D ``[P, B, H or Hkv, N, d]``: ``P`` probes share one pass over the primal tiles.
@@ -74,10 +71,8 @@ def _grouped_inputs(q, k, v, tq, tk, tv, hkv: int, scale: float, acc_dtype):
 class _Mask:
     """Which keys each query row attends, and the blocks that need masking.
 
-    Row ``i`` of batch ``b`` (``Lq = q_lens[b]``, ``Lk = kv_lens[b]``, ``off = Lk - Lq``) attends
-    the keys ``lo[b, i] <= j < hi[b, i]``: ``j < Lk``, and with ``causal`` ``j <= i + off``, with
-    ``window_left >= 0`` ``j >= i + off - window_left``, with ``window_right >= 0``
-    ``j <= i + off + window_right``; rows ``i >= Lq`` attend nothing. Every constraint is an
+    Row ``i`` of batch ``b`` attends the keys ``lo[b, i] <= j < hi[b, i]`` (the mask of
+    docs/design.md, "Attention", "Masks"); rows ``i >= Lq`` attend nothing. Every constraint is an
     interval, so the allowed keys of a row are one interval and ``lo``, ``hi`` grow with ``i``.
     """
 
