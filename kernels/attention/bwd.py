@@ -37,7 +37,7 @@ def attn_bwd_preprocess_kernel(Out, DOut, Delta, QLens, stride_ob, stride_oh, st
 
 
 @triton.jit
-def _attn_bwd_dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
+def attn_bwd_dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
                         base, n_tiles, n_left, gap, cols_n, offs_m, offs_d, len_q, len_k, lo_off, hi_off,
                         qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
@@ -121,11 +121,11 @@ def attn_bwd_dkdv_kernel(
         row_base = (off_b * n_heads_kv * kv_group + off_h) * n_q
         lse_ptrs = Lse + row_base
         delta_ptrs = Delta + row_base
-        dk, dv = _attn_bwd_dkdv_loop(
+        dk, dv = attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
             full_lo, n_full, n_full, 0, cols_n, offs_m, offs_d, len_q, len_k, lo_off, hi_off, qk_scale,
             HEAD_DIM, BLOCK_M, False, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_loop(
+        dk, dv = attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
             lo, n_masked, n_left, gap, cols_n, offs_m, offs_d, len_q, len_k, lo_off, hi_off, qk_scale,
             HEAD_DIM, BLOCK_M, True, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
@@ -138,7 +138,7 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+def attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
                       base, n_tiles, n_left, gap, rows_m, offs_n, offs_d, len_q, len_k, lo_off, hi_off,
                       qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -209,10 +209,10 @@ def attn_bwd_dq_kernel(
 
     lo, n_masked, n_left, gap, full_lo, n_full = tile_range(
         start_m, n_q, len_q, len_k, lo_off, hi_off, BLOCK_M, BLOCK_N)
-    dq = _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    dq = attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
                            full_lo, n_full, n_full, 0, rows_m, offs_n, offs_d, len_q, len_k, lo_off, hi_off,
                            qk_scale, HEAD_DIM, BLOCK_N, False, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
-    dq = _attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    dq = attn_bwd_dq_loop(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn,
                            lo, n_masked, n_left, gap, rows_m, offs_n, offs_d, len_q, len_k, lo_off, hi_off,
                            qk_scale, HEAD_DIM, BLOCK_N, True, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + row_off[:, None] * stride_dqm + offs_d[None, :],

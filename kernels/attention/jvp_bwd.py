@@ -14,6 +14,7 @@ not grow with P. Products per (query tile, key tile): ``1 + 2P`` (statistics) + 
 import triton
 import triton.language as tl
 
+from condinit.kernels.attention.bwd import attn_bwd_dkdv_loop, attn_bwd_dq_loop
 from condinit.kernels.attention.tiles import (allowed_pairs, allowed_pairs_t, dot_operand,
                                               load_rows, seq_lens, tile_range, tile_start)
 
@@ -228,10 +229,10 @@ def attn_jvp_bwd_dq_kernel(
     store_mask = (rows_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _attn_bwd_dq_loop(dq, q, go, lse2, d_row, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    dq = attn_bwd_dq_loop(dq, q, go, lse2, d_row, k_ptrs, v_ptrs, stride_kn, stride_vn,
                            full_lo, n_full, n_full, 0, rows_m, offs_n, offs_d, len_q, len_k, lo_off, hi_off,
                            qk_scale, HEAD_DIM, BLOCK_N, False, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
-    dq = _attn_bwd_dq_loop(dq, q, go, lse2, d_row, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    dq = attn_bwd_dq_loop(dq, q, go, lse2, d_row, k_ptrs, v_ptrs, stride_kn, stride_vn,
                            lo, n_masked, n_left, gap, rows_m, offs_n, offs_d, len_q, len_k, lo_off, hi_off,
                            qk_scale, HEAD_DIM, BLOCK_N, True, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
     for p in range(0, n_probes):
@@ -376,11 +377,11 @@ def attn_jvp_bwd_dkdv_kernel(
         q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
         go_ptrs = GOut + off_b * stride_gob + off_h * stride_goh + offs_m[:, None] * stride_gom + offs_d[None, :]
         row_base = (off_b * n_heads_kv * kv_group + off_h) * n_q
-        dk, dv = _attn_bwd_dkdv_loop(
+        dk, dv = attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, go_ptrs, Lse + row_base, D + row_base, stride_qm, stride_gom,
             full_lo, n_full, n_full, 0, cols_n, offs_m, offs_d, len_q, len_k, lo_off, hi_off, qk_scale,
             HEAD_DIM, BLOCK_M, False, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_loop(
+        dk, dv = attn_bwd_dkdv_loop(
             dk, dv, k, v, q_ptrs, go_ptrs, Lse + row_base, D + row_base, stride_qm, stride_gom,
             lo, n_masked, n_left, gap, cols_n, offs_m, offs_d, len_q, len_k, lo_off, hi_off, qk_scale,
             HEAD_DIM, BLOCK_M, True, EVEN_D, DTYPE, INTERPRETER, DOT_PRECISION)
