@@ -1,6 +1,6 @@
 """Importing condinit (and resolving its public names) must stay lean: no CUDA initialization, no
-triton import, and no failure when optional backends are missing. Each check runs in a fresh
-interpreter so nothing imported by other tests can hide a regression."""
+triton or trainer framework import, and no failure when optional backends are missing. Each check
+runs in a fresh interpreter so nothing imported by other tests can hide a regression."""
 import json
 import os
 import subprocess
@@ -30,6 +30,13 @@ def test_import_does_not_initialize_cuda_or_import_triton():
     )
     res = json.loads(_run(code))
     assert res == {"cuda": False, "triton": False}
+
+
+def test_import_condinit_imports_no_trainer_framework():
+    code = ("import sys, condinit, condinit.probe, condinit.probe.monitor, condinit.integrations.lightning\n"
+            "condinit.JacobianMonitor\n"
+            "print([m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules])")
+    assert _run(code) == "[]"
 
 
 def test_import_survives_missing_triton_and_extension(tmp_path):
