@@ -1,6 +1,6 @@
-"""What several test files share besides the fixtures of conftest.py: the command line run in
-this process, a tiny training model, orthonormality checks, and the valid attention call that the
-argument-error tests break one argument at a time."""
+"""What several test files share besides the fixtures and tolerances of conftest.py: the command
+line run in this process, orthonormality and refused-call checks, a tiny training model, and the
+attention call the argument-error tests break one argument at a time, with guards on the kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +34,19 @@ def assert_orthonormal_rows(w: torch.Tensor, what: str, atol: float = ORTHO_ATOL
     assert w.shape[0] <= w.shape[1], what
     err = (w @ w.T - torch.eye(w.shape[0], dtype=torch.float64)).abs().max().item()
     assert err <= atol, f"{what}: max |W W^T - I| = {err:.3g}"
+
+
+def assert_refused(fn, tensors, exc=(ValueError, TypeError), match=None) -> None:
+    """``fn()`` raises ``exc`` (its message matching ``match``) and leaves every one of ``tensors``
+    bit-identical (NaN where it was NaN): nothing was written before the error."""
+    import pytest
+
+    before = [t.clone() for t in tensors]
+    with pytest.raises(exc, match=match):
+        fn()
+    for i, (t, b) in enumerate(zip(tensors, before)):
+        assert torch.equal(t, b) or (t.isnan() == b.isnan()).all() and torch.equal(t.nan_to_num(), b.nan_to_num()), \
+            f"tensor {i} was written before the error"
 
 
 class TinyTransformer(nn.Module):

@@ -9,6 +9,7 @@ from condinit.init import (conditioned_blocks, conditioned_init_, conditioned_in
                            semi_orthogonal_)
 from condinit.init.functional import LAYER_STRIDE
 from condinit.ops.random.op import stream_id
+from helpers import assert_refused
 
 
 def rows_err(W: torch.Tensor) -> float:
@@ -206,47 +207,39 @@ def test_meta_is_noop():
         semi_orthogonal_(w, head_dim=5)
 
 
-def _untouched(fn, *tensors, exc=(ValueError, TypeError), match=None):
-    before = [t.clone() for t in tensors]
-    with pytest.raises(exc, match=match):
-        fn()
-    for t, b in zip(tensors, before):
-        assert torch.equal(t, b)
-
-
 def test_bad_input_leaves_tensors_untouched():
     w = torch.randn(12, 20)
-    _untouched(lambda: semi_orthogonal_(torch.ones(4, 4, dtype=torch.int32)), w, exc=TypeError, match="weight")
-    _untouched(lambda: semi_orthogonal_(torch.ones(4, 4, dtype=torch.complex64)), w, exc=TypeError, match="weight")
-    _untouched(lambda: semi_orthogonal_(torch.ones(4)), w, match="weight")
-    _untouched(lambda: semi_orthogonal_(torch.ones(0, 4)), w, match="zero-size")
-    _untouched(lambda: semi_orthogonal_(w, head_dim=5), w, match="head_dim")
-    _untouched(lambda: semi_orthogonal_(w, head_dim=0), w, match="head_dim")
-    _untouched(lambda: semi_orthogonal_(w, gain=0.0), w, match="gain")
-    _untouched(lambda: semi_orthogonal_(w, gain=-1.0), w, match="gain")
-    _untouched(lambda: semi_orthogonal_(w, method="qr"), w, match="method")
-    _untouched(lambda: rect_identity_(w, head_dim=7), w, match="head_dim")
-    _untouched(lambda: rect_identity_(w, per_head=True), w, match="head_dim")
+    assert_refused(lambda: semi_orthogonal_(torch.ones(4, 4, dtype=torch.int32)), [w], exc=TypeError, match="weight")
+    assert_refused(lambda: semi_orthogonal_(torch.ones(4, 4, dtype=torch.complex64)), [w], exc=TypeError, match="weight")
+    assert_refused(lambda: semi_orthogonal_(torch.ones(4)), [w], match="weight")
+    assert_refused(lambda: semi_orthogonal_(torch.ones(0, 4)), [w], match="zero-size")
+    assert_refused(lambda: semi_orthogonal_(w, head_dim=5), [w], match="head_dim")
+    assert_refused(lambda: semi_orthogonal_(w, head_dim=0), [w], match="head_dim")
+    assert_refused(lambda: semi_orthogonal_(w, gain=0.0), [w], match="gain")
+    assert_refused(lambda: semi_orthogonal_(w, gain=-1.0), [w], match="gain")
+    assert_refused(lambda: semi_orthogonal_(w, method="qr"), [w], match="method")
+    assert_refused(lambda: rect_identity_(w, head_dim=7), [w], match="head_dim")
+    assert_refused(lambda: rect_identity_(w, per_head=True), [w], match="head_dim")
     good, bad = _layer(4, 2, 8, 32), _layer(4, 2, 8, 32)
     tensors = list(good.values()) + list(bad.values())
     bad_q = dict(bad, q=torch.randn(30, 32))
-    _untouched(lambda: conditioned_init_layers_([good, bad_q], num_heads=4, num_kv_heads=2, seed=0),
-               *tensors, match="num_heads")
-    _untouched(lambda: conditioned_init_layers_([good, dict(bad, k_bias=torch.randn(3))], num_heads=4,
-                                                num_kv_heads=2, seed=0), *tensors, match="k_bias")
-    _untouched(lambda: conditioned_init_layers_([good, dict(bad, v=torch.ones(16, 32, dtype=torch.int64))],
-                                                num_heads=4, num_kv_heads=2, seed=0), *tensors, exc=TypeError,
-               match="v")
-    _untouched(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=3, seed=0), *tensors,
-               match="num_kv_heads")
-    _untouched(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=2, v_mode="eye", seed=0),
-               *tensors, match="v_mode")
-    _untouched(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=2, method="lu", seed=0),
-               *tensors, match="method")
-    _untouched(lambda: conditioned_init_layers_([good, bad], num_heads=4, num_kv_heads=2, layer_indices=[0],
-                                                seed=0), *tensors, match="layer_indices")
-    _untouched(lambda: conditioned_init_(good["q"], good["k"], good["v"], num_heads=4, num_kv_heads=2,
-                                         layer_index=-1, seed=0), *tensors, match="layer_index")
+    assert_refused(lambda: conditioned_init_layers_([good, bad_q], num_heads=4, num_kv_heads=2, seed=0),
+                   tensors, match="num_heads")
+    assert_refused(lambda: conditioned_init_layers_([good, dict(bad, k_bias=torch.randn(3))], num_heads=4,
+                                                    num_kv_heads=2, seed=0), tensors, match="k_bias")
+    assert_refused(lambda: conditioned_init_layers_([good, dict(bad, v=torch.ones(16, 32, dtype=torch.int64))],
+                                                    num_heads=4, num_kv_heads=2, seed=0), tensors, exc=TypeError,
+                   match="v")
+    assert_refused(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=3, seed=0), tensors,
+                   match="num_kv_heads")
+    assert_refused(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=2, v_mode="eye", seed=0),
+                   tensors, match="v_mode")
+    assert_refused(lambda: conditioned_init_layers_([good], num_heads=4, num_kv_heads=2, method="lu", seed=0),
+                   tensors, match="method")
+    assert_refused(lambda: conditioned_init_layers_([good, bad], num_heads=4, num_kv_heads=2, layer_indices=[0],
+                                                    seed=0), tensors, match="layer_indices")
+    assert_refused(lambda: conditioned_init_(good["q"], good["k"], good["v"], num_heads=4, num_kv_heads=2,
+                                             layer_index=-1, seed=0), tensors, match="layer_index")
 
 
 def test_seed_generator_and_stream_arguments():

@@ -3,6 +3,7 @@
 ``orthogonalize``) refuse bad arguments, aliased destinations and unrunnable backends before the
 first write, with an error naming the argument, and give correct results at extreme scales.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import torch
 import condinit
 from condinit import _backends
 from condinit.init.functional import conditioned_init_, conditioned_init_layers_, rect_identity_, semi_orthogonal_
-from condinit.ops.orthogonalize.op import orthogonalize
+from condinit.ops.orthogonalize.op import ORTHOGONALIZE, orthogonalize
+from helpers import assert_refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,16 +29,6 @@ def _orth_err(W: torch.Tensor) -> float:
     if W.shape[-2] > W.shape[-1]:
         W = W.transpose(-1, -2)
     return (W @ W.transpose(-1, -2) - torch.eye(W.shape[-2], dtype=F64)).abs().max().item()
-
-
-def _untouched(fn, tensors, exc, match):
-    """``fn()`` raises ``exc`` matching ``match`` and leaves every tensor byte-identical."""
-    before = [t.clone() for t in tensors]
-    with pytest.raises(exc, match=match):
-        fn()
-    for i, (t, b) in enumerate(zip(tensors, before)):
-        assert torch.equal(t, b) or (t.isnan() == b.isnan()).all() and torch.equal(t.nan_to_num(), b.nan_to_num()), \
-            f"tensor {i} was written before the error"
 
 
 def _layer(rng, heads=4, kv=2, d=8, D=32):
@@ -56,7 +48,7 @@ def _init_one(layer, **kw):
 @pytest.mark.parametrize("backend, exc", [("bogus", ValueError), (7, ValueError), ("cuda", condinit.BackendUnavailableError)])
 def test_unrunnable_backend_writes_nothing(rng, backend, exc):
     layer = _layer(rng)
-    _untouched(lambda: _init_one(layer, backend=backend), list(layer.values()), exc, "backend")
+    assert_refused(lambda: _init_one(layer, backend=backend), list(layer.values()), exc, "backend")
 
 
 def test_unavailable_triton_writes_nothing(rng, monkeypatch):
@@ -70,8 +62,8 @@ def test_unavailable_triton_writes_nothing(rng, monkeypatch):
     monkeypatch.setattr(_backends, "available", no_triton)
     try:
         layer = _layer(rng)
-        _untouched(lambda: _init_one(layer, backend="triton", method="polar"), list(layer.values()),
-                   condinit.BackendUnavailableError, "triton")
+        assert_refused(lambda: _init_one(layer, backend="triton", method="polar"), list(layer.values()),
+                       condinit.BackendUnavailableError, "triton")
     finally:
         monkeypatch.undo()
         _backends.reset()
@@ -79,22 +71,20 @@ def test_unavailable_triton_writes_nothing(rng, monkeypatch):
 
 def test_backend_of_a_later_group_is_chosen_before_the_first_write(rng, monkeypatch):
     # two layer shapes (two groups of blocks); the backend cannot run the second group's method
-    from condinit.init import orthogonalize as _  # noqa: F401  (the module, for its table)
-    table = sys.modules["condinit.ops.orthogonalize.op"].ORTHOGONALIZE
-    impl = table.impls["torch"]
-    monkeypatch.setitem(table.impls, "torch", type(impl)(**{**impl.__dict__, "limits": (("method", ("householder",)),)}))
+    impl = ORTHOGONALIZE.impls["torch"]
+    monkeypatch.setitem(ORTHOGONALIZE.impls, "torch", dataclasses.replace(impl, limits=(("method", ("householder",)),)))
     small = {"q": torch.randn(8, 8, generator=rng), "k": torch.randn(8, 8, generator=rng), "v": torch.randn(8, 8, generator=rng)}
     wide = {"q": torch.randn(8, 64, generator=rng), "k": torch.randn(8, 64, generator=rng), "v": torch.randn(8, 64, generator=rng)}
     # 4 x 8 blocks: householder; 4 x 64 blocks: cholqr2, which this torch row refuses
-    _untouched(lambda: conditioned_init_layers_([small, wide], num_heads=2, seed=0, backend="torch"),
-               list(small.values()) + list(wide.values()), condinit.BackendUnavailableError, "method cholqr2")
+    assert_refused(lambda: conditioned_init_layers_([small, wide], num_heads=2, seed=0, backend="torch"),
+                   list(small.values()) + list(wide.values()), condinit.BackendUnavailableError, "method cholqr2")
 
 
 def test_layer_index_overflow_writes_nothing(rng):
     layers = [_layer(rng), _layer(rng)]
     tensors = [t for layer in layers for t in layer.values()]
-    _untouched(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0, layer_indices=[0, 2 ** 31]),
-               tensors, ValueError, r"layer_indices\[1\]")
+    assert_refused(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0, layer_indices=[0, 2 ** 31]),
+                   tensors, ValueError, r"layer_indices\[1\]")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,29 +92,29 @@ def test_layer_index_overflow_writes_nothing(rng):
 
 def test_expanded_weight_refused():
     w = torch.zeros(1, 8).expand(12, 8)
-    _untouched(lambda: rect_identity_(w), [w], ValueError, "weight .*share memory")
-    _untouched(lambda: semi_orthogonal_(w, seed=0), [w], ValueError, "weight .*share memory")
+    assert_refused(lambda: rect_identity_(w), [w], ValueError, "weight .*share memory")
+    assert_refused(lambda: semi_orthogonal_(w, seed=0), [w], ValueError, "weight .*share memory")
     layer = {"q": torch.zeros(1, 32).expand(16, 32), "k": torch.zeros(8, 32), "v": torch.zeros(8, 32)}
-    _untouched(lambda: conditioned_init_(layer["q"], layer["k"], layer["v"], num_heads=4, num_kv_heads=2, seed=0),
-               list(layer.values()), ValueError, "q_weight .*share memory")
+    assert_refused(lambda: conditioned_init_(layer["q"], layer["k"], layer["v"], num_heads=4, num_kv_heads=2, seed=0),
+                   list(layer.values()), ValueError, "q_weight .*share memory")
 
 
 def test_aliased_destinations_refused(rng):
     q, v = torch.randn(16, 32, generator=rng), torch.randn(16, 32, generator=rng)
-    _untouched(lambda: conditioned_init_(q, q, v, num_heads=2, seed=0), [q, v], ValueError, "q_weight and k_weight")
+    assert_refused(lambda: conditioned_init_(q, q, v, num_heads=2, seed=0), [q, v], ValueError, "q_weight and k_weight")
     k = torch.randn(16, 32, generator=rng)
-    _untouched(lambda: conditioned_init_(q, k, q, num_heads=2, seed=0), [q, k], ValueError, "q_weight and v_weight")
+    assert_refused(lambda: conditioned_init_(q, k, q, num_heads=2, seed=0), [q, k], ValueError, "q_weight and v_weight")
     w = torch.randn(16, 32, generator=rng)
-    _untouched(lambda: conditioned_init_(w[:8], w[4:12], torch.zeros(8, 32), num_heads=1, seed=0), [w],
-               ValueError, "q_weight and k_weight overlap")
+    assert_refused(lambda: conditioned_init_(w[:8], w[4:12], torch.zeros(8, 32), num_heads=1, seed=0), [w],
+                   ValueError, "q_weight and k_weight overlap")
     b = torch.randn(24, generator=rng)
-    _untouched(lambda: conditioned_init_(q, k, v, num_heads=2, q_bias=b[:16], k_bias=b[8:], seed=0), [q, k, v, b],
-               ValueError, "q_bias and k_bias")
+    assert_refused(lambda: conditioned_init_(q, k, v, num_heads=2, q_bias=b[:16], k_bias=b[8:], seed=0), [q, k, v, b],
+                   ValueError, "q_bias and k_bias")
     layers = [_layer(rng), _layer(rng)]
     layers[1]["v"] = layers[0]["k"]
     tensors = [t for layer in layers for t in layer.values()]
-    _untouched(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0), tensors,
-               ValueError, r"layers\[0\].k and layers\[1\].v")
+    assert_refused(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0), tensors,
+                   ValueError, r"layers\[0\].k and layers\[1\].v")
 
 
 def test_disjoint_views_of_one_tensor_accepted(rng):
@@ -145,10 +135,10 @@ def test_disjoint_views_of_one_tensor_accepted(rng):
 def test_orthogonalize_out_aliasing(rng):
     A = torch.randn(4, 8, 32, generator=rng)
     out = torch.zeros(1, 8, 32).expand(4, 8, 32)
-    _untouched(lambda: orthogonalize(A, out=out), [A, out], ValueError, "out .*share memory")
+    assert_refused(lambda: orthogonalize(A, out=out), [A, out], ValueError, "out .*share memory")
     buf = torch.randn(5 * 8 * 32, generator=rng)
     stack, shifted = buf[:4 * 256].view(4, 8, 32), buf[256:].view(4, 8, 32)
-    _untouched(lambda: orthogonalize(stack, out=shifted), [buf], ValueError, "out overlaps stack")
+    assert_refused(lambda: orthogonalize(stack, out=shifted), [buf], ValueError, "out overlaps stack")
     expected = orthogonalize(A.clone())
     assert torch.equal(orthogonalize(A, out=A), expected)            # in place: allowed
 
@@ -182,7 +172,7 @@ def test_orthogonalize_non_finite_refused(rng):
         A = torch.randn(2, 4, 16, generator=rng)
         A[1, 2, 3] = bad
         out = torch.zeros_like(A)
-        _untouched(lambda: orthogonalize(A, out=out), [A, out], ValueError, "stack must be finite")
+        assert_refused(lambda: orthogonalize(A, out=out), [A, out], ValueError, "stack must be finite")
 
 
 def test_conditioned_init_overwrites_nan_weights(rng):
@@ -230,13 +220,13 @@ def test_memory_budget_checked(rng, budget, exc):
     with pytest.raises(exc, match="memory_budget"):
         orthogonalize(A, memory_budget=budget)
     layer = _layer(rng)
-    _untouched(lambda: _init_one(layer, memory_budget=budget), list(layer.values()), exc, "memory_budget")
+    assert_refused(lambda: _init_one(layer, memory_budget=budget), list(layer.values()), exc, "memory_budget")
 
 
 def test_gain_keeps_results_finite(rng):
     for dtype, bad in ((torch.float32, 1e39), (torch.float32, 3e38), (torch.float16, 7e4), (torch.bfloat16, 2e38)):
         w = torch.randn(4, 8, generator=rng).to(dtype)
-        _untouched(lambda: semi_orthogonal_(w, gain=bad, seed=0), [w], ValueError, "gain")
+        assert_refused(lambda: semi_orthogonal_(w, gain=bad, seed=0), [w], ValueError, "gain")
     for dtype in (torch.float32, torch.float16, torch.float64):
         limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max) / 2
         w = torch.empty(16, 64, dtype=dtype)
@@ -251,16 +241,16 @@ TOL_BY_DTYPE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.float64: 1e-5}
 def test_duplicate_layer_indices_refused(rng):
     layers = [_layer(rng) for _ in range(3)]
     tensors = [t for layer in layers for t in layer.values()]
-    _untouched(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0, layer_indices=[3, 1, 3]),
-               tensors, ValueError, r"layer_indices must be distinct, got \[3\]")
+    assert_refused(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0, layer_indices=[3, 1, 3]),
+                   tensors, ValueError, r"layer_indices must be distinct, got \[3\]")
 
 
 def test_mixed_meta_destinations_refused(rng):
     q, v = torch.randn(16, 32, generator=rng), torch.randn(16, 32, generator=rng)
     k = torch.empty(16, 32, device="meta")
-    _untouched(lambda: conditioned_init_(q, k, v, num_heads=2, seed=0), [q, v], ValueError, "k_weight is on the meta")
+    assert_refused(lambda: conditioned_init_(q, k, v, num_heads=2, seed=0), [q, v], ValueError, "k_weight is on the meta")
     layers = [_layer(rng), {key: t.to("meta") for key, t in _layer(rng).items()}]
-    _untouched(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0), list(layers[0].values()),
-               ValueError, "meta")
+    assert_refused(lambda: conditioned_init_layers_(layers, num_heads=4, num_kv_heads=2, seed=0), list(layers[0].values()),
+                   ValueError, "meta")
     meta = {key: torch.empty(16, 32, device="meta") for key in "qkv"}
     conditioned_init_(meta["q"], meta["k"], meta["v"], num_heads=2, seed=0)    # all meta: a no-op
