@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from condinit.init import recondition_, spectrum
+from helpers import assert_refused
 
 
 def _stack(shape, rng, spread=None):
@@ -85,40 +86,24 @@ def test_recondition_rank_deficient_with_gram(rng):
 
 def test_recondition_bad_input_untouched(rng):
     w = torch.randn(4, 8, 16, generator=rng)
-    ref = w.clone()
-    with pytest.raises(ValueError, match="max_cond"):
-        recondition_(w, max_cond=0.5)
-    with pytest.raises(ValueError, match="max_cond"):
-        recondition_(w, max_cond=float("nan"))
-    with pytest.raises(ValueError, match="max_cond"):
-        recondition_(w, max_cond=float("inf"))      # a finite bound: no clamping is no call
-    with pytest.raises(TypeError, match="max_cond"):
-        recondition_(w, max_cond=True)
-    with pytest.raises(ValueError, match="method"):
-        recondition_(w, max_cond=2.0, method="eig")
-    with pytest.raises(ValueError, match="method"):
-        spectrum(w, method="eig")
-    with pytest.raises(TypeError, match="head_dim"):
-        recondition_(w[0], max_cond=2.0, head_dim=True)
-    with pytest.raises(ValueError, match="head_dim"):
-        recondition_(w, max_cond=2.0, head_dim=4)
+    assert_refused(lambda: recondition_(w, max_cond=0.5), [w], ValueError, "max_cond")
+    assert_refused(lambda: recondition_(w, max_cond=float("nan")), [w], ValueError, "max_cond")
+    # a finite bound: no clamping is no call
+    assert_refused(lambda: recondition_(w, max_cond=float("inf")), [w], ValueError, "max_cond")
+    assert_refused(lambda: recondition_(w, max_cond=True), [w], TypeError, "max_cond")
+    assert_refused(lambda: recondition_(w, max_cond=2.0, method="eig"), [w], ValueError, "method")
+    assert_refused(lambda: spectrum(w, method="eig"), [w], ValueError, "method")
+    assert_refused(lambda: recondition_(w[0], max_cond=2.0, head_dim=True), [w], TypeError, "head_dim")
+    assert_refused(lambda: recondition_(w, max_cond=2.0, head_dim=4), [w], ValueError, "head_dim")
     w2 = torch.randn(12, 16, generator=rng)
-    ref2 = w2.clone()
-    with pytest.raises(ValueError, match="head_dim"):
-        recondition_(w2, max_cond=2.0, head_dim=5)
+    assert_refused(lambda: recondition_(w2, max_cond=2.0, head_dim=5), [w2], ValueError, "head_dim")
     bad = w.clone()
     bad[2, 3, 4] = float("inf")
-    bad_ref = bad.clone()
-    with pytest.raises(ValueError, match="finite"):
-        recondition_(bad, max_cond=2.0)
-    with pytest.raises(TypeError, match="stack_or_weight"):
-        recondition_(torch.ones(4, 4, dtype=torch.int64), max_cond=2.0)
-    with pytest.raises(TypeError, match="stack_or_weight"):
-        recondition_(torch.ones(4, 4, dtype=torch.complex64), max_cond=2.0)
-    with pytest.raises(ValueError, match="stack_or_weight"):
-        recondition_(torch.ones(4), max_cond=2.0)
+    assert_refused(lambda: recondition_(bad, max_cond=2.0), [bad], ValueError, "finite")
+    for t, exc in ((torch.ones(4, 4, dtype=torch.int64), TypeError),
+                   (torch.ones(4, 4, dtype=torch.complex64), TypeError), (torch.ones(4), ValueError)):
+        assert_refused(lambda: recondition_(t, max_cond=2.0), [t], exc, "stack_or_weight")
     with pytest.raises(ValueError, match="zero-size"):
         spectrum(torch.ones(0, 3, 3))
-    assert torch.equal(w, ref) and torch.equal(w2, ref2) and torch.equal(bad, bad_ref)
     m = torch.empty(3, 4, 4, device="meta")
     assert recondition_(m, max_cond=2.0) is m
