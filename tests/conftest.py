@@ -1,5 +1,7 @@
-"""Shared test helpers: per-dtype tolerances, one relative-error check, NaN-poisoned allocations,
-and a fresh random seed per test, printed so that a failure can be reproduced.
+"""Shared test fixtures and tolerances: per-dtype tolerances, one relative-error check, NaN-poisoned
+allocations, and a fresh random seed per test, printed so that a failure can be reproduced. (Shared
+plain helpers: helpers.py; attention references: attention_cases.py; model readings:
+coverage_models.py.)
 
 Every test draws its inputs from its own seed (derived from the test id; ``CONDINIT_TEST_SEED=random``
 for fresh seeds per run). Reproduce a failure with ``CONDINIT_TEST_SEED=<seed printed in its output>``.
