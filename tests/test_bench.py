@@ -24,6 +24,7 @@ def _run(capsys, *argv):
     return run_cli(capsys, "bench", "--no-progress", *argv)
 
 
+@pytest.mark.slow
 def test_quick_run_prints_the_table_and_valid_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     rc, out, err = _run(capsys, "--quick", "--device", "cpu", "--json", str(path))

@@ -74,6 +74,7 @@ def _hf_run(tmp_path, name, callbacks, steps=4):
     return model, trainer
 
 
+@pytest.mark.slow
 def test_hf_trainer_callback_writes_records_and_leaves_training_unchanged(tmp_path):
     from condinit.integrations.trainer import JacobianMonitorCallback
 

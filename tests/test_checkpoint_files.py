@@ -70,6 +70,7 @@ save_model_atomic(model, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_signal_during_overwrite_keeps_old_file_and_leaves_no_temp(tmp_path):
     # both writers run at once: each spends most of its time importing torch
     runs = {}
@@ -287,6 +288,7 @@ def test_same_model_and_metadata_give_identical_bytes(tmp_path):
     assert header["__metadata__"]["key3"] == '{"nested":{"a":2,"b":1},"value":3}'
 
 
+@pytest.mark.slow
 def test_init_same_arguments_byte_identical(tmp_path, capsys):
     hashes = set()
     for name in ("a", "b"):
@@ -423,6 +425,7 @@ def test_one_dimensional_tensor_where_a_projection_is_expected(tmp_path, capsys)
     assert rc == 2 and err.count("\n") == 1 and err.startswith(f"condinit inspect: error: {path}: ")
 
 
+@pytest.mark.slow
 def test_inspect_bad_files_one_line_errors(tmp_path, capsys):
     cases = [_raw(tmp_path / "list.safetensors", b"[1, 2, 3]"),
              _raw(tmp_path / "offsets.safetensors", json.dumps({"w": _entry(offsets=(0,))}).encode(), b"\0" * 4),
@@ -482,6 +485,7 @@ with removing_temps_on_sigterm():
 """
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_writer_thread_makes_its_temporary_file(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _TEMP_BEING_MADE, str(tmp_path)], capture_output=True, text=True,
                           timeout=60)

@@ -102,6 +102,7 @@ def test_init_same_seed_same_file_content(tmp_path, capsys):
         assert fa.metadata() == fb.metadata()
 
 
+@pytest.mark.slow
 def test_inspect_reads_metadata_and_plots(tiny_llama, tmp_path, capsys):
     plot = tmp_path / "cond.png"
     rc, out, err = run_cli(capsys, "inspect", str(tiny_llama), "--plot", str(plot))
@@ -407,6 +408,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert rc == 0 and "x.safetensors" in out and _listing(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys):
     d = str(tmp_path / "d") + os.sep
     assert main(["init", "--preset", "tiny-llama", "--out", d, "--quiet", "--seed", "1"]) == 0
@@ -483,6 +485,7 @@ run(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_console_script_ends_like_a_normal_exit(tmp_path):
     """``condinit`` / ``python -m condinit`` end without the interpreter's teardown, but with what a
     normal exit does: other threads joined, exit handlers run, buffered output flushed, the status kept."""

@@ -820,6 +820,16 @@ def _arch_ids():
     return main + [n for n in names[::SAMPLE_STRIDE] if n not in main]
 
 
+# In the fast tier (``-m "not slow"``): one model of each layout kind; the rest of the sweep is slow.
+FAST_FAMILIES = ("transformers:llama", "transformers:gpt2", "transformers:gpt_neox", "transformers:falcon",
+                 "transformers:bert", "transformers:t5", "transformers:whisper", "transformers:vit", "timm:vit",
+                 "torch.nn:MultiheadAttention")
+
+
+def _arch_params():
+    return [n if n in FAST_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in _arch_ids()]
+
+
 # Architectures conditioned where the method applies, with some attention-like layers outside it:
 # those are refused and reported (an UncoveredAttentionWarning naming their class), never skipped
 # silently. The sweep's reading does not look for attention without a softmax, so the check of
@@ -831,7 +841,7 @@ PARTLY_REFUSED = {
 }
 
 
-@pytest.mark.parametrize("name", _arch_ids())
+@pytest.mark.parametrize("name", _arch_params())
 def test_architecture(name):
     import warnings
 

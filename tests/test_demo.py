@@ -215,6 +215,7 @@ def _mha(e, h, rng, scale=0.4):
     return mha
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [5, 8])        # N < D (row-space projection) and N = D
 def test_probe_matches_dense_jacobian_and_bounds_by_px(rng, causal, n):
@@ -320,6 +321,7 @@ def test_models_forward_shapes_and_masking():
         assert same == causal                                  # bidirectional: earlier positions see it
 
 
+@pytest.mark.slow
 def test_train_run_is_reproducible():
     """Same task, init, LR and seed: the same curves and probes, bit for bit (and another seed differs)."""
     from condinit.demo.train import _deterministic, task_config, train_run
@@ -348,6 +350,7 @@ def tiny_run(tmp_path_factory):
     return rc, out
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end(tiny_run):
     rc, out = tiny_run
     assert rc == 0

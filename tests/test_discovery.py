@@ -258,6 +258,7 @@ def _assert_conditioned(read, what):
         assert torch.count_nonzero(b).item() == 0, f"{what}: a Q/K/V bias is not zero"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_architecture_conditioned_as_its_forward_reads_it(arch):
     build, classes, oracle = ARCHS[arch]

@@ -232,6 +232,7 @@ def _jvp_peak_bytes(model, N, seed):
         return peak_extra_bytes(lambda: torch.func.jvp(lambda e: hidden(model, e), (embeds,), (direction,)))
 
 
+@pytest.mark.slow
 def test_jvp_through_llama_holds_linear_attention_memory(seed):
     """torch.func.jvp through a tiny Llama: with "condinit" the peak memory grows about 2x from
     N = 1024 to 2048 (linear) and N = 4096 runs; with "eager" (the only other route with forward

@@ -168,6 +168,7 @@ def test_layers_one_by_one_all_at_once_chunked_sharded_identical(method):
     assert torch.equal(blocks, all_at_once[5]["q"].view(H, d, D)[1:3, 2:6])
 
 
+@pytest.mark.slow
 def test_same_bits_across_runs():
     """A fresh interpreter produces the same bits for the same (seed, stream, blocks)."""
     import hashlib

@@ -540,6 +540,7 @@ def test_bad_inputs():
     assert torch.equal(w, m["attn"].in_proj_weight.detach())
 
 
+@pytest.mark.slow
 def test_import_condinit_models_is_lean():
     import subprocess
     import sys

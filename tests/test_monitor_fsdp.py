@@ -102,6 +102,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_fsdp2_two_gloo_ranks(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]

@@ -399,6 +399,7 @@ def test_bad_alerts_are_refused_before_any_file_is_written(tmp_path):
 
 # -- condinit plot -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_plot_command_writes_pngs_of_a_run(tmp_path, rng, capsys):
     from condinit.cli import main
 

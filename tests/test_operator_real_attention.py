@@ -154,6 +154,7 @@ CASES = [(name, wrt, 4) for name in ("llama", "qwen3", "olmo2", "gemma2", "gemma
                                              ("mistral", "input", 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,wrt,kv_heads", CASES)
 def test_operator_matches_jacrev_of_the_module(name, wrt, kv_heads, seed, monkeypatch):
     """float64: op.dense() is the module's Jacobian; the stated nulls are nulls of it; Lanczos run to

@@ -28,6 +28,7 @@ FULL_RANK = [("weights", False, 2, 2, 8), ("weights", True, 2, 2, 8), ("weights"
              ("qkv", False, 2, 2, 8), ("qkv", True, 2, 2, 8), ("qkv", False, 2, 1, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrt,causal,H,Hkv,d", FULL_RANK)
 def test_lanczos_power_frobenius_against_dense(wrt, causal, H, Hkv, d):
     m, x, op = make(wrt, causal, N=8, D=16, H=H, Hkv=Hkv, d=d, seed=11)

@@ -201,6 +201,7 @@ _THREADS = textwrap.dedent("""
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="thread-count independence of LAPACK's "
                     "bits is controlled through MKL's per-thread setting")
+@pytest.mark.slow
 def test_householder_bits_independent_of_thread_count():
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     try:

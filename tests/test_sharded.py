@@ -156,6 +156,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_sharded_equals_single_process(tmp_path):
     import torch.multiprocessing as mp
 

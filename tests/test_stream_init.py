@@ -173,6 +173,7 @@ def _write_growth(tmp_path, vocab: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_bounded_memory(tmp_path):
     # fp32, D = 1024: the embedding and the head are 33.5 MB each at vocabulary 8192, 134 MB at 32768
     small, big = _write_growth(tmp_path, 8192), _write_growth(tmp_path, 32768)
@@ -409,6 +410,7 @@ _INTERRUPTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_gives_the_uninterrupted_directory(tmp_path):
     cfg = tiny_config(False)
     ref = write_pretrained(cfg, tmp_path / "ref", seed=21, max_shard_size=40_000)

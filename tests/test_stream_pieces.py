@@ -62,6 +62,7 @@ def _tiny_llama(**kw):
 @pytest.mark.parametrize("family, whole_units", [
     ("llama", []), ("gpt2", []), ("bert", []), ("t5", []), ("mixtral", []),
     ("whisper", ["encoder.embed_positions"]), ("vit", ["embeddings"])])
+@pytest.mark.slow
 def test_pieces_write_the_bytes_of_the_whole_init(tmp_path, family, whole_units):
     cfg = hf_config(family)
     if family in CONFIG_FIXES:
