@@ -62,7 +62,7 @@ def main(argv=None):
         batched = next(r for r in rows if r.key == "init.batched")
         if batched.ok:
             batched.ratios["init.whole_orthogonal"] = batched.seconds / t.seconds
-    print(bench.format_table(rows, f"{cfg.init_shape.label()}, {bench._dt(cfg.dtype)}, {torch.get_num_threads()} "
+    print(bench.format_table(rows, f"{cfg.init_shape.label()}, {bench.dtype_name(cfg.dtype)}, {torch.get_num_threads()} "
                                    f"threads, median of {cfg.repeats}"))
     if args.json:
         bench.write_json(args.json, rows, cfg)

@@ -127,7 +127,7 @@ def run(args) -> int:
     load = f", load {machine['load_average_1min']:.1f}" if "load_average_1min" in machine else ""
     header = (f"condinit bench on {cfg.device} ({where}{load}); torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads; init: {cfg.init_shape.label()}; attention: "
-              f"{cfg.attention_shape.label()}{' causal' if cfg.causal else ''}; {bench._dt(cfg.dtype)}; "
+              f"{cfg.attention_shape.label()}{' causal' if cfg.causal else ''}; {bench.dtype_name(cfg.dtype)}; "
               f"median of {cfg.repeats}\n"
               "FLOPs: attention fwd 4BHN^2d (halved causal), bwd 2.5x, jvp 3x, tangent bwd 7.5x; "
               "init 4 GEMMs of 2d^2D per block; % of the ceiling measured above")
