@@ -295,7 +295,7 @@ def test_seed_generator_and_stream_arguments():
 def test_plan_regions_equal_whole_matrix(d, D):
     """The executor writes any rectangular region of a projection (rows cutting heads, a column
     range: what one rank of a sharded model holds) with the bits of the whole-matrix init."""
-    from condinit.init.functional import InitPlan, run_plan
+    from condinit.init.plan import InitPlan, run_plan
 
     H, first = 4, 7 * LAYER_STRIDE
     whole = torch.empty(H * d, D)

@@ -8,8 +8,10 @@
   stream, as an initialization writes them;
 * :func:`spectrum`, :func:`recondition_`: per-block singular-value extremes and spectral clamping.
 
-Randomness comes from :mod:`condinit.ops.random.op` (counter-based, chunking-independent;
-``docs/design.md``, "Random streams").
+Every initializer lists what it writes in an ``InitPlan`` and runs it with ``run_plan``, the one
+planner and executor (:mod:`condinit.init.plan`). Randomness comes from
+:mod:`condinit.ops.random.op` (counter-based, chunking-independent; ``docs/design.md``, "Random
+streams").
 """
 from condinit.init.functional import (conditioned_blocks, conditioned_init_, conditioned_init_layers_,
                                       rect_identity_, semi_orthogonal_)

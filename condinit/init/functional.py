@@ -14,21 +14,10 @@ layer sits in the high 32 bits of the block counter, the head in the low 32, so 
 collide, whatever the head counts. Initializing layers one by one, all at once, in chunks or
 sharded gives bit-identical weights (for a given device type and memory budget).
 
-Call path. The public function (:func:`semi_orthogonal_`, :func:`conditioned_init_`,
-:func:`conditioned_init_layers_` here, ``apply`` in ``condinit/models/apply.py``) validates its
-arguments (``condinit/_validate.py``), draws the seed if none is given (``seed_from``,
-``condinit/ops/random/op.py``) and lists what it writes in an :class:`InitPlan` (``add_heads``: Q/K
-head blocks, ``add_identity``: V, ``add_zero``: biases; ``apply`` passes each projection's local
-region, which is all sharding needs). :func:`run_plan` is the one executor: per group of
-same-shaped blocks ``_execute`` calls ``run_chunks`` (``condinit/ops/orthogonalize/op.py``), which picks
-the ``ORTHOGONALIZE`` table's backend once (``ORTHOGONALIZE.choose``) to run every chunk: ``fill``
-draws its Gaussians through the ``RANDN`` table (``philox.py``, ``RANDN.choose`` once per group), the
-chunk is orthonormalized, and ``sink`` rounds each result once into its weight's dtype, in place.
-V is written by ``_rect_identity_region_``, the helper behind :func:`rect_identity_`.
-
-All same-shaped blocks of all layers are processed in chunks of ``memory_budget`` bytes of fp32
-scratch: one batched generate + orthogonalize per chunk, each result written once (fp32 compute,
-rounded once into the weight's dtype) into the weights' own memory.
+Every public function validates its arguments (``condinit/_validate.py`` and the checks below), draws
+the seed if none is given (``seed_from``, ``condinit/ops/random/op.py``), lists what it writes in an
+:class:`~condinit.init.plan.InitPlan` and runs it with :func:`~condinit.init.plan.run_plan`, the
+one executor (``condinit/init/plan.py``).
 
 Meta tensors: like ``torch.nn.init``, initializing a meta tensor is a no-op (arguments are still
 validated); a call whose destinations are partly meta, partly real is refused. Bad input raises
@@ -39,18 +28,16 @@ one cannot run it) before the first write.
 """
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from condinit import _backends
 from condinit._validate import (check_bool, check_choice, check_disjoint, check_int, check_real, check_seed,
                                 check_tensor)
-from condinit.ops.orthogonalize.op import METHODS, ORTHOGONALIZE, resolve_method, run_chunks
-from condinit.ops.random.op import RANDN, seed_from, stream_id
+from condinit.init.plan import BlockRun, InitPlan, rect_identity_region_, run_group, run_plan
+from condinit.ops.orthogonalize.op import METHODS, resolve_method
+from condinit.ops.random.op import seed_from, stream_id
 
 __all__ = ["semi_orthogonal_", "rect_identity_", "conditioned_init_", "conditioned_init_layers_",
            "conditioned_blocks", "Q_STREAM", "K_STREAM", "V_MODES", "LAYER_STRIDE"]
@@ -222,224 +209,6 @@ def _as_matrix(w: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
-# ---------------------------------------------------------------------------------------------------
-# the plan and its executor
-
-@dataclass
-class _Run:
-    """Consecutive blocks ``ids`` of ``stream`` and where their results go.
-
-    Blocks have the logical shape ``[d, n]``; ``tall`` (``d > n``) blocks are generated as their
-    wide transpose. Without ``window``, ``dest`` is a ``[k, wm, wn]`` view in the wide orientation
-    (a transposed view for tall blocks) that receives every block whole. With ``window = (row_lo,
-    row_hi, col_lo, col_hi)``, ``dest`` is a ``[row_hi - row_lo, col_hi - col_lo]`` view receiving
-    those rows and columns of the run's logical ``[k * d, n]`` matrix (its blocks stacked): the
-    local part of a sharded projection.
-    """
-    stream: int
-    ids: torch.Tensor
-    dest: torch.Tensor
-    tall: bool
-    gain: float = 1.0
-    window: Optional[tuple[int, int, int, int]] = None
-    owner: Optional[Hashable] = None
-
-
-class InitPlan:
-    """What one initialization call writes: random head blocks, rectangular identities and zeros.
-
-    Built by the public functions (and ``condinit.apply``) after validation, run by :func:`run_plan`.
-    ``owner`` (any hashable, e.g. a layer number) attributes execution time. Meta tensors are
-    skipped. Not part of the public API.
-    """
-
-    def __init__(self):
-        self.groups: dict[tuple, list[_Run]] = {}     # (device, wide block shape) -> runs
-        self.identities: list[tuple] = []             # (region, row_lo, col_lo, head_dim, gain, owner)
-        self.zeros: list[tuple] = []                  # (tensor, owner)
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(r.ids.numel() for runs in self.groups.values() for r in runs)
-
-    def add_heads(self, stream: int, first_id: int, region: torch.Tensor, head_dim: int, in_features: int, *,
-                  row_lo: int = 0, col_lo: int = 0, gain: float = 1.0, owner: Optional[Hashable] = None) -> None:
-        """Head ``h`` of a logical ``[heads * head_dim, in_features]`` matrix is block
-        ``first_id + h`` of ``stream``; ``region`` aliases its rows ``row_lo:row_lo + region.shape[0]``
-        and columns ``col_lo:col_lo + region.shape[1]`` (the whole matrix by default). A 3-D
-        ``region`` ``[k, head_dim, in_features]`` holds ``k`` whole heads from head ``row_lo //
-        head_dim`` on, in any strides (heads whose rows alternate with other projections' rows)."""
-        if region.device.type == "meta":
-            return
-        d, n = head_dim, in_features
-        if region.dim() == 3:
-            h0, tall = row_lo // d, d > n
-            ids = torch.arange(first_id + h0, first_id + h0 + region.shape[0], dtype=torch.int64, device=region.device)
-            run = _Run(stream, ids, region.transpose(1, 2) if tall else region, tall, gain, None, owner)
-            self.groups.setdefault((region.device, (n, d) if tall else (d, n)), []).append(run)
-            return
-        rows, cols = region.shape
-        h0, h1 = row_lo // d, (row_lo + rows + d - 1) // d
-        tall = d > n
-        wide = (n, d) if tall else (d, n)
-        ids = torch.arange(first_id + h0, first_id + h1, dtype=torch.int64, device=region.device)
-        if col_lo == 0 and cols == n and row_lo % d == 0 and rows % d == 0:
-            blocks = region.unflatten(0, (h1 - h0, d))
-            run = _Run(stream, ids, blocks.transpose(1, 2) if tall else blocks, tall, gain, None, owner)
-        else:
-            lo = row_lo - h0 * d
-            run = _Run(stream, ids, region, tall, gain, (lo, lo + rows, col_lo, col_lo + cols), owner)
-        self.groups.setdefault((region.device, wide), []).append(run)
-
-    def add_identity(self, region: torch.Tensor, *, row_lo: int = 0, col_lo: int = 0,
-                     head_dim: Optional[int] = None, gain: float = 1.0, owner: Optional[Hashable] = None) -> None:
-        """``region`` aliases rows ``row_lo:`` and columns ``col_lo:`` of ``gain`` times a
-        rectangular identity (per head of ``head_dim`` rows when given; see :func:`rect_identity_`)."""
-        if region.device.type != "meta":
-            self.identities.append((region, row_lo, col_lo, head_dim, gain, owner))
-
-    def add_zero(self, tensor: torch.Tensor, *, owner: Optional[Hashable] = None) -> None:
-        if tensor.device.type != "meta":
-            self.zeros.append((tensor, owner))
-
-
-# observe(run, first, stop, blocks): the fp32 results (wide orientation) of blocks first:stop of run
-Observer = Callable[[_Run, int, int, torch.Tensor], None]
-
-
-def run_plan(plan: InitPlan, seed: int, method: str, *, memory_budget: Optional[int] = None,
-             backend: Optional[str] = None, observe: Optional[Observer] = None,
-             on_chunk: Optional[Callable[[int], None]] = None) -> tuple[int, dict]:
-    """Execute ``plan`` under ``seed``: every group of same-shaped blocks in chunks (see
-    :func:`_execute`), then the identities and zeros. Arguments are not validated (the public
-    functions did). Returns ``(chunks run, seconds per owner)``; a group's time is shared among its
-    runs' owners by block count."""
-    launches = 0
-    seconds: dict = {}
-
-    def credit(owner, dt):
-        if owner is not None:
-            seconds[owner] = seconds.get(owner, 0.0) + dt
-
-    # Every group's backends are chosen before anything is written: a backend that cannot run one
-    # group raises here, with every destination untouched.
-    chosen = {}
-    for (device, wide) in plan.groups:
-        concrete = resolve_method(*wide, method)
-        chosen[device, wide] = (concrete, ORTHOGONALIZE.choose(device, backend, method=concrete))
-        RANDN.choose(device)
-    for (device, wide), runs in plan.groups.items():
-        t0 = time.perf_counter()
-        concrete, name = chosen[device, wide]
-        launches += _execute(seed, runs, wide, concrete, device, memory_budget=memory_budget,
-                             backend=name, observe=observe, on_chunk=on_chunk)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        total = sum(r.ids.numel() for r in runs)
-        for r in runs:
-            credit(r.owner, dt * r.ids.numel() / total)
-    for region, row_lo, col_lo, head_dim, gain, owner in plan.identities:
-        t0 = time.perf_counter()
-        _rect_identity_region_(region, row_lo, col_lo, head_dim, gain)
-        credit(owner, time.perf_counter() - t0)
-    for tensor, owner in plan.zeros:
-        t0 = time.perf_counter()
-        tensor.zero_()
-        credit(owner, time.perf_counter() - t0)
-    return launches, seconds
-
-
-def _execute(seed: int, runs: Sequence[_Run], wide_shape, method: str, device, *, memory_budget=None,
-             backend=None, collect: Optional[torch.Tensor] = None, observe: Optional[Observer] = None,
-             on_chunk: Optional[Callable[[int], None]] = None) -> int:
-    """Generate + orthogonalize every block of ``runs`` (all of wide shape ``wide_shape``) in chunks
-    and write each result to its run's ``dest`` (or into ``collect`` [total, m, n] fp32). Returns
-    the number of chunks. ``on_chunk(blocks)`` is called once per chunk, ``observe`` once per run
-    segment of a chunk (both possibly from CPU worker threads, one at a time)."""
-    m, n = wide_shape
-    offsets = [0]
-    for r in runs:
-        offsets.append(offsets[-1] + r.ids.numel())
-    total = offsets[-1]
-    if total == 0:
-        return 0
-    rng_backend = RANDN.choose(device)
-    lock = threading.Lock()
-    chunks = [0]
-
-    def segments(start, stop):
-        # (run, first index in run, last index in run, first index in chunk)
-        for i, r in enumerate(runs):
-            lo, hi = max(start, offsets[i]), min(stop, offsets[i + 1])
-            if lo < hi:
-                yield r, lo - offsets[i], hi - offsets[i], lo - start
-
-    def fill(start, stop, A):
-        for r, a, b, c in segments(start, stop):
-            RANDN(rng_backend, seed, r.stream, r.ids[a:b], m, n, A[c:c + b - a])
-        with lock:
-            chunks[0] += 1
-            if on_chunk is not None:
-                on_chunk(stop - start)
-
-    def sink(start, stop, R):
-        if collect is not None:
-            collect[start:stop].copy_(R)
-            return
-        for r, a, b, c in segments(start, stop):
-            src = R[c:c + b - a]
-            if r.gain != 1.0:
-                src = src * r.gain
-            if observe is not None:
-                with lock:
-                    observe(r, a, b, src)
-            if r.window is None:
-                r.dest[a:b].copy_(src)
-            else:
-                _write_window(r, a, b, src)
-
-    def direct(start, stop):
-        if collect is not None:
-            return collect[start:stop]
-        segs = list(segments(start, stop))
-        if observe is not None or len(segs) != 1:
-            return None
-        r, a, b, _ = segs[0]
-        if r.window is not None or r.gain != 1.0:
-            return None
-        d = r.dest[a:b]
-        return d if d.dtype == torch.float32 and d.is_contiguous() else None
-
-    run_chunks(total, (m, n), method, device, fill, sink, memory_budget=memory_budget,
-               backend=backend, direct=direct, breaks=offsets if collect is None else ())
-    return chunks[0]
-
-
-def _write_window(r: _Run, a: int, b: int, src: torch.Tensor) -> None:
-    """Copy the part of blocks ``a:b`` of ``r`` (``src``, wide orientation) inside ``r.window``."""
-    logical = src.transpose(1, 2) if r.tall else src
-    d, n = logical.shape[1:]
-    row_lo, row_hi, col_lo, col_hi = r.window
-    lo, hi = max(row_lo, a * d), min(row_hi, b * d)
-    if lo < hi:
-        rows = logical.reshape((b - a) * d, n)[lo - a * d:hi - a * d, col_lo:col_hi]
-        r.dest[lo - row_lo:hi - row_lo].copy_(rows)
-
-
-def _rect_identity_region_(region: torch.Tensor, row_lo: int = 0, col_lo: int = 0,
-                           head_dim: Optional[int] = None, gain: float = 1.0) -> None:
-    """Write rows ``row_lo:`` and columns ``col_lo:`` of ``gain`` times the rectangular identity
-    into ``region``: ``W[r, c] = gain`` (rounded once into ``region``'s dtype) where ``c == r``
-    (``c == r % head_dim`` with ``head_dim``), else 0."""
-    region.zero_()
-    rows, cols = region.shape
-    r = torch.arange(row_lo, row_lo + rows, device=region.device)
-    c = r if head_dim is None else r % head_dim
-    keep = (c >= col_lo) & (c < col_lo + cols)
-    region[(r - row_lo)[keep], (c - col_lo)[keep]] = gain
-
-
 def _block_ids(block_ids, device) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
@@ -500,7 +269,7 @@ def conditioned_blocks(seed: int, stream, block_ids, block_shape: tuple[int, int
     wm, wn = (n, m) if tall else (m, n)
     res = torch.empty((ids.numel(), wm, wn), dtype=torch.float32, device=device)
     if device.type != "meta" and ids.numel():
-        _execute(seed, [_Run(stream, ids, res, False)], (wm, wn), resolve_method(wm, wn, method), device,
+        run_group(seed, [BlockRun(stream, ids, res, False)], (wm, wn), resolve_method(wm, wn, method), device,
                  memory_budget=memory_budget, backend=backend, collect=res)
     if tall:
         res = res.transpose(1, 2)
@@ -579,7 +348,7 @@ def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_
         return weight
     mat = _as_matrix(weight)
     target = mat if mat is not None else torch.empty((rows, cols), dtype=weight.dtype, device=weight.device)
-    _rect_identity_region_(target, head_dim=hd if per_head else None, gain=gain)
+    rect_identity_region_(target, head_dim=hd if per_head else None, gain=gain)
     if mat is None:
         weight.copy_(target.view(weight.shape))
     return weight

@@ -18,8 +18,8 @@ names) select layers *after* numbering, so initializing a model in pieces, or on
 gives the same weights as one call on the whole model.
 
 **Execution.** :func:`apply` validates its arguments, then describes every write as a
-:class:`condinit.init.functional.InitPlan` (the local region of each Q/K/V projection and bias) and
-runs it with :func:`condinit.init.functional.run_plan`, the executor behind
+:class:`condinit.init.plan.InitPlan` (the local region of each Q/K/V projection and bias) and
+runs it with :func:`condinit.init.plan.run_plan`, the executor behind
 :func:`condinit.init.conditioned_init_layers_`: same-shaped Q and K blocks of all selected layers
 are generated and orthogonalized together, in chunks of ``memory_budget`` bytes of float32, and
 each result is written once (rounded to the storage dtype) into the weights. The budget bounds the
@@ -54,8 +54,9 @@ import torch
 from torch import nn
 
 from condinit._validate import check_bool, check_choice, check_int
-from condinit.init.functional import (K_STREAM, LAYER_STRIDE, MAX_LAYER_INDEX, Q_STREAM, V_MODES, InitPlan,
-                                      check_gains, check_seed_source, draw_seed, rect_identity_, run_plan)
+from condinit.init.functional import (K_STREAM, LAYER_STRIDE, MAX_LAYER_INDEX, Q_STREAM, V_MODES,
+                                      check_gains, check_seed_source, draw_seed, rect_identity_)
+from condinit.init.plan import InitPlan, run_plan
 from condinit.ops.orthogonalize.op import METHODS
 from condinit.ops.random.op import stream_id
 from condinit.init.spectrum import spectrum

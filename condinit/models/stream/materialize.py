@@ -36,7 +36,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from condinit.init.functional import run_plan
+from condinit.init.plan import run_plan
 
 from ..apply import AttentionLayer, covered_tensors, plan_blocks
 from .recording import (FOLLOWED_INITS, ConstructorValue, ConstructorWrites, Fill, Normal, Write, WriteRecorder,
