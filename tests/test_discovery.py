@@ -484,13 +484,13 @@ def test_projection_reshape_and_groups_are_validated():
 def test_reshaped_weights_round_trip_through_checkpoint_metadata(tmp_path):
     pytest.importorskip("safetensors")
     from condinit.commands.inspect import analyze
-    from condinit.models.checkpoint import condinit_metadata, save_model_atomic
+    from condinit.models.checkpoint import METADATA_KEY, condinit_metadata, save_model_atomic
 
     torch.manual_seed(0)
     model = _tiny("xlnet", base={}, vocab_size=99, d_model=32, n_head=4, d_inner=64, n_layer=1)
     rep = apply(model, seed=1)
     path = tmp_path / "xlnet.safetensors"
-    save_model_atomic(model, str(path), condinit_metadata(model, rep, "xlnet"))
+    save_model_atomic(model, str(path), {METADATA_KEY: condinit_metadata(model, discover(model).layers, rep, "xlnet")})
     meta, rows = analyze(str(path))
     assert meta["layers"][0]["q"]["matrix_shape"] == [32, 32] and meta["layers"][0]["q"]["transposed"] is True
     [row] = rows
@@ -501,7 +501,7 @@ def test_reshaped_weights_round_trip_through_checkpoint_metadata(tmp_path):
         q = model.transformer.layer[0].rel_attn.q
         for h in range(4):
             q[:, h, :] = q[:, h, :] * torch.linspace(1.0, h + 2.0, 8)[None, :]
-    save_model_atomic(model, str(path), condinit_metadata(model, rep, "xlnet"))
+    save_model_atomic(model, str(path), {METADATA_KEY: condinit_metadata(model, discover(model).layers, rep, "xlnet")})
     _, [row] = analyze(str(path))
     assert row["q"]["cond_per_head"] == pytest.approx([2.0, 3.0, 4.0, 5.0], rel=1e-5)
 

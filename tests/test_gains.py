@@ -223,11 +223,13 @@ def test_apply_bad_gain_refused_before_writing(which, bad):
 
 def test_metadata_round_trip(tmp_path, seed):
     import condinit
-    from condinit.models.checkpoint import condinit_metadata, open_checkpoint, read_metadata, save_model_atomic
+    from condinit.models.checkpoint import (METADATA_KEY, condinit_metadata, open_checkpoint, read_metadata,
+                                            save_model_atomic)
 
     model = _tiny_llama()
     report = condinit.apply(model, seed=seed, qk_gain=0.75, v_gain=0.125)
-    out = save_model_atomic(model, tmp_path / "m.safetensors", condinit_metadata(model, report, "llama"))
+    meta = condinit_metadata(model, condinit.find_attention(model), report, "llama")
+    out = save_model_atomic(model, tmp_path / "m.safetensors", {METADATA_KEY: meta})
     with open_checkpoint(out) as fh:
         meta = read_metadata(fh)
     assert meta["qk_gain"] == 0.75 and meta["v_gain"] == 0.125 and meta["seed"] == seed

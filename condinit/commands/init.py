@@ -199,7 +199,7 @@ def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) 
     if args.quiet:
         print(where)
         return 0
-    from condinit.models.apply import wide_console
+    from condinit.models.report import wide_console
 
     con = wide_console()
     rep.apply.print(con, max_rows=args.max_rows)
@@ -214,20 +214,23 @@ def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) 
 
 def _print_plan(rep, where: str, quiet: bool) -> None:
     """``--dry-run``: what the write would do."""
-    from condinit._util import format_bytes as _fmt_bytes
+    from condinit._util import format_bytes
 
     plan = rep.plan
     lines = [f"dry run, nothing written: {where}"]
     if not quiet:
         keep = {os.path.basename(f) for f in rep.kept}
-        for name, size, count in plan.files:
-            lines.append(f"  {name}  {_fmt_bytes(size)}  {count} tensors" + ("  (complete: kept)" if name in keep else ""))
-    lines.append(f"{len(plan.files)} file(s), {_fmt_bytes(plan.total_size)} of tensors, {rep.num_parameters / 1e6:.1f}M "
-                 f"parameters; to write {_fmt_bytes(plan.write_bytes)}, {_fmt_bytes(plan.free_bytes)} free")
-    whole = (f"largest unit computed whole {plan.largest_unit[0]}, {_fmt_bytes(plan.largest_unit[1])}"
-             if plan.largest_unit[0] is not None else "no unit computed whole")
-    lines.append(f"peak memory about {_fmt_bytes(plan.peak_memory_bytes)} ({whole}; {plan.replayed_units} of "
-                 f"{plan.units} units drawn in pieces of at most {_fmt_bytes(plan.piece_bytes)})")
+        for f in plan.files:
+            lines.append(f"  {f.name}  {format_bytes(f.size)}  {f.tensors} tensors"
+                         + ("  (complete: kept)" if f.name in keep else ""))
+    lines.append(f"{len(plan.files)} file(s), {format_bytes(plan.total_size)} of tensors, "
+                 f"{rep.num_parameters / 1e6:.1f}M parameters; to write {format_bytes(plan.write_bytes)}, "
+                 f"{format_bytes(plan.free_bytes)} free")
+    largest = plan.largest_unit
+    whole = (f"largest unit computed whole {largest.name}, {format_bytes(largest.bytes)}"
+             if largest.name is not None else "no unit computed whole")
+    lines.append(f"peak memory about {format_bytes(plan.peak_memory_bytes)} ({whole}; {plan.replayed_units} of "
+                 f"{plan.units} units drawn in pieces of at most {format_bytes(plan.piece_bytes)})")
     for name, why in list(plan.whole_modules.items())[:10]:
         lines.append(f"  computed whole: {name or '(the model itself)'}: {why}")
     if len(plan.whole_modules) > 10:
@@ -235,7 +238,7 @@ def _print_plan(rep, where: str, quiet: bool) -> None:
     if plan.rates is not None:
         r = plan.rates
         lines.append(f"expected time on this machine: about {plan.estimated_seconds:.0f} s to generate (own init "
-                     f"{r['own_elements_per_s'] / 1e6:.0f}M {r['dtype']} elements/s, {r['layer_s']:.2f} s per "
+                     f"{r.own_elements_per_s / 1e6:.0f}M {r.dtype} elements/s, {r.layer_s:.2f} s per "
                      f"attention layer, measured now); writing overlaps it, so the run takes the longer of that and "
-                     f"{_fmt_bytes(plan.write_bytes)} at this disk's write speed (not measured: nothing is written)")
+                     f"{format_bytes(plan.write_bytes)} at this disk's write speed (not measured: nothing is written)")
     print("\n".join(lines))

@@ -345,7 +345,7 @@ def run(args) -> int:
 
         print(json.dumps({"file": args.file, "metadata": meta, "layers": rows}, indent=1))
         return 0
-    from condinit.models.apply import wide_console
+    from condinit.models.report import wide_console
     from rich.table import Table
 
     t = Table(title=f"{args.file}: κ = σmax/σmin per head, min / median / max over heads"
@@ -359,7 +359,8 @@ def run(args) -> int:
     con.print(t)
     uncovered = (meta or {}).get("uncovered") or []
     if uncovered:
-        from condinit.models.apply import Uncovered, uncovered_table
+        from condinit.models.apply import Uncovered
+        from condinit.models.report import uncovered_table
 
         con.print(uncovered_table([Uncovered(u["name"], u["class"], u["reason"]) for u in uncovered],
                                   title=f"not conditioned when the file was written: {len(uncovered)} attention-like "

@@ -157,7 +157,7 @@ def probe_model(model, inputs, *, steps=20, samples=16, seed=0, wrt="weights", m
         layer_seed = (seed + i) % SEED_MAX
         try:
             op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32,
-                                  position_embeddings=pe)
+                                  position_embeddings=pe, spec=l.spec)
         except NonFiniteError as exc:
             # a diverged layer (or one fed by one): reported in its row, the others are still probed
             rows.append({"layer": l.index, "name": l.name, "causal": causal, "skipped": f"not probed: {exc}",

@@ -18,8 +18,8 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "CONFIG_NAME", "SHARD_NAME_RE", "shard_name", "PICKLE_SUFFIXES",
-           "MAX_HEADER_BYTES", "Dtype", "DTYPES", "DTYPE_NAMES", "DTYPE_BYTES", "EncodedHeader", "encode_header",
-           "read_header", "canonicalize_header", "canonical_json", "json_text", "show_value", "is_int"]
+           "MAX_HEADER_BYTES", "Dtype", "DTYPES", "DTYPE_NAMES", "DTYPE_BYTES", "EncodedHeader", "header_metadata",
+           "encode_header", "read_header", "canonicalize_header", "canonical_json", "json_text", "show_value", "is_int"]
 
 # Hugging Face model directories: one weights file, or shards listed by an index
 WEIGHTS_NAME = "model.safetensors"
@@ -95,9 +95,16 @@ class EncodedHeader(NamedTuple):
     size: int
 
 
+def header_metadata(metadata: Optional[dict]) -> dict:
+    """The ``__metadata__`` map of a header holding ``metadata``: keys as strings, every value that is
+    not a string as its :func:`canonical_json` (the one place where metadata is serialized)."""
+    return {str(k): (v if isinstance(v, str) else canonical_json(v)) for k, v in (metadata or {}).items()}
+
+
 def encode_header(keys: list, state: dict, metadata: dict) -> EncodedHeader:
     """The header of a safetensors file of the tensors ``keys`` (shapes and dtypes from the tensors,
-    typically meta, in ``state``) with ``metadata`` as its ``__metadata__``. The data order is the
+    typically meta, in ``state``) with ``metadata`` as its ``__metadata__`` (values that are not
+    strings stored as JSON: :func:`header_metadata`). The data order is the
     largest element size first (keeping each tensor aligned), then the order of ``keys``. The header
     has sorted keys in compact JSON, padded with spaces to 8 bytes as safetensors does.
 
@@ -113,7 +120,7 @@ def encode_header(keys: list, state: dict, metadata: dict) -> EncodedHeader:
         n = t.numel() * t.element_size()
         header[k] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
         at += n
-    header["__metadata__"] = metadata
+    header["__metadata__"] = header_metadata(metadata)
     raw = canonical_json(header).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     if len(raw) % 256 == 0x80 and 2 <= (len(raw) >> 8) % 256 <= 5:

@@ -6,6 +6,7 @@ sharded (FSDP2 / DTensor) init, presets and safetensors checkpoints.
     print(report)                               # per-layer singular values before / after
 
 See :mod:`condinit.models.apply` for what is done and how layers are numbered,
+:mod:`condinit.models.report` for what it reports,
 :mod:`condinit.models.registry` for how attention modules are recognised (registered adapters, then
 their structure, :mod:`condinit.models.discovery`) and for adding one (``register_adapter``),
 :mod:`condinit.models.spec` for the description an adapter returns, :mod:`condinit.models.families`
@@ -17,8 +18,9 @@ from . import families  # noqa: F401  (registers the built-in adapters)
 from .registry import (AttentionAdapter, describe, get_adapter, register_adapter, registered_adapters, spec_of,
                        unregister_adapter)
 from .spec import LAYOUTS, AttentionSpec, Described, Projection, UnsupportedAttention, fused_layout
-from .apply import (V_MODES, ApplyReport, AttentionLayer, BlockStats, Discovery, LayerReport, Uncovered,
-                    UncoveredAttentionError, UncoveredAttentionWarning, apply, discover, find_attention)
+from .apply import (V_MODES, AttentionLayer, Discovery, Uncovered, UncoveredAttentionError, UncoveredAttentionWarning,
+                    apply, discover, find_attention)
+from .report import ApplyReport, BlockStats, LayerReport
 from .deferred import has_meta, materialize_
 
 __all__ = ["apply", "find_attention", "discover", "describe", "spec_of", "register_adapter", "unregister_adapter",

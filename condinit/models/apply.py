@@ -47,7 +47,7 @@ from __future__ import annotations
 import fnmatch
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -65,10 +65,11 @@ from .discovery import looks_like_attention, why_not_recognised
 from .registry import describe
 from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
+from .report import ApplyReport, BlockStats, LayerReport
 from .sharded import is_dtensor, local_part, overlap
 
-__all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery", "BlockStats",
-           "LayerReport", "ApplyReport", "UncoveredAttentionWarning", "UncoveredAttentionError", "V_MODES"]
+__all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery",
+           "UncoveredAttentionWarning", "UncoveredAttentionError", "V_MODES"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,186 +292,6 @@ def no_attention_error(model, include, exclude, uncovered: Sequence[Uncovered] =
     return ValueError(f"no attention layer found in {type(model).__name__}: no submodule has a registered adapter or "
                       f"the projections condinit reads (q_proj/k_proj/v_proj, query/key/value, qkv, ...); add one with "
                       f"condinit.models.register_adapter(YourAttention, lambda m: AttentionSpec.from_linears(...))")
-
-
-# ------------------------------------------------------------------------------------------------
-# report
-
-@dataclass
-class BlockStats:
-    """Singular values of one projection's per-head blocks: largest over heads, smallest over heads,
-    worst condition number over heads, and each head's condition number."""
-
-    sigma_max: float
-    sigma_min: float
-    cond: float
-    cond_per_head: tuple = ()
-
-    @classmethod
-    def from_heads(cls, smax: torch.Tensor, smin: torch.Tensor, cond: torch.Tensor) -> "BlockStats":
-        return cls(float(smax.max()), float(smin.min()), float(cond.max()), tuple(float(c) for c in cond))
-
-    @classmethod
-    def of(cls, stack: torch.Tensor) -> "BlockStats":
-        """Of the ``[heads, m, n]`` blocks of ``stack`` (:func:`condinit.init.spectrum`, float64)."""
-        return cls.from_heads(*spectrum(stack))
-
-
-@dataclass
-class LayerReport:
-    """What :func:`apply` did to one layer: its index, name, adapter, heads, the ``[rows, in]``
-    shape of each projection (``shapes``), layout, and the singular values of its head blocks
-    ``before`` and ``after`` (:class:`BlockStats` per projection, None where not measured)."""
-
-    index: int
-    name: str
-    adapter: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    shapes: dict
-    before: dict = field(default_factory=dict)
-    after: dict = field(default_factory=dict)
-    time_s: float = 0.0
-    layout: str = "separate"
-    cross: bool = False
-
-    @classmethod
-    def of(cls, layer: AttentionLayer) -> "LayerReport":
-        """The report of ``layer`` before anything is measured."""
-        s = layer.spec
-        return cls(index=layer.index, name=layer.name, adapter=layer.adapter, num_heads=s.num_heads,
-                   num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                   shapes={p: tuple(proj.shape) for p, proj in s.projections()}, layout=s.layout, cross=layer.cross)
-
-    def to_dict(self) -> dict:
-        def st(s):
-            return None if s is None else {"sigma_max": s.sigma_max, "sigma_min": s.sigma_min, "cond": s.cond,
-                                           "cond_per_head": list(s.cond_per_head)}
-        return {"index": self.index, "name": self.name, "adapter": self.adapter, "num_heads": self.num_heads,
-                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "layout": self.layout,
-                "cross": self.cross,
-                "shapes": {k: list(v) for k, v in self.shapes.items()},
-                "before": {k: st(v) for k, v in self.before.items()},
-                "after": {k: st(v) for k, v in self.after.items()}, "time_s": self.time_s}
-
-
-@dataclass
-class ApplyReport:
-    """What :func:`apply` did: one :class:`LayerReport` per conditioned layer, plus totals, and
-    ``uncovered``: the attention-like modules it left as they were, each with the reason
-    (:class:`Uncovered`).
-
-    ``print(report)`` (or ``report.print()``) shows a table per layer and projection, then the
-    uncovered modules; ``report.to_dict()`` is JSON-friendly. ``qk_gain`` / ``v_gain``: the gains
-    the weights were written with (1: the paper's method).
-    ``time_s`` per layer is the wall time of the batched launches that produced its blocks,
-    apportioned by block count, plus its V and bias writes. ``launches``: the number of chunks
-    generated and orthogonalized. ``init_time_s`` is the time spent materializing a meta model (its
-    own init); ``total_time_s`` everything, reports included.
-    """
-
-    layers: list
-    seed: int
-    method: str
-    v_mode: str
-    launches: int = 0
-    materialized: bool = False
-    sharded: bool = False
-    init_time_s: float = 0.0
-    total_time_s: float = 0.0
-    uncovered: list = field(default_factory=list)
-    qk_gain: float = 1.0
-    v_gain: float = 1.0
-
-    def __len__(self):
-        return len(self.layers)
-
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __getitem__(self, i):
-        return self.layers[i]
-
-    def to_dict(self) -> dict:
-        return {"seed": self.seed, "method": self.method, "v_mode": self.v_mode, "qk_gain": self.qk_gain,
-                "v_gain": self.v_gain, "launches": self.launches,
-                "materialized": self.materialized, "sharded": self.sharded, "init_time_s": self.init_time_s,
-                "total_time_s": self.total_time_s, "layers": [l.to_dict() for l in self.layers],
-                "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason} for u in self.uncovered]}
-
-    def table(self, max_rows: Optional[int] = None):
-        """A ``rich.table.Table`` with one row per (layer, projection)."""
-        from rich.table import Table
-
-        t = Table(title=f"condinit.apply: {len(self.layers)} attention layers, seed {self.seed}, method "
-                        f"{self.method}, V {self.v_mode}, gains Q/K {self.qk_gain:g} V {self.v_gain:g}, "
-                        f"{self.launches} launches, {self.total_time_s:.3f} s"
-                        + (" (materialized from meta)" if self.materialized else "")
-                        + (" (local shards)" if self.sharded else ""))
-        for col in ("layer", "name", "adapter", "heads", "layout", "proj", "shape", "before σmax/σmin/κ",
-                    "after σmax/σmin/κ", "ms"):
-            t.add_column(col, justify="right" if col in ("layer", "ms") else "left")
-        layers = self.layers if max_rows is None else self.layers[:max_rows]
-        for l in layers:
-            for i, p in enumerate(("q", "k", "v")):
-                first = i == 0
-                t.add_row(str(l.index) if first else "", l.name if first else "", l.adapter if first else "",
-                          f"{l.num_heads}/{l.num_kv_heads}x{l.head_dim}" if first else "",
-                          (l.layout + (" (cross)" if l.cross else "")) if first else "", p,
-                          "x".join(str(s) for s in l.shapes[p]), _fmt(l.before.get(p)), _fmt(l.after.get(p)),
-                          f"{1e3 * l.time_s:.1f}" if first else "")
-        if max_rows is not None and len(self.layers) > max_rows:
-            t.caption = f"... {len(self.layers) - max_rows} more layers"
-        return t
-
-    def uncovered_table(self):
-        """A ``rich.table.Table`` of the uncovered modules, or None when there are none."""
-        return uncovered_table(self.uncovered)
-
-    def print(self, console=None, max_rows: Optional[int] = None):
-        con = console or wide_console()
-        con.print(self.table(max_rows))
-        if self.uncovered:
-            con.print(self.uncovered_table())
-
-    def __str__(self):
-        con = wide_console(force_width=True)
-        with con.capture() as cap:
-            self.print(con)
-        return cap.get()
-
-
-def uncovered_table(uncovered: Sequence[Uncovered], title: Optional[str] = None):
-    """A ``rich.table.Table`` listing attention-like modules that were not conditioned, or None."""
-    if not uncovered:
-        return None
-    from rich.table import Table
-
-    t = Table(title=title or f"not conditioned: {len(uncovered)} attention-like module(s), left as the model made them")
-    for col in ("name", "class", "reason"):
-        t.add_column(col, overflow="fold")
-    for u in uncovered:
-        t.add_row(u.name or "(root)", u.cls, u.reason)
-    return t
-
-
-def wide_console(force_width: bool = False):
-    """A rich Console; when output is not a terminal (a pipe, a file, a test) it is 200 columns wide
-    instead of rich's 80, so that tables keep full module names."""
-    import sys
-
-    from rich.console import Console
-
-    if force_width or not sys.stdout.isatty():
-        return Console(width=200)
-    return Console()
-
-
-def _fmt(s: Optional[BlockStats]) -> str:
-    if s is None:
-        return "-"
-    return f"{s.sigma_max:.7g}/{s.sigma_min:.7g}/{s.cond:.7g}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,25 +25,30 @@ The ``condinit`` metadata entry (a JSON string in the safetensors header) writte
 d]``, Falcon's groups) also has ``"groups"`` and ``"stride"``: group ``g`` is rows ``start + g*stride
 : stop + g*stride``, the groups stacked in order give the projection's heads; without them the
 projection is the one row range ``start:stop``. ``"uncovered"`` lists the attention-like modules
-``condinit.apply`` left unconditioned, and why. Where real models keep their attention weights:
-docs/design.md, "Model layouts".
+``condinit.apply`` left unconditioned, and why. A shard of a model directory holds the layers whose
+Q, K and V all lie in it, and ``"shard": [k, n]`` (:func:`shard_metadata`). Where real models keep
+their attention weights: docs/design.md, "Model layouts".
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from torch import nn
 
 from ..io.atomic import atomic_output
-from ..io.safetensors_format import (WEIGHTS_INDEX_NAME, WEIGHTS_NAME, canonical_json, canonicalize_header, is_int,
-                                     read_header, show_value)
+from ..io.safetensors_format import (WEIGHTS_INDEX_NAME, WEIGHTS_NAME, canonical_json, canonicalize_header,
+                                     header_metadata, is_int, read_header, show_value)
 
-__all__ = ["save_model_atomic", "condinit_metadata", "open_checkpoint", "read_metadata", "check_metadata",
-           "check_metadata_tensors", "entry_stop", "entry_rows", "Checkpoint", "ShardedCheckpoint", "METADATA_KEY",
-           "METADATA_FORMAT"]
+if TYPE_CHECKING:
+    from .apply import AttentionLayer
+    from .report import ApplyReport
+
+__all__ = ["save_model_atomic", "condinit_metadata", "shard_metadata", "open_checkpoint", "read_metadata",
+           "check_metadata", "check_metadata_tensors", "entry_stop", "entry_rows", "Checkpoint", "ShardedCheckpoint",
+           "METADATA_KEY", "METADATA_FORMAT"]
 
 METADATA_KEY = "condinit"
 METADATA_FORMAT = 1
@@ -55,9 +60,9 @@ METADATA_FORMAT = 1
 def save_model_atomic(model: nn.Module, path, metadata: Optional[dict] = None) -> str:
     """Write ``model``'s state dict to ``path`` as safetensors, atomically
     (:func:`condinit.io.atomic.atomic_output`); shared (tied) tensors once. ``metadata`` values that
-    are not strings are stored as JSON. The header has sorted keys: the same tensors and metadata
-    give a byte-identical file. Returns the absolute path (as given: a symlink is written through,
-    not replaced).
+    are not strings are stored as JSON (:func:`condinit.io.safetensors_format.header_metadata`). The
+    header has sorted keys: the same tensors and metadata give a byte-identical file. Returns the
+    absolute path (as given: a symlink is written through, not replaced).
 
     Examples:
         >>> model = torch.nn.Linear(4, 4)
@@ -66,29 +71,31 @@ def save_model_atomic(model: nn.Module, path, metadata: Optional[dict] = None) -
     """
     from safetensors.torch import save_model
 
-    meta = {str(k): (v if isinstance(v, str) else canonical_json(v)) for k, v in (metadata or {}).items()}
     with atomic_output(path) as tmp:
-        save_model(model, tmp, metadata=meta)
+        save_model(model, tmp, metadata=header_metadata(metadata))
         canonicalize_header(tmp)
     return os.path.abspath(os.fspath(path))
 
 
-def condinit_metadata(model: nn.Module, report, family: str, extra: Optional[dict] = None) -> dict:
-    """The ``condinit`` header entry for a model conditioned by :func:`condinit.apply` (see module doc),
-    as ``{"condinit": json}`` with sorted keys (the same model and report give the same string).
+def condinit_metadata(model: nn.Module, layers: Sequence[AttentionLayer], report: ApplyReport, family: str,
+                      extra: Optional[dict] = None) -> dict:
+    """The ``condinit`` header entry (see module doc) of ``model`` conditioned as ``report`` says, as a
+    JSON object: one entry per layer of ``report`` that ``layers`` (the model's
+    :class:`~condinit.models.AttentionLayer`\\ s, as :func:`condinit.models.find_attention` gives
+    them) describes under its name, each Q/K/V named by ``model``'s parameter names; ``extra``
+    fields added last. It is serialized where the header is written (:func:`save_model_atomic`,
+    :func:`condinit.io.safetensors_format.encode_header`), with sorted keys.
 
     Examples:
         >>> report = condinit.apply(model, seed=0)
-        >>> meta = condinit_metadata(model, report, "llama", extra={"preset": "tiny-llama"})
-        >>> save_model_atomic(model, "tiny.safetensors", meta)
+        >>> meta = condinit_metadata(model, find_attention(model), report, "llama", extra={"preset": "tiny-llama"})
+        >>> save_model_atomic(model, "tiny.safetensors", {METADATA_KEY: meta})
     """
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
-    from .apply import find_attention
-
-    layers = []
-    by_name = {l.name: l for l in find_attention(model)}
+    entries = []
+    by_name = {l.name: l for l in layers}
     for rep in report.layers:
         l = by_name.get(rep.name)
         if l is None:
@@ -107,16 +114,23 @@ def condinit_metadata(model: nn.Module, report, family: str, extra: Optional[dic
                 ent[p]["in_groups"] = proj.in_groups
             if proj.fixed:                      # a learned query: left as the model made it
                 ent[p]["fixed"] = True
-        layers.append(ent)
-    first = layers[0] if layers else {}
+        entries.append(ent)
+    first = entries[0] if entries else {}
     meta = {"format": METADATA_FORMAT, "family": family, "seed": report.seed, "method": report.method,
             "v_mode": report.v_mode, "qk_gain": report.qk_gain, "v_gain": report.v_gain,
             "num_heads": first.get("num_heads"), "num_kv_heads": first.get("num_kv_heads"),
-            "head_dim": first.get("head_dim"), "layers": layers,
+            "head_dim": first.get("head_dim"), "layers": entries,
             "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason}
                           for u in getattr(report, "uncovered", ())]}
     meta.update(extra or {})
-    return {METADATA_KEY: canonical_json(meta)}
+    return meta
+
+
+def shard_metadata(meta: dict, tensors: set, k: int, n: int) -> dict:
+    """The ``condinit`` entry ``meta`` as shard ``k`` of ``n`` of a model directory holds it: only the
+    layers whose Q, K and V all lie in the shard's ``tensors``, and ``"shard": [k, n]``."""
+    inside = [ent for ent in meta["layers"] if all(ent[p]["tensor"] in tensors for p in ("q", "k", "v"))]
+    return dict(meta, layers=inside, shard=[k, n])
 
 
 # ------------------------------------------------------------------------------------------------

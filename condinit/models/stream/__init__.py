@@ -42,7 +42,7 @@ names.
 from condinit.io.safetensors_format import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from .own_init import own_init_
-from .plan import LargestUnit, PlannedFile, WritePlan
+from .plan import LargestUnit, PlannedFile, Rates, WritePlan
 from .shards import parse_shard_size, plan_shards
 from .streams import OWN_INIT_BLOCK, own_init_stream, own_normal_
 from .tuning import Tuning, tuned, tuning
@@ -50,4 +50,4 @@ from .write import PretrainedWriteReport, write_checkpoint, write_pretrained
 
 __all__ = ["write_pretrained", "write_checkpoint", "plan_shards", "parse_shard_size", "own_init_stream",
            "own_normal_", "own_init_", "OWN_INIT_BLOCK", "PretrainedWriteReport", "WritePlan", "PlannedFile",
-           "LargestUnit", "Tuning", "tuning", "tuned", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
+           "LargestUnit", "Rates", "Tuning", "tuning", "tuned", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]

@@ -55,9 +55,10 @@ def _short(v) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def other_model(out_dir: str, config_text: Optional[str], full_meta: dict, planned: set) -> Optional[str]:
-    """Why ``out_dir`` holds a model other than the one about to be written, or None (nothing
-    there, or this model: same config, same ``condinit`` identity)."""
+def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planned: set) -> Optional[str]:
+    """Why ``out_dir`` holds a model other than the one about to be written (``metadata``: its whole
+    ``condinit`` entry), or None (nothing there, or this model: same config, same ``condinit``
+    identity)."""
     if not os.path.isdir(out_dir):
         return None
     names = sorted(os.listdir(out_dir))
@@ -74,8 +75,9 @@ def other_model(out_dir: str, config_text: Optional[str], full_meta: dict, plann
         new = {k: v for k, v in new.items() if k != "transformers_version"}
         if old != new:
             return f"its {CONFIG_NAME} differs ({_first_difference(old, new)})"
-    ours = _identity(full_meta)
-    our_layers = [canonical_json(ent) for ent in full_meta.get("layers", [])]
+    metadata = json.loads(canonical_json(metadata))   # compared as a reader of the files parses it
+    ours = _identity(metadata)
+    our_layers = [canonical_json(ent) for ent in metadata.get("layers", [])]
     for name in names:
         path = os.path.join(out_dir, name)
         if not os.path.isfile(path):

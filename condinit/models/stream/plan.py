@@ -20,7 +20,7 @@ from .prepare import Job
 from .streams import own_normal_
 from .tuning import tuning
 
-__all__ = ["PlannedFile", "LargestUnit", "WritePlan", "make_plan"]
+__all__ = ["PlannedFile", "LargestUnit", "Rates", "WritePlan", "make_plan"]
 
 
 class PlannedFile(NamedTuple):
@@ -38,6 +38,15 @@ class LargestUnit(NamedTuple):
     bytes: int
 
 
+class Rates(NamedTuple):
+    """Generation rates measured on this machine: own-init elements per second (of ``dtype``, the
+    model's main dtype, named as in ``"float32"``) and seconds per conditioned attention layer."""
+
+    own_elements_per_s: float
+    layer_s: float
+    dtype: str
+
+
 @dataclass
 class WritePlan:
     """What a write will do (``dry_run=True`` computes only this): ``files`` as
@@ -47,7 +56,7 @@ class WritePlan:
     computed ahead, and scratch), how many of the ``units`` are drawn in pieces of at most
     ``piece_bytes`` (``replayed_units``; ``whole_modules``: the other modules besides attention
     layers, each with why its init is not replayed), and the generation time estimated from rates
-    measured on this machine (``rates``; ``None`` unless measured)."""
+    measured on this machine (``rates``: :class:`Rates`; ``None`` unless measured)."""
 
     files: list
     total_size: int
@@ -60,7 +69,7 @@ class WritePlan:
     replayed_units: int = 0
     piece_bytes: int = 0
     whole_modules: dict = field(default_factory=dict)
-    rates: Optional[dict] = None
+    rates: Optional[Rates] = None
     estimated_seconds: Optional[float] = None
 
 
@@ -74,7 +83,7 @@ def _current_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _measure_rates(job: Job) -> dict:
+def _measure_rates(job: Job) -> Rates:
     """Generation rates on this machine, from a short run with the threads the write uses
     (:func:`compute_threads`): own-init elements per second (the model's main dtype) and seconds
     per conditioned attention layer (its first one, computed)."""
@@ -101,7 +110,7 @@ def _measure_rates(job: Job) -> dict:
             if job.device.type == "cuda":
                 torch.cuda.synchronize(job.device)
             layer_s = time.perf_counter() - t0
-    return {"own_elements_per_s": own_rate, "layer_s": layer_s, "dtype": str(dtype).replace("torch.", "")}
+    return Rates(own_elements_per_s=own_rate, layer_s=layer_s, dtype=str(dtype).replace("torch.", ""))
 
 
 def make_plan(job: Job, files: dict, sizes: dict, keep: list, free: Optional[int], write_bytes: int,
@@ -136,5 +145,5 @@ def make_plan(job: Job, files: dict, sizes: dict, keep: list, free: Optional[int
         frac = sum(tensor_bytes(job.state[k]) for k in todo) / max(job.total_size, 1)
         n_layers = sum(1 for u in units if isinstance(u, LayerUnit))
         plan.rates = rates
-        plan.estimated_seconds = frac * (own / rates["own_elements_per_s"] + n_layers * rates["layer_s"])
+        plan.estimated_seconds = frac * (own / rates.own_elements_per_s + n_layers * rates.layer_s)
     return plan

@@ -3,7 +3,6 @@ its layers discovered, its tensors and their materializer set up; nothing writte
 """
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -17,9 +16,9 @@ from condinit.init.functional import V_MODES, check_gains
 from condinit.io.safetensors_format import DTYPE_NAMES
 from condinit.ops.orthogonalize.op import METHODS
 
-from ..apply import ApplyReport, LayerReport, UncoveredAttentionWarning, check_patterns, discover_for_writing, \
-    uncovered_listing
-from ..checkpoint import METADATA_KEY, condinit_metadata
+from ..apply import UncoveredAttentionWarning, check_patterns, discover_for_writing, uncovered_listing
+from ..checkpoint import condinit_metadata
+from ..report import ApplyReport, LayerReport
 from .materialize import Conditioning, Materializer
 from .recording import build_on_meta
 from .shards import saved_state
@@ -55,13 +54,14 @@ class Settings:
 class Job:
     """A checked, planned write: the meta model, its saved tensors (``state``: ``{key: meta
     tensor}`` in checkpoint order), the materializer that computes them, the conditioning report,
-    the whole ``condinit`` metadata entry, the parameter count and the bytes of tensors."""
+    the whole ``condinit`` metadata entry (:func:`condinit.models.checkpoint.condinit_metadata`, a
+    JSON object of every layer), the parameter count and the bytes of tensors."""
 
     model: nn.Module
     state: dict
     engine: Materializer
     report: ApplyReport
-    full_meta: dict
+    metadata: dict
     num_parameters: int
     total_size: int
     device: torch.device
@@ -178,13 +178,11 @@ def prepare(model_or_config, s: Settings) -> Job:
                       f"not conditioned and keep the model's own init (report.uncovered lists them; strict=True "
                       f"makes this an error): {uncovered_listing(uncovered, 10)}", UncoveredAttentionWarning,
                       stacklevel=3)
-    reports = [LayerReport(l.index, l.name, l.adapter, l.spec.num_heads, l.spec.num_kv_heads, l.spec.head_dim,
-                           {p: tuple(proj.shape) for p, proj in l.spec.projections()}, layout=l.spec.layout,
-                           cross=l.cross) for l in layers]
-    report = ApplyReport(reports, seed, s.method, s.v_mode, 0, True, False, 0.0, 0.0, list(uncovered), qk_gain,
-                         v_gain)
+    report = ApplyReport(layers=[LayerReport.of(l) for l in layers], seed=seed, method=s.method, v_mode=s.v_mode,
+                         materialized=True, uncovered=list(uncovered), qk_gain=qk_gain, v_gain=v_gain)
     fam = s.family if s.family is not None else getattr(model.config, "model_type", None)
-    full_meta = json.loads(condinit_metadata(model, report, fam, extra=s.extra_metadata)[METADATA_KEY])
+    metadata = condinit_metadata(model, layers, report, fam, extra=s.extra_metadata)
     num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     total_size = sum(tensor_bytes(t) for t in state.values())
-    return Job(model, state, engine, report, full_meta, num_parameters, total_size, device)
+    return Job(model=model, state=state, engine=engine, report=report, metadata=metadata,
+               num_parameters=num_parameters, total_size=total_size, device=device)

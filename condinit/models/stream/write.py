@@ -11,7 +11,8 @@ directory that loads; shards of an earlier write that this one does not replace
 (``model-*-of-*.safetensors``) are removed at the end, as ``save_pretrained`` does. Each shard's
 header has ``"format": "pt"`` and the ``condinit`` entry of
 :func:`condinit.models.checkpoint.condinit_metadata` restricted to the layers whose Q, K and V all
-lie in that shard (so ``condinit inspect`` can read every shard alone), plus ``"shard": [k, n]``;
+lie in that shard (so ``condinit inspect`` can read every shard alone), plus ``"shard": [k, n]``
+(:func:`condinit.models.checkpoint.shard_metadata`);
 the index's ``metadata`` has ``total_size`` and ``total_parameters`` as ``save_pretrained`` writes
 them, and the whole ``condinit`` entry (every layer) under ``"condinit"``. Headers are
 deterministic: the same call writes the same bytes.
@@ -34,10 +35,10 @@ from condinit._util import format_bytes, tensor_bytes
 from condinit._validate import check_bool
 from condinit.io.atomic import check_output_path, removing_temps_on_sigterm
 from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
-                                            canonical_json, encode_header, json_text)
+                                            encode_header, json_text)
 
-from ..apply import ApplyReport
-from ..checkpoint import METADATA_KEY
+from ..checkpoint import METADATA_KEY, shard_metadata
+from ..report import ApplyReport
 from .destination import check_out_dir, complete, free_bytes, needed_bytes, other_model
 from .materialize import Replay, compute_threads
 from .plan import WritePlan, make_plan
@@ -53,7 +54,7 @@ __all__ = ["write_pretrained", "write_checkpoint", "PretrainedWriteReport"]
 class PretrainedWriteReport:
     """What :func:`write_pretrained` wrote: the directory, its files (weights files in order), the
     tensor bytes (``total_size`` as in the index), the parameter count, and the conditioning as an
-    :class:`condinit.ApplyReport` (``apply``: layers, seed, uncovered modules; no singular values).
+    :class:`condinit.models.ApplyReport` (``apply``: layers, seed, uncovered modules; no singular values).
     ``plan``: the :class:`WritePlan`; ``kept``: the shards a resume found complete; ``dry_run``:
     nothing was written."""
 
@@ -211,7 +212,7 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
         seed=seed, method=method, v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain, dtype=dtype, model_class=model_class,
         include=include, exclude=exclude, strict=strict, memory_budget=memory_budget, family=family,
         extra_metadata=extra_metadata, device=device))
-    model, state, full_meta = job.model, job.state, job.full_meta
+    model, state, metadata = job.model, job.state, job.metadata
     files = plan_files(state, limit)
     weight_map = {k: f for f, ks in files.items() for k in ks}
     paths = {f: check_output_path(os.path.join(out_dir, f)) if os.path.isdir(out_dir) else os.path.join(out_dir, f)
@@ -220,12 +221,8 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
     headers = {}
     n = len(files)
     for i, (fname, keys) in enumerate(files.items()):
-        inside = set(keys)
-        meta = dict(full_meta)
-        meta["layers"] = [ent for ent in full_meta["layers"]
-                          if all(ent[p]["tensor"] in inside for p in ("q", "k", "v"))]
-        meta["shard"] = [i + 1, n]
-        headers[fname] = encode_header(keys, state, {"format": "pt", METADATA_KEY: canonical_json(meta)})
+        headers[fname] = encode_header(keys, state, {"format": "pt",
+                                                     METADATA_KEY: shard_metadata(metadata, set(keys), i + 1, n)})
     sizes = {f: h.size for f, h in headers.items()}
 
     config = copy.deepcopy(model.config)
@@ -238,11 +235,11 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
     index_text = None
     if n > 1:
         index_text = json_text({"metadata": {"total_parameters": job.num_parameters, "total_size": job.total_size,
-                                             METADATA_KEY: full_meta}, "weight_map": weight_map})
+                                             METADATA_KEY: metadata}, "weight_map": weight_map})
 
     # refusals: nothing is written before these
     if not overwrite:
-        why = other_model(out_dir, config_text, full_meta, set(files))
+        why = other_model(out_dir, config_text, metadata, set(files))
         if why is not None:
             raise ValueError(f"out_dir {out_dir} already holds another model: {why}; pass overwrite=True "
                              f"(--overwrite) to replace it, or choose another directory")
@@ -315,7 +312,7 @@ def write_checkpoint(model_or_config, path, *, seed: int = 0, method: str = "aut
         extra_metadata=extra_metadata, device=device))
     keys = list(job.state)
     name = os.path.basename(path)
-    header = encode_header(keys, job.state, {"format": "pt", METADATA_KEY: canonical_json(job.full_meta)})
+    header = encode_header(keys, job.state, {"format": "pt", METADATA_KEY: job.metadata})
     need = needed_bytes({name: path}, {name: header.size}, set())
     free = free_bytes(path)
     if need > free:
