@@ -53,7 +53,7 @@ _LAZY = {
     "find_attention": "condinit.models",
     "JacobianOperator": "condinit.probe",
     "JacobianMonitor": "condinit.probe",
-    "ConditioningWarning": "condinit.probe.monitor",
+    "ConditioningWarning": "condinit.probe.alerts",
     "lanczos_svd": "condinit.probe",
     "power_sigma_max": "condinit.probe",
     "condition_number": "condinit.probe",

@@ -62,7 +62,7 @@ def _reference_sigma(model, inputs, rank):
     """sigma_max of layer 0 at step 2 from this rank's own input, the weights gathered by hand (the
     monitor's estimate must be the same computation)."""
     from condinit.probe import JacobianOperator, lanczos_svd
-    from condinit.probe.monitor import SEED_MAX
+    from condinit._validate import SEED_MAX
 
     layer = model[0]
     # layer 0's input at step 2 is the step's x (the first layer reads the model input)

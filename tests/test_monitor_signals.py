@@ -14,10 +14,10 @@ from torch import nn
 
 from conftest import F64, assert_close
 import condinit.probe.estimators as estimators_mod
-import condinit.probe.monitor as monitor_mod
+import condinit.probe.signals as signals_mod
 from condinit.models import AttentionSpec, register_adapter, unregister_adapter
 from condinit.probe import JacobianMonitor, JacobianOperator
-from condinit.probe.monitor import ALERT_KINDS, ConditioningWarning
+from condinit.probe.alerts import ALERT_KINDS, ConditioningWarning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,7 +124,7 @@ def test_signals_match_float64_definitions(kind, tile, rng, gqa_adapter, monkeyp
     B, N = x.shape[:2]
     H = module.num_heads if kind == "mha" else module.H
     if tile != "whole":     # score blocks of 1 or 2 query rows (the last one ragged for odd N)
-        monkeypatch.setattr(monitor_mod, "_SIGNAL_TILE_ELEMENTS", B * H * N * (1 if tile == "one_row" else 2))
+        monkeypatch.setattr(signals_mod, "SIGNAL_TILE_ELEMENTS", B * H * N * (1 if tile == "one_row" else 2))
     mon = JacobianMonitor(module, every=1, **FAST)
     _forward(module, x)
     (rec,) = mon.step()

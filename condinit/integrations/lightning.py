@@ -32,7 +32,7 @@ def _callback_base():
 
 
 def _build():
-    from condinit.probe.monitor import logged_metrics
+    from condinit.probe.records import logged_metrics
 
     Callback = _callback_base()
 

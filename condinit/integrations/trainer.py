@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from condinit._validate import check_bool, check_int
 from condinit.integrations.trainer_common import fsdp2_sharded
-from condinit.probe.monitor import logged_metrics
+from condinit.probe.records import logged_metrics
 
 __all__ = ["JacobianMonitorCallback"]
 

@@ -11,37 +11,22 @@ capture, on sampled steps only (``step % every == 0``), a detached copy of the l
 rotary ``position_embeddings`` it is called with, and of its Q/K/V weights (a
 :class:`~condinit.probe.JacobianOperator` of the attention the module computes -- QK-norm, RoPE,
 sliding window, soft-capping -- is built at that moment, so the estimate refers to the weights the
-forward pass used; the record's ``notes`` / the estimate's ``subspace`` say what is modelled). :meth:`JacobianMonitor.step` then runs
-:func:`~condinit.probe.lanczos_svd` (``steps``) and :func:`~condinit.probe.frobenius_hutchinson` per layer
-and logs one record per layer to JSONL (and CSV; TensorBoard scalars when ``torch.utils.tensorboard``
-works).
+forward pass used; the record's ``notes`` / the estimate's ``subspace`` say what is modelled).
+:meth:`JacobianMonitor.step` then runs :func:`~condinit.probe.lanczos_svd` (``steps``) and
+:func:`~condinit.probe.frobenius_hutchinson` per layer and logs one record per layer to JSONL (and
+CSV; TensorBoard scalars when ``torch.utils.tensorboard`` works).
 
-Signals beside kappa, from the same captured step (``signals=True``), per head ``h`` (key/value head
-``g(h)``) and aggregated per layer; the scores are ``s_ij = scale q_i . k_j`` of the operator's
-``A(X)`` (layer weights, biases, scale and causal mask; not RoPE or other position transforms the
-module applies inside, nor padding masks):
+Signals beside kappa, from the same captured step (``signals=True``, :mod:`condinit.probe.signals`):
+per head and per layer, the max attention logit (``max_logit``), the attention entropy
+(``entropy_mean`` / ``entropy_min``), the spectral norm of ``W_Q,h^T W_K,h`` (``qk_norm``), and
+``||J||_F`` by :func:`~condinit.probe.frobenius_hutchinson` (``frobenius``, with
+``frobenius_ci_low`` / ``frobenius_ci_high``).
 
-* ``max_logit`` (``max_logit_heads``): ``max_ij s_ij`` over the batch, queries and unmasked keys
-  (before soft-capping, which bounds it by construction); the layer value is the largest head's.
-* ``entropy_mean`` / ``entropy_min`` (``entropy_mean_heads`` / ``entropy_min_heads``): the
-  attention entropy ``-sum_j p_ij log p_ij`` (nats, of the probabilities the layer uses: after
-  soft-capping and masks) averaged over queries, and its minimum over the queries that attend more
-  than one key (under a causal mask the first query sees one key only and has entropy 0 by
-  construction); layer values: the mean over heads, the minimum over heads.
-* ``qk_norm`` (``qk_norm_heads``): the spectral norm of the ``D x D`` bilinear form
-  ``W_Q,h^T W_K,g(h)`` (``s_ij = scale x_i^T W_Q,h^T W_K,g x_j`` without biases), computed exactly
-  as ``||R_Q,h R_K,g^T||_2`` from thin QRs ``W_Q,h^T = Q_Q,h R_Q,h`` (``d x d`` SVDs only); the layer
-  value is the largest head's.
-* ``frobenius`` (with ``frobenius_ci_low`` / ``frobenius_ci_high``): ``||J||_F`` by
-  :func:`~condinit.probe.frobenius_hutchinson`.
-
-Alerts (``alerts={"kappa_growth": 10.0, "max_logit": 50.0, "entropy": 0.1, "qk_norm": 100.0}``):
-kappa over the layer's first recorded kappa above ``kappa_growth``, a head's max logit above
-``max_logit``, a head's mean entropy below ``entropy``, a head's ``qk_norm`` above ``qk_norm``. Each
-fires once per layer and kind: a :class:`ConditioningWarning` (``warnings.warn``) and an alert
-record (``{"alert": kind, "step", "layer", "name", "head", "value", "threshold", ...}``) in the
-JSONL file and in :attr:`JacobianMonitor.alerts` (not in the CSV or :attr:`~JacobianMonitor.history`,
-which hold one row per layer).
+Alerts (``alerts={"kappa_growth": 10.0, "max_logit": 50.0, "entropy": 0.1, "qk_norm": 100.0}``,
+:mod:`condinit.probe.alerts`): each fires once per layer and kind, a ``ConditioningWarning`` and an
+alert record in the JSONL file and in :attr:`JacobianMonitor.alerts` (not in the CSV or
+:attr:`~JacobianMonitor.history`, which hold one row per layer). The records, their skip reasons
+and the log files: :mod:`condinit.probe.records`.
 
 It never changes training: the hooks return nothing and only copy detached tensors; estimates run
 under ``torch.no_grad`` on those copies with a private ``torch.Generator`` (no draw from the global or
@@ -74,20 +59,12 @@ logged as skipped. Cost on a CPU (benchmarks/bench_probe.py): one layer's estima
 weights) is 20 fused JVPs and 20 flash VJPs plus one ``[B N, B N] x [B N, rows]`` product per step
 (the weights side runs in projection-output coordinates); with ``max_batch=1`` ``every=100`` costs
 about 0.85 % of training time for a 12-layer D=768 model at 8 x 512 tokens.
-The signals add one attention-score pass per layer (``O(B H N^2 d)`` like one attention forward,
-plus ``O((H + Hkv) D d^2)`` for the QRs): the scores are formed in row blocks of at most
-``_SIGNAL_TILE_ELEMENTS`` entries (a few such blocks live at once; a block is never smaller than
-one query row, ``B H N`` entries), so no ``N x N`` matrix is kept, and nothing is stored but
-``O(H)`` statistics.
+The signals add one attention-score pass per layer (:mod:`condinit.probe.signals`, "Cost").
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
 import time
-import warnings
 from typing import Optional
 
 import torch
@@ -95,131 +72,13 @@ from torch import nn
 
 from condinit._validate import SEED_MAX, check_bool, check_choice, check_dtype, check_int, check_real, check_seed
 
+from .alerts import Alerts, check_alerts
 from .autocast import autocast_disabled
 from .capture import InputCapture, call_position_embeddings
+from .records import SKIPPED_BUDGET, SKIPPED_MAX_LAYERS, SKIPPED_NOT_RUN, RecordLog, skipped_error
+from .signals import attention_signals
 
-__all__ = ["JacobianMonitor", "ConditioningWarning", "ALERT_KINDS", "LOGGED_KEYS", "logged_metrics"]
-
-# per-head signals: the layer aggregate is the key without "_heads"
-_HEAD_SIGNALS = ("max_logit_heads", "entropy_mean_heads", "entropy_min_heads", "qk_norm_heads")
-_CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged",
-               "residual_max", "residual_min", "lanczos_steps", "frobenius", "frobenius_ci_low", "frobenius_ci_high",
-               "max_logit", "entropy_mean", "entropy_min", "qk_norm") + _HEAD_SIGNALS + (
-               "batch", "tokens", "time_s", "skipped", "notes")
-_TB_SCALARS = ("sigma_max", "sigma_min", "kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
-
-# Attention scores are formed in row blocks of at most this many entries (at least one query row).
-_SIGNAL_TILE_ELEMENTS = 1 << 22
-
-# alert kind -> (what it compares, the bound's check_real arguments)
-ALERT_KINDS = {
-    "kappa_growth": ("kappa / the layer's first recorded kappa above the bound", dict(min=0.0, min_open=True)),
-    "max_logit": ("a head's max attention logit above the bound", {}),
-    "entropy": ("a head's mean attention entropy (nats) below the bound", dict(min=0.0)),
-    "qk_norm": ("a head's ||W_Q,h^T W_K,h||_2 above the bound", dict(min=0.0, min_open=True)),
-}
-
-
-class ConditioningWarning(UserWarning):
-    """An alert of :class:`JacobianMonitor` (a signal crossed a user threshold)."""
-
-
-def _check_alerts(alerts) -> dict:
-    if alerts is None:
-        return {}
-    if not isinstance(alerts, dict):
-        raise TypeError(f"alerts must be a dict mapping alert kinds ({', '.join(ALERT_KINDS)}) to thresholds, "
-                        f"got {type(alerts).__name__}")
-    out = {}
-    for kind, bound in alerts.items():
-        if kind not in ALERT_KINDS:
-            raise ValueError(f"alerts: unknown kind {kind!r}; expected one of {', '.join(ALERT_KINDS)}")
-        out[kind] = check_real(f"alerts[{kind!r}]", bound, **ALERT_KINDS[kind][1])
-    return out
-
-
-# record keys a trainer callback passes on to its trainer's logger, as "jacobian/LAYER/KEY"
-LOGGED_KEYS = ("kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
-
-
-def logged_metrics(records) -> dict:
-    """``{"jacobian/LAYER/KEY": value}`` for the non-None :data:`LOGGED_KEYS` of ``records`` (a later
-    record of a layer overrides an earlier one): what the trainer callbacks log."""
-    out = {}
-    for rec in records:
-        for key in LOGGED_KEYS:
-            if rec.get(key) is not None:
-                out[f"jacobian/{rec['layer']:02d}/{key}"] = rec[key]
-    return out
-
-
-def _finite_or_none(v):
-    """Floats (also inside lists) that are NaN / inf become None: a log line must stay valid JSON."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, list):
-        return [_finite_or_none(x) for x in v]
-    return v
-
-
-def _attention_signals(op) -> dict:
-    """Per-head attention statistics of one captured layer (see the module docstring).
-
-    ``op`` is a :class:`~condinit.probe.JacobianOperator` built from a module (it holds ``X`` and
-    the weights). Returns the per-head lists (``max_logit_heads``, ``entropy_mean_heads``,
-    ``entropy_min_heads``, ``qk_norm_heads``) and their layer aggregates, as Python floats
-    (``entropy_min`` None when no query attends more than one key). Runs in the operator's dtype
-    under ``torch.no_grad`` with autocast off; scores in row blocks of at most
-    ``_SIGNAL_TILE_ELEMENTS`` entries.
-    """
-    with torch.no_grad(), autocast_disabled(op.device):
-        q, k = op._primal()[:2]                     # [B, H, N, d], [B, Hkv, N, d]: the operator's own
-        B, H, N, d = q.shape
-        Hkv, G = k.shape[1], H // k.shape[1]
-        qg = q.reshape(B, Hkv, G, N, d)              # head h = g * G + j reads key/value head g
-        kt = k.unsqueeze(2).transpose(-1, -2)        # [B, Hkv, 1, d, N]
-        rows = max(1, _SIGNAL_TILE_ELEMENTS // max(1, B * H * N))
-        dev, dt = q.device, q.dtype
-        max_logit = torch.full((H,), -math.inf, device=dev, dtype=dt)
-        ent_sum = torch.zeros(H, device=dev, dtype=dt)
-        ent_min = torch.full((H,), math.inf, device=dev, dtype=dt)
-        for i0 in range(0, N, rows):
-            i1 = min(N, i0 + rows)
-            s = (qg[..., i0:i1, :] @ kt) * op.scale                       # [B, Hkv, G, r, N]
-            ok = op.allowed_keys(i0, i1)                                  # [r, N] or None (all keys)
-            if ok is not None:
-                s = s.masked_fill(~ok, -math.inf)
-            max_logit = torch.maximum(max_logit, s.amax(dim=(0, 3, 4)).reshape(H))
-            if op.softcap is not None:      # c tanh(-inf / c) = -c: mask again after the cap
-                s = torch.tanh(s / op.softcap) * op.softcap
-                if ok is not None:
-                    s = s.masked_fill(~ok, -math.inf)
-            p = torch.softmax(s, dim=-1)
-            ent = -torch.special.xlogy(p, p).sum(dim=-1)                  # [B, Hkv, G, r]; 0 log 0 = 0
-            del s, p
-            ent_sum += ent.sum(dim=(0, 3)).reshape(H)
-            # the minimum over queries that see more than one key
-            several = (ok.sum(dim=-1) > 1) if ok is not None else torch.full((i1 - i0,), N > 1, device=dev)
-            if bool(several.any()):
-                ent_min = torch.minimum(ent_min, ent[..., several].amin(dim=(0, 3)).reshape(H))
-        ent_mean = ent_sum / (B * N)
-        # ||W_Q,h^T W_K,g||_2 = ||R_Q,h R_K,g^T||_2 with W^T = Q R thin QRs ([D, d] -> R [d, d])
-        # Each weight is divided by its largest |entry| first (finite weights, so the product and the
-        # SVD cannot overflow the dtype and fail on inf), the norm multiplied back in float64.
-        units = [float(w.abs().max()) or 1.0 for w in (op.Wq, op.Wk)]
-        wq = (op.Wq / units[0]).reshape(H, d, op.D).transpose(-1, -2)
-        wk = (op.Wk / units[1]).reshape(Hkv, d, op.D).transpose(-1, -2)
-        if op.D > d:
-            wq, wk = torch.linalg.qr(wq, mode="r")[1], torch.linalg.qr(wk, mode="r")[1]
-        form = wq @ wk.repeat_interleave(G, dim=0).transpose(-1, -2)
-        qk = torch.linalg.matrix_norm(form, ord=2).double() * (units[0] * units[1])
-        # layer aggregates with torch's reductions, which propagate NaN (Python's max / min do not)
-        seen = ent_min[~torch.isinf(ent_min)]
-        return {"max_logit": max_logit.max().item(), "entropy_mean": ent_mean.mean().item(),
-                "entropy_min": seen.min().item() if seen.numel() else None, "qk_norm": qk.max().item(),
-                "max_logit_heads": max_logit.tolist(), "entropy_mean_heads": ent_mean.tolist(),
-                "entropy_min_heads": [None if math.isinf(v) else v for v in ent_min.tolist()],
-                "qk_norm_heads": qk.tolist()}
+__all__ = ["JacobianMonitor"]
 
 
 class JacobianMonitor:
@@ -247,10 +106,10 @@ class JacobianMonitor:
         tensorboard: also write TensorBoard scalars to ``log_dir`` when ``torch.utils.tensorboard``
             imports.
         signals: also log max logit, attention entropy and ``||W_Q,h^T W_K,h||_2`` per head (one extra
-            attention-score pass per layer; see the module docstring).
-        alerts: thresholds per alert kind (:data:`ALERT_KINDS`: ``"kappa_growth"``, ``"max_logit"``,
+            attention-score pass per layer; see :mod:`condinit.probe.signals`).
+        alerts: thresholds per alert kind (:data:`~condinit.probe.alerts.ALERT_KINDS`: ``"kappa_growth"``, ``"max_logit"``,
             ``"entropy"``, ``"qk_norm"``); each fires once per layer and kind, as a
-            :class:`ConditioningWarning` and a record in :attr:`alerts` and the JSONL file.
+            :class:`~condinit.probe.alerts.ConditioningWarning` and a record in :attr:`alerts` and the JSONL file.
         distributed: None (default): on when the model holds FSDP2-sharded attention layers and
             ``torch.distributed`` is initialized (then every rank must create the monitor and call
             :meth:`step`); False with sharded layers is a ValueError.
@@ -297,7 +156,7 @@ class JacobianMonitor:
         check_dtype("dtype", dtype)
         check_bool("tensorboard", tensorboard)
         check_bool("signals", signals)
-        alerts = _check_alerts(alerts)
+        alerts = check_alerts(alerts)
         check_bool("distributed", distributed, allow_none=True)
         self.layers = find_attention(model, include=include, exclude=exclude)
         if not self.layers:
@@ -310,42 +169,17 @@ class JacobianMonitor:
         self.causal, self.max_layers, self.max_batch, self.max_tokens = causal, max_layers, max_batch, max_tokens
         self.frobenius_samples, self.dtype = frobenius_samples, dtype
         self.signals, self.thresholds = signals, alerts
+        self._alert_rules = Alerts(alerts)
         self.history: list[dict] = []
         self.alerts: list[dict] = []
         self.capturing = True
-        self._kappa_first: dict = {}     # layer index -> its first recorded kappa
-        self._alerted: set = set()       # (layer index, kind) already reported
         self.step_count = 0
         self._cursor = 0          # round-robin position over layers
         self._captured: dict = {}
         self._errors: dict = {}
         # output files: checked and opened before any hook is registered
-        self.path = self.csv_path = None
-        if path is not None or log_dir is not None:
-            if path is None:
-                os.makedirs(log_dir, exist_ok=True)
-                path = os.path.join(log_dir, "jacobian.jsonl")
-            path = os.path.abspath(os.fspath(path))
-            if os.path.isdir(path):
-                raise ValueError(f"path {path} is a directory, expected a .jsonl file path")
-            if not os.path.isdir(os.path.dirname(path)):
-                raise ValueError(f"path: directory {os.path.dirname(path)} does not exist")
-            self.path = path
-            self.csv_path = os.path.splitext(path)[0] + ".csv"
-        self._jsonl = open(self.path, "a", encoding="utf-8") if self.path else None
-        self._csv_fh = open(self.csv_path, "a", newline="", encoding="utf-8") if self.csv_path else None
-        self._csv = None
-        if self._csv_fh is not None:
-            self._csv = csv.DictWriter(self._csv_fh, fieldnames=_CSV_FIELDS, extrasaction="ignore")
-            if self._csv_fh.tell() == 0:
-                self._csv.writeheader()
-        self._tb = None
-        if tensorboard and (log_dir is not None):
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(log_dir=os.fspath(log_dir))
-            except ImportError:      # tensorboard is optional
-                self._tb = None
+        self._log = RecordLog(log_dir, path, tensorboard)
+        self.path, self.csv_path = self._log.path, self._log.csv_path
         self._capture = InputCapture([l.module for l in self.layers], on_input=self._on_input, call_info=True)
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -438,25 +272,25 @@ class JacobianMonitor:
                     done += 1
                     self._cursor = (idx + 1) % len(self.layers)
             if idx in self._errors:
-                records.append({**base, "skipped": f"error: {self._errors[idx]}"})
+                records.append({**base, "skipped": skipped_error(self._errors[idx])})
                 continue
             op = self._captured.get(idx)
             if op is None and idx in self._sharded and (over_time or over_layers):
                 if idx in self._pending:
-                    records.append({**base, "skipped": "budget" if over_time else "max_layers"})
+                    records.append({**base, "skipped": SKIPPED_BUDGET if over_time else SKIPPED_MAX_LAYERS})
                 else:
-                    records.append({**base, "skipped": "layer not run in the sampled forward"})
+                    records.append({**base, "skipped": SKIPPED_NOT_RUN})
                 continue
             if op is None:
-                records.append({**base, "skipped": "layer not run in the sampled forward"})
+                records.append({**base, "skipped": SKIPPED_NOT_RUN})
                 continue
             if idx not in self._sharded and (over_time or over_layers):
-                records.append({**base, "skipped": "budget" if over_time else "max_layers"})
+                records.append({**base, "skipped": SKIPPED_BUDGET if over_time else SKIPPED_MAX_LAYERS})
                 continue
             t0 = time.perf_counter()
             seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
             with torch.no_grad(), autocast_disabled(op.device):
-                sig = _attention_signals(op) if self.signals else {}
+                sig = attention_signals(op) if self.signals else {}
                 est = lanczos_svd(op, steps=self.steps, seed=seed)
                 fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                     if self.frobenius_samples and math.isfinite(est.sigma_max) else None
@@ -492,8 +326,8 @@ class JacobianMonitor:
                 return records
         alerts = []
         for r in records:      # before NaN / inf become None; a loop, not a comprehension: see stacklevel
-            alerts += self._check_thresholds(r)
-        self._write(records + alerts)
+            alerts += self._alert_rules.check(r)
+        self._log.write(records + alerts)
         self.history.extend(records)
         self.alerts.extend(alerts)
         return records
@@ -597,68 +431,6 @@ class JacobianMonitor:
         self._comm_device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                              else torch.device("cpu"))
 
-    def _check_thresholds(self, rec: dict) -> list[dict]:
-        """The alert records ``rec`` triggers (each (layer, kind) once per monitor), with their warnings."""
-        out = []
-        if "kappa_growth" in self.thresholds and rec.get("kappa") is not None:
-            first = self._kappa_first.setdefault(rec["layer"], rec["kappa"])
-            growth = rec["kappa"] / first
-            if growth > self.thresholds["kappa_growth"]:
-                out += self._alert(rec, "kappa_growth", None, growth, kappa=rec["kappa"], kappa_first=first)
-        for kind, key, worst in (("max_logit", "max_logit_heads", max), ("entropy", "entropy_mean_heads", min),
-                                 ("qk_norm", "qk_norm_heads", max)):
-            values = rec.get(key)
-            if kind not in self.thresholds or not values:
-                continue
-            bound = self.thresholds[kind]
-            # a NaN value (a diverged head) counts as crossing the bound, whichever its direction
-            nan = [h for h, v in enumerate(values) if v is not None and math.isnan(v)]
-            finite = [h for h, v in enumerate(values) if v is not None and not math.isnan(v)]
-            if not nan and not finite:
-                continue
-            head = nan[0] if nan else worst(finite, key=lambda h: values[h])
-            value = values[head]
-            if nan or (value < bound if kind == "entropy" else value > bound):
-                out += self._alert(rec, kind, head, value)
-        return out
-
-    def _alert(self, rec: dict, kind: str, head: Optional[int], value: float, **extra) -> list[dict]:
-        if (rec["layer"], kind) in self._alerted:
-            return []
-        self._alerted.add((rec["layer"], kind))
-        bound = self.thresholds[kind]
-        where = f"layer {rec['layer']} ({rec['name']})" + ("" if head is None else f" head {head}")
-        message = (f"condinit JacobianMonitor: step {rec['step']}: {where}: {kind} = {value:.4g} "
-                   f"({ALERT_KINDS[kind][0]} {bound:g})")
-        # stacklevel 5: the caller of JacobianMonitor.step (step -> _estimate -> _check_thresholds -> _alert)
-        warnings.warn(message, ConditioningWarning, stacklevel=5)
-        return [{"step": rec["step"], "layer": rec["layer"], "name": rec["name"], "alert": kind, "head": head,
-                 "value": value, "threshold": bound, **extra, "message": message}]
-
-    def _write(self, records):
-        for r in records:
-            for k, v in r.items():   # a log line must never carry NaN / inf (or break training)
-                r[k] = _finite_or_none(v)
-            if self._jsonl is not None:
-                self._jsonl.write(json.dumps(r, allow_nan=False, default=str) + "\n")
-            if "alert" in r:         # alerts go to the JSONL file only: the CSV has one row per layer
-                continue
-            if self._csv is not None:
-                self._csv.writerow({k: ("" if r.get(k) is None else json.dumps(r[k]) if isinstance(r[k], list)
-                                        else r[k]) for k in _CSV_FIELDS})
-            if self._tb is not None:
-                tag = f"jacobian/{r['layer']:03d}"
-                for key in _TB_SCALARS:
-                    if r.get(key) is not None:
-                        self._tb.add_scalar(f"{tag}/{key}", r[key], r["step"])
-                for key in _HEAD_SIGNALS:
-                    for h, v in enumerate(r.get(key) or ()):
-                        if v is not None:
-                            self._tb.add_scalar(f"{tag}/{key[:-len('_heads')]}/head_{h:02d}", v, r["step"])
-        for fh in (self._jsonl, self._csv_fh):
-            if fh is not None:
-                fh.flush()
-
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self):
@@ -667,12 +439,7 @@ class JacobianMonitor:
             self._capture.remove()
             self._capture = None
         self._captured = {}
-        for fh in (self._jsonl, self._csv_fh):
-            if fh is not None and not fh.closed:
-                fh.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self._log.close()
 
     def __enter__(self):
         return self
