@@ -38,7 +38,7 @@ class BlockStats:
 
 @dataclass
 class LayerReport:
-    """What :func:`apply` did to one layer: its index, name, adapter, heads, the ``[rows, in]``
+    """What :func:`condinit.apply` did to one layer: its index, name, adapter, heads, the ``[rows, in]``
     shape of each projection (``shapes``), layout, and the singular values of its head blocks
     ``before`` and ``after`` (:class:`BlockStats` per projection, None where not measured)."""
 
@@ -77,9 +77,9 @@ class LayerReport:
 
 @dataclass
 class ApplyReport:
-    """What :func:`apply` did: one :class:`LayerReport` per conditioned layer, plus totals, and
+    """What :func:`condinit.apply` did: one :class:`LayerReport` per conditioned layer, plus totals, and
     ``uncovered``: the attention-like modules it left as they were, each with the reason
-    (:class:`Uncovered`).
+    (:class:`~condinit.models.Uncovered`).
 
     ``print(report)`` (or ``report.print()``) shows a table per layer and projection, then the
     uncovered modules; ``report.to_dict()`` is JSON-friendly. ``qk_gain`` / ``v_gain``: the gains
