@@ -90,6 +90,7 @@ def _dtype_params():
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype", _dtype_params())
 def test_dtypes(backend, dtype, rng, nan_poison):
     """float16 / bfloat16 (and float64 where the backend takes it): output and gradients in the
@@ -181,6 +182,7 @@ def test_non_contiguous_inputs_and_cotangent(backend, rng):
 # forward mode, torch.func transforms, second order
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_mode(backend, causal, rng):
@@ -205,6 +207,7 @@ def test_forward_mode(backend, causal, rng):
     assert_close(tangent, ref_tout, dtype, "forward_ad tangent (k without tangent)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_vmap(backend, rng):
     """vmap over a leading dim, and over a non-leading dim of q with k, v not vmapped."""
@@ -222,6 +225,7 @@ def test_vmap(backend, rng):
     assert_close(o5, ref, dtype, "vmap dim 1, k and v unbatched")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_jvp_of_vmap_and_vmap_of_jvp(backend, rng):
     """Both compositions of forward AD and vmap give the per-example tangents."""
@@ -239,6 +243,7 @@ def test_jvp_of_vmap_and_vmap_of_jvp(backend, rng):
     assert_close(vj[:, 0], ref, dtype, "vmap of jvp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_func_grad_and_grad_of_grad(backend, rng):
     """torch.func.grad (and grad of grad) over the op, against the float64 naive attention."""
@@ -256,6 +261,7 @@ def test_func_grad_and_grad_of_grad(backend, rng):
     assert_close(h, h_ref, dtype, "grad of grad", joint_floor([h_ref]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_jacfwd_jacrev(backend, rng):
     """Full Jacobians by forward mode (fused JVP under vmap) and reverse mode (flash VJP under
@@ -291,6 +297,7 @@ def test_double_backward(backend, rng):
         assert_close(a, b, dtype, f"hvp {name}", joint_floor(ref))
 
 
+@pytest.mark.slow
 def test_torch_compile(rng):
     """Dynamo traces the custom ops through their fake kernels, fullgraph, forward and backward
     (aot_eager: no code generation, so this stays cheap); the automatic backend."""
@@ -311,6 +318,7 @@ def test_torch_compile(rng):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_torch_compile_inductor(rng):
     """The default (inductor) backend, forward only: generated code around the custom op."""
     q, k, v = make_qkv(1, 2, 1, 9, 9, 16, FP32, rng)
@@ -378,6 +386,8 @@ def test_a_kernel_error_reaches_the_caller(stage, rng, monkeypatch):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     with warnings.catch_warnings(), pytest.raises(RuntimeError) as raised:
         warnings.simplefilter("error")
+        # torch.func's first use imports code that warns about torch.jit.script: torch's, not ours
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
         if stage == "forward":
             condinit.attention(q, k, v)
         elif stage == "backward":

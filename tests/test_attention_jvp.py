@@ -71,6 +71,7 @@ def _grad_params():
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,case", _grad_params())
 def test_gradients_through_both_outputs(backend, case, rng):
     """d loss / d (q, k, v, tq, tk, tv) for a loss on (out, tangent), 2 probes, against float64
@@ -92,6 +93,7 @@ def test_gradients_through_both_outputs(backend, case, rng):
     assert (grads[0][..., :empty, :] == 0).all() and (grads[3][..., :empty, :] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_none_tangents(backend, rng):
     """A None tangent is a zero tangent (and gets no gradient); all None gives a zero tangent
@@ -155,6 +157,7 @@ def test_dtypes(backend, dtype, rng, nan_poison):
     assert_close(tout, ref_tout, dtype, "tangent")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_vmap(backend, rng):
     """vmap over the probe-like leading dim of the tangents only (primals unbatched), and over a
@@ -177,6 +180,7 @@ def test_vmap(backend, rng):
         assert_close(tout[:, i], ref_t[0], dtype, f"vmap dim 1 tangent [{i}]")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params())
 def test_grad_and_double_backward_of_a_jvp_loss(backend, rng):
     """torch.func.grad of a loss on (out, tangent); a second derivative through the tangent

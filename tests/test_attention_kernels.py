@@ -24,7 +24,7 @@ from attention_cases import (F64, f64, joint_floor, make_qkv, make_tangents, nai
                              naive_jvp, naive_vjp, randn, require)
 from conftest import assert_close
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 FP32 = torch.float32
 # The mask arguments of every attention op (window_left, window_right, q_lens, kv_lens): none.

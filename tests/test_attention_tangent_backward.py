@@ -375,6 +375,7 @@ def _backward_peak(N, rng):
     return mode.peak, sum(x.nbytes for x in existing)
 
 
+@pytest.mark.slow
 def test_backward_memory_is_linear_in_n(rng):
     """The tiled reference (the torch row, which also serves GPUs) holds O(N) memory: going from
     N = 256 to 1024 multiplies its peak by about 4 (an N x N intermediate would make it 16), and

@@ -196,6 +196,7 @@ def test_availability_reasons(monkeypatch):
         _backends.reset()
 
 
+@pytest.mark.slow
 def test_info_command_lists_every_backend():
     out = subprocess.run([sys.executable, "-m", "condinit", "info", "--json"], capture_output=True,
                          text=True, timeout=300)

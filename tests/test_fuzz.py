@@ -155,6 +155,7 @@ def _check_orthonormal_span(A: torch.Tensor, Q: torch.Tensor, what: str):
 @FUZZ
 @given(data=st.data(), m=dims, n=dims, batch=st.sampled_from([(), (1,), (3,), (0,), (2, 1)]), method=methods,
        budget=rarely(st.sampled_from([None, None, 1, 2 ** 62]), BAD), with_out=st.booleans())
+@pytest.mark.slow
 def test_fuzz_orthogonalize(data, m, n, batch, method, budget, with_out):
     stack = data.draw(tensors(batch + (m, n)))
     out = data.draw(tensors(batch + (m, n), dtypes=FLOATS, values=("zero",))) if with_out else None
@@ -318,6 +319,7 @@ def test_fuzz_attention(data, B, Hkv, group, Nq, Nk, d, causal, scale, backend):
 @FUZZ
 @given(data=st.data(), **attn_dims, **attn_opts, probes=st.sampled_from([None, 1, 2]),
        which=st.sampled_from(["qkv", "q", "v", "kv"]))
+@pytest.mark.slow
 def test_fuzz_attention_jvp(data, B, Hkv, group, Nq, Nk, d, causal, scale, backend, probes, which):
     q, k, v = _attention_inputs(data, B, Hkv, group, Nq, Nk, d)
     lead = () if probes is None else (probes,)

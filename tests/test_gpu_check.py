@@ -16,6 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
+pytestmark = pytest.mark.slow  # offline GPU compiles / whole-script runs: CI, not the edit loop
+
 
 def test_gpu_check_script_runs_and_says_when_there_is_no_gpu(tmp_path):
     """benchmarks/gpu_check.py is only useful on a GPU, but it must at least parse, start, and

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # offline GPU compiles / whole-script runs: CI, not the edit loop
+
 ROOT = Path(__file__).resolve().parents[1]
 CU_SOURCES = sorted((ROOT / "csrc" / "attention").glob("*.cu"))
 

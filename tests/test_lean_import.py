@@ -20,6 +20,7 @@ def _run(code: str, **env) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_import_does_not_initialize_cuda_or_import_triton():
     """Every public name resolves (getattr raises for one that does not) without touching CUDA or triton."""
     code = (
@@ -39,6 +40,7 @@ def test_import_condinit_imports_no_trainer_framework():
     assert _run(code) == "[]"
 
 
+@pytest.mark.slow
 def test_import_survives_missing_triton_and_extension(tmp_path):
     # A `triton` that fails to import shadows the real one, and `condinit._C` is blocked, as on a
     # machine without them (or with a broken install).

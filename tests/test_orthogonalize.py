@@ -58,6 +58,7 @@ def test_big_wide_block(method, n, rng):
     assert orth_error(orthogonalize(W, method)) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,n", [("householder", 2048), ("svd", 512), ("polar", 256), ("cholqr2", 256)])
 def test_square(method, n, rng):
     W = torch.randn(n, n, generator=rng)
@@ -398,6 +399,7 @@ def test_haar_test_has_power(shape):
     _haar_checks(orthogonalize(W, "householder"))  # ... and accept it with the fix
 
 
+@pytest.mark.slow
 def test_no_deadlock_after_the_caller_changes_thread_counts():
     """torch.set_num_threads turns MKL's dynamic threading off; MKL LAPACK inside the chunk
     scheduler's parallel region then opened its own team and deadlocked. Run in a subprocess with a
@@ -434,6 +436,7 @@ for threads in [int(t) for t in sys.argv[1:]]:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the per-thread LAPACK setting is MKL's")
 def test_lapack_bits_do_not_depend_on_thread_count():
     """A fresh process each time, its first factorization under 2 threads (the OpenMP team is then
