@@ -230,6 +230,7 @@ def test_non_contiguous_tangents(backend, rng):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow
 def test_torch_compile(rng):
     """fullgraph through the custom op's fake kernel (aot_eager: cheap); the automatic backend."""
     q, k, v = make_qkv(1, 4, 2, 13, 21, 16, FP32, rng)

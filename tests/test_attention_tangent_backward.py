@@ -290,6 +290,7 @@ def test_vmap_of_grad(rng):
     assert_close(batched, looped, F64, "vmap over probes")
 
 
+@pytest.mark.slow
 def test_torch_compile_backward(rng):
     """fullgraph through the op's fake kernel, forward and backward (aot_eager: cheap)."""
     inputs, gout, gtout = make_inputs((1, 4, 2, 13, 21, 16, True), 2, FP32, rng)

@@ -33,6 +33,7 @@ def test_import_does_not_initialize_cuda_or_import_triton():
     assert res == {"cuda": False, "triton": False}
 
 
+@pytest.mark.slow
 def test_import_condinit_imports_no_trainer_framework():
     code = ("import sys, condinit, condinit.probe, condinit.probe.monitor, condinit.integrations.lightning\n"
             "condinit.JacobianMonitor\n"

@@ -191,6 +191,7 @@ def test_process_state_untouched(forbid_process_state_changes, rng):
     assert torch.get_float32_matmul_precision() == precision
 
 
+@pytest.mark.slow
 def test_other_threads_see_no_change(rng):
     """A caller's thread running torch ops meanwhile sees its own settings, start to end."""
     torch.set_float32_matmul_precision("highest")
