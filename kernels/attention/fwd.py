@@ -20,7 +20,7 @@ probe adding its own 4 products. A pair of probes costs 10 products instead of 1
 programs of one query tile (all its probe groups) are adjacent in the launch order, so their K and
 V tiles are read from L2 rather than HBM. Two probes per program, not more, because every probe
 adds a ``BLOCK_M x d`` fp32 accumulator to the register file (three at two probes); the host takes
-2 whenever a two-probe list exists for the dtype and head dim (see ``_CONFIGS``).
+2 whenever a two-probe list exists for the dtype and head dim (see ``configs.CONFIGS``).
 """
 import triton
 import triton.language as tl
