@@ -1,11 +1,18 @@
 """condinit.sdpa against PyTorch's SDPA (MATH backend) in float64, which path each call takes,
-its argument errors, and condinit.patch_sdpa (with a timm ViT)."""
+every attn_mask shape SDPA accepts (a property test), its argument errors, and condinit.patch_sdpa
+(with a timm ViT, nn.MultiheadAttention and nn.TransformerEncoderLayer)."""
+import math
+import os
 import threading
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import condinit
@@ -231,6 +238,166 @@ def test_argument_errors(kwargs, error, match):
 
 
 # ------------------------------------------------------------------------------------------------
+# Every mask shape SDPA accepts: each of [B, H, Nq, Nk] full or 1, leading dimensions dropped
+# ------------------------------------------------------------------------------------------------
+
+MASKS = settings(max_examples=int(os.environ.get("CONDINIT_FUZZ_EXAMPLES", "40")), deadline=None,
+                 derandomize=os.environ.get("CONDINIT_FUZZ_RANDOM") != "1", print_blob=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+KINDS = ("random", "padding", "causal", "causal padding", "window", "empty rows")
+
+
+def reference(q, k, v, attn_mask=None, is_causal=False):
+    """Softmax attention in float64 from its definition; a row with no visible key gives 0 (what
+    condinit.sdpa documents)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask.double()
+    empty = (scores == float("-inf")).all(-1, keepdim=True)
+    weights = torch.softmax(torch.where(empty, 0.0, scores), dim=-1)
+    return torch.where(empty, 0.0, weights @ v)
+
+
+class MaskCase(NamedTuple):
+    """One drawn call: q ``[B, H, Nq, d]``, k / v ``[B, Hkv, Nk, d]`` and the mask's shape / values."""
+    batch: int
+    heads: int
+    kv_heads: int
+    nq: int
+    nk: int
+    shape: tuple
+    kind: str
+    as_float: Optional[str]     # None: bool; "inf": 0 / -inf; "bias": random values, -inf where hidden
+    is_causal: bool
+    seed: int
+
+
+def mask_values(case: MaskCase, g: torch.Generator) -> torch.Tensor:
+    """The bool visibility of ``case.kind`` in ``case.shape`` (index grids of size 1 where the mask
+    broadcasts): key padding with one interval of real keys per leading index, (windowed) causal
+    masks, random masks, rows with no visible key."""
+    shape = case.shape
+    full = (1,) * (4 - len(shape)) + shape
+    rows = torch.arange(full[2]).view(-1, 1)
+    cols = torch.arange(full[3]).view(1, -1)
+    lead = full[:2] + (1, 1)
+    start = torch.randint(0, case.nk, lead, generator=g).clamp(max=full[3] - 1)
+    end = start + 1 + torch.randint(0, case.nk, lead, generator=g)
+    padding = (cols >= start) & (cols < end)
+    diag = int(torch.randint(0, 2, (), generator=g)) * (case.nk - case.nq)
+    causal = cols <= rows + diag
+    width = 1 + int(torch.randint(0, 3, (), generator=g))
+    chance = torch.rand(full, generator=g)
+    visible = {
+        "random": chance > 0.4,
+        "padding": padding,
+        "causal": causal,
+        "causal padding": causal & padding,
+        "window": causal & (cols > rows + diag - width),
+        "empty rows": (chance > 0.3) & (torch.rand(full[:3] + (1,), generator=g) > 0.5),
+    }[case.kind]
+    return visible.expand(full).reshape(shape)
+
+
+def build_mask(case: MaskCase, g: torch.Generator) -> torch.Tensor:
+    visible = mask_values(case, g)
+    if case.as_float is None:
+        return visible
+    values = torch.zeros(case.shape, dtype=F64)
+    if case.as_float == "bias":
+        values = torch.randn(case.shape, generator=g, dtype=F64)
+    return values.masked_fill(~visible, float("-inf"))
+
+
+@st.composite
+def mask_cases(draw):
+    batch, heads = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    nq, nk = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    full = draw(st.lists(st.booleans(), min_size=4, max_size=4))
+    drop = draw(st.integers(0, 4))
+    shape = tuple(s if f else 1 for s, f in zip((batch, heads, nq, nk), full))[drop:]
+    return MaskCase(batch, heads, draw(st.sampled_from((heads, 1))), nq, nk, shape,
+                    draw(st.sampled_from(KINDS)), draw(st.sampled_from((None, "inf", "bias"))),
+                    draw(st.sampled_from((False, False, False, True))), draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def inputs(case: MaskCase, g: torch.Generator):
+    q = torch.randn(case.batch, case.heads, case.nq, 4, generator=g, dtype=F64)
+    k, v = (torch.randn(case.batch, case.kv_heads, case.nk, 4, generator=g, dtype=F64) for _ in range(2))
+    return q, k, v
+
+
+def assert_matches(q, k, v, **kwargs):
+    """condinit.sdpa in float64 (output and forward-mode tangent) and float32 against the float64
+    reference; PyTorch's SDPA (MATH) against the same reference."""
+    g = torch.Generator().manual_seed(1)
+    expected = reference(q, k, v, **kwargs)
+    theirs = math_sdpa(q, k, v, **kwargs)
+    assert theirs.shape == expected.shape
+    assert_close(theirs, expected, F64, "torch SDPA (MATH)")
+    tangents = tuple(torch.randn(x.shape, generator=g, dtype=F64) for x in (q, k, v))
+    out, tangent = torch.func.jvp(lambda q, k, v: condinit.sdpa(q, k, v, **kwargs), (q, k, v), tangents)
+    _, tangent_ref = torch.func.jvp(lambda q, k, v: reference(q, k, v, **kwargs), (q, k, v), tangents)
+    assert out.shape == expected.shape
+    assert_close(out, expected, F64, "out")
+    assert_close(tangent, tangent_ref, F64, "tangent")
+    low = {name: (m.float() if isinstance(m, torch.Tensor) and m.is_floating_point() else m)
+           for name, m in kwargs.items()}
+    out32 = condinit.sdpa(q.float(), k.float(), v.float(), **low)
+    assert out32.dtype == FP32
+    assert_close(out32, expected, FP32, "float32 out", factor=5)
+
+
+@MASKS
+@given(case=mask_cases())
+def test_every_broadcastable_mask_shape_matches_sdpa(case):
+    g = torch.Generator().manual_seed(case.seed)
+    q, k, v = inputs(case, g)
+    mask = build_mask(case, g)
+    if case.is_causal:
+        # SDPA refuses a mask together with is_causal; so does condinit.sdpa
+        with pytest.raises(RuntimeError):
+            SDPA(q, k, v, attn_mask=mask, is_causal=True)
+        with pytest.raises(ValueError, match="attn_mask must be None when is_causal=True"):
+            condinit.sdpa(q, k, v, attn_mask=mask, is_causal=True)
+        assert_matches(q, k, v, is_causal=True)
+    else:
+        assert_matches(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 5), (1, 1, 5), (1, 1, 1, 5), (5, 1), (1, 2, 1, 5), (2, 1, 5)],
+                         ids=str)
+@pytest.mark.parametrize("as_float", [False, True], ids=["bool", "float"])
+def test_key_padding_with_a_broadcast_query_dimension(batch, shape, as_float, paths):
+    """Key padding (and its transpose: queries with no key) whose query, batch or head dimensions
+    broadcast; key padding runs on the fused op."""
+    g = torch.Generator().manual_seed(batch)
+    q, k, v = (torch.randn(batch, 2, 5, 4, generator=g, dtype=F64) for _ in range(3))
+    visible = torch.tensor([True, True, True, False, False]).reshape(shape[-2:] if shape[-1] == 1 else -1)
+    mask = visible.expand(shape)
+    if as_float:
+        mask = torch.zeros(shape, dtype=F64).masked_fill(~mask, float("-inf"))
+    assert_matches(q, k, v, attn_mask=mask)
+    if shape[-1] != 1:
+        assert paths["dense"] == 0 and paths["fused"] > 0, paths
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([True, True, False, True, False]),
+                                  torch.tensor([True, True, True, False, False]).expand(5, 5)],
+                         ids=["1-D", "2-D padding"])
+def test_two_dimensional_inputs_with_a_padding_mask(mask):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 4, generator=g, dtype=F64) for _ in range(3))
+    assert_matches(q, k, v, attn_mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
 # patch_sdpa
 # ------------------------------------------------------------------------------------------------
 
@@ -294,3 +461,78 @@ def test_timm_vit_jvp_needs_the_patch_and_matches_float64(rng):
         out_ref, tangent_ref = torch.func.jvp(model64, (x.double(),), (dx.double(),))
     assert_close(out, out_ref, FP32, "ViT output", factor=10)
     assert_close(tangent, tangent_ref, FP32, "ViT tangent", factor=10)
+
+
+def padding(batch, n, g, as_float=False):
+    """``[B, N]`` key_padding_mask (True / -inf = padded): entry 0 pads its last two keys, the
+    others random keys too, and the last one (batch > 1) its second half; key 0 is always kept."""
+    padded = torch.rand(batch, n, generator=g) > 0.6
+    padded[0] = False
+    padded[:, -2:] = True
+    padded[:, 0] = False
+    if batch > 1:
+        padded[-1, n // 2:] = True
+    if as_float:
+        return torch.zeros(batch, n, dtype=F64).masked_fill(padded, float("-inf"))
+    return padded
+
+
+MODULE_CASES = {
+    "key padding": lambda b, n, g: {"key_padding_mask": padding(b, n, g)},
+    "float key padding": lambda b, n, g: {"key_padding_mask": padding(b, n, g, as_float=True)},
+    "causal attn_mask": lambda b, n, g: {"attn_mask": ~torch.ones(n, n, dtype=torch.bool).tril()},
+    "causal attn_mask + key padding": lambda b, n, g: {
+        "attn_mask": ~torch.ones(n, n, dtype=torch.bool).tril(), "key_padding_mask": padding(b, n, g)},
+    "is_causal": lambda b, n, g: {"attn_mask": nn.Transformer.generate_square_subsequent_mask(n, dtype=F64),
+                                  "is_causal": True},
+    "per-head float attn_mask": lambda b, n, g: {"attn_mask": torch.randn(b * 2, n, n, generator=g, dtype=F64)},
+}
+
+
+def run_both(module, x, kwargs, call):
+    """The module under patch_sdpa and without it (PyTorch's SDPA, MATH backend), the output and
+    the forward-mode tangent along a random direction."""
+    dx = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=F64)
+    with condinit.patch_sdpa():
+        mine = torch.func.jvp(lambda x: call(module, x, kwargs), (x,), (dx,))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.func.jvp(lambda x: call(module, x, kwargs), (x,), (dx,))
+    return mine, ref
+
+
+def mha_call(module, x, kwargs):
+    return module(x, x, x, need_weights=False, **kwargs)[0]
+
+
+def encoder_call(module, x, kwargs):
+    renamed = {"attn_mask": "src_mask", "key_padding_mask": "src_key_padding_mask"}
+    return module(x, **{renamed.get(name, name): value for name, value in kwargs.items()})
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("case", MODULE_CASES, ids=str)
+def test_multihead_attention_under_patch_sdpa(case, batch, batch_first, paths):
+    g = torch.Generator().manual_seed(batch)
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=F64)
+    n = 6
+    x = torch.randn((batch, n, 8) if batch_first else (n, batch, 8), generator=g, dtype=F64)
+    (out, tangent), (out_ref, tangent_ref) = run_both(mha, x, MODULE_CASES[case](batch, n, g), mha_call)
+    assert_close(out, out_ref, F64, "out")
+    assert_close(tangent, tangent_ref, F64, "tangent")
+    assert paths["fused"] + paths["dense"] > 0, "condinit.sdpa did not run"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("case", MODULE_CASES, ids=str)
+def test_transformer_encoder_layer_under_patch_sdpa(case, batch, paths):
+    g = torch.Generator().manual_seed(batch)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True, dtype=F64)
+    n = 6
+    x = torch.randn(batch, n, 8, generator=g, dtype=F64)
+    (out, tangent), (out_ref, tangent_ref) = run_both(layer, x, MODULE_CASES[case](batch, n, g), encoder_call)
+    assert_close(out, out_ref, F64, "out")
+    assert_close(tangent, tangent_ref, F64, "tangent")
+    assert paths["fused"] + paths["dense"] > 0, "condinit.sdpa did not run"

@@ -250,8 +250,11 @@ def _mask_plan(visible: Tensor, layout: "_Layout") -> Optional[_MaskPlan]:
     """A :class:`_MaskPlan` when the bool ``visible`` (broadcastable to the scores) is a padding
     mask, a (sliding-window) causal mask or both, the same for every head; else None."""
     nq, nk = layout.nq, layout.nk
-    full = layout.scores
-    v = visible.reshape((1,) * (len(full) - visible.dim()) + tuple(visible.shape))
+    # [*batch, heads, Nq, Nk] in rank, the query and key dimensions expanded (a key-padding mask
+    # broadcasts its query dimension); batch and head dimensions stay 1 where they broadcast.
+    rank = len(layout.batch) + 3
+    v = visible.reshape((1,) * (rank - visible.dim()) + tuple(visible.shape))
+    v = v.expand(*v.shape[:-2], nq, nk)
     if v.shape[-3] != 1:
         if not bool((v == v[..., :1, :, :]).all()):
             return None                        # the heads differ: the kernels take one mask
