@@ -1,7 +1,10 @@
 """The ``condinit`` command line: one module per subcommand in ``condinit.commands``.
 
-Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
-Bad input exits non-zero with a one-line message (no traceback); ``--debug`` shows the traceback.
+Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``,
+and checks its output paths before any work. Bad input, a malformed input file and every ``OSError``
+(a full disk, a file-size limit, a permission, a name too long, ...) exit with status 2 and one
+line on stderr naming the file and what went wrong (:func:`error_line`); ``--debug`` shows the
+traceback instead.
 
 The console script (``condinit``, ``python -m condinit``) is :func:`run`: :func:`main`, then
 :func:`finish`, which ends the process without the interpreter's teardown of the libraries' objects
@@ -14,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import importlib
 import os
+import resource
+import shutil
 import sys
 import threading
 
@@ -25,6 +31,37 @@ COMMANDS = ("init", "inspect", "probe", "plot", "demo", "info", "bench")
 
 class CLIError(Exception):
     """Bad input from the command line: printed as one line, exit status 2."""
+
+
+def _os_error_line(exc: OSError) -> str:
+    """``FILE: what went wrong (ERRNO)`` of an ``OSError``, with what is known of the bytes that did not
+    fit for a full disk (the space left) or a file-size limit (the limit); the exception's notes
+    follow. An ``OSError`` raised with a message only is that message."""
+    if exc.errno is None or exc.strerror is None:
+        return str(exc)
+    where = [os.fsdecode(f) if isinstance(f, (str, bytes, os.PathLike)) else str(f)
+             for f in (exc.filename, exc.filename2) if f is not None]
+    code = errno.errorcode.get(exc.errno, str(exc.errno))
+    detail = ""
+    if exc.errno == errno.ENOSPC and where:
+        try:
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(where[0]))).free
+            detail = f"; {free} bytes left on its filesystem"
+        except OSError:
+            pass
+    elif exc.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            detail = f"; the file-size limit, ulimit -f, is {limit} bytes"
+    line = f"{' -> '.join(where)}: " if where else ""
+    return line + f"{exc.strerror} ({code}{detail})"
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line :func:`main` prints for ``exc`` (after ``condinit COMMAND: error:``)."""
+    text = _os_error_line(exc) if isinstance(exc, OSError) else str(exc)
+    notes = [str(n) for n in getattr(exc, "__notes__", ())]
+    return " ".join(part.strip() for part in "; ".join([text] + notes).splitlines() if part.strip())
 
 
 def _load_commands():
@@ -59,11 +96,10 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (CLIError, ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError,
-            NotADirectoryError) as exc:
+    except (CLIError, ValueError, TypeError, OSError) as exc:
         if args.debug:
             raise
-        print(f"condinit {args.command}: error: {exc}", file=sys.stderr)
+        print(f"condinit {args.command}: error: {error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

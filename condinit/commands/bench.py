@@ -1,5 +1,6 @@
 """``condinit bench``: time condinit's kernels on this machine against its measured ceilings and
-against what a user would otherwise run, side by side (the library: :mod:`condinit.bench`)."""
+against what a user would otherwise run, side by side (the library: :mod:`condinit.bench`). ``--json``
+is checked before anything runs and written atomically."""
 from __future__ import annotations
 
 import sys
@@ -115,7 +116,9 @@ def run(args) -> int:
     import torch
 
     from condinit import bench
+    from condinit.io.atomic import atomic_output, check_output_path
 
+    json_out = check_output_path(args.json) if args.json else None   # before any work
     cfg = _config(args)
     progress = _Progress(bench.planned_rows(cfg), enabled=not args.no_progress)
     try:
@@ -132,8 +135,9 @@ def run(args) -> int:
               "FLOPs: attention fwd 4BHN^2d (halved causal), bwd 2.5x, jvp 3x, tangent bwd 7.5x; "
               "init 4 GEMMs of 2d^2D per block; % of the ceiling measured above")
     print(bench.format_table(rows, header))
-    if args.json:
-        bench.write_json(args.json, rows, cfg)
+    if json_out:
+        with atomic_output(json_out) as tmp:
+            bench.write_json(tmp, rows, cfg)
         print(f"wrote {args.json}")
     failed = [r for r in rows if not r.ok]
     if failed:

@@ -89,13 +89,14 @@ def run(args) -> int:
 
     from condinit._validate import check_int, check_seed
     from condinit.cli import CLIError
+    from condinit.demo.report import check_output_dir
     from condinit.io.atomic import check_output_path
     from condinit.models.presets import PRESETS, load_config_dict
     from condinit.models.stream import parse_shard_size
 
     # every check on the input happens before any work
     to_directory = args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)
-    out = None if to_directory else check_output_path(args.out)
+    out = check_output_dir(args.out) if to_directory else check_output_path(args.out)
     if args.preset is not None and args.preset not in PRESETS:
         raise CLIError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     check_seed("--seed", args.seed)
@@ -108,10 +109,22 @@ def run(args) -> int:
             if given:
                 raise CLIError(f"{flag}: only with a directory --out (ending in {os.sep}); {args.out} is a file")
     shard = parse_shard_size(args.max_shard_size if args.max_shard_size is not None else "5GB", "--max-shard-size")
-    config = load_config_dict(args.config) if args.config else None
+    try:
+        config = load_config_dict(args.config) if args.config else None
+    except RecursionError:
+        raise CLIError(f"config {args.config} is not readable JSON: nested too deeply") from None
     preset = None if config is not None else (args.preset or "tiny-llama")
     adapters = [_load_adapter(ref) for ref in args.adapter]
-    return _write(args, preset, config, adapters, args.out if to_directory else out, to_directory, shard)
+    target = args.out if to_directory else out
+    try:
+        return _write(args, preset, config, adapters, target, to_directory, shard)
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        named = OSError(exc.errno, exc.strerror, out)   # the output the failed write was for
+        for note in getattr(exc, "__notes__", ()):
+            named.add_note(note)
+        raise named from exc
 
 
 def _load_adapter(ref: str):

@@ -1,4 +1,7 @@
-"""``condinit plot``: PNG curves of a JacobianMonitor run (kappa, max logit, attention entropy per layer)."""
+"""``condinit plot``: PNG curves of a JacobianMonitor run (kappa, max logit, attention entropy per layer).
+
+The output directory and files are checked before the log is read; every malformed line of the log
+is refused with its file, line number and field; each PNG is written atomically."""
 from __future__ import annotations
 
 import json
@@ -21,19 +24,60 @@ def add_arguments(p):
     p.add_argument("--out", default=None, metavar="DIR", help="where to write the PNGs (default: RUN_DIR)")
 
 
+# fields a record may hold that the plots read, and what each must be
+_INT_FIELDS = ("step", "layer")
+_TEXT_FIELDS = ("name", "alert")
+_NUMBER_FIELDS = tuple(key for key, *_ in PLOTS)
+
+
+def _field_error(rec: dict) -> str | None:
+    """Why a record's fields cannot be plotted (naming the field), or None."""
+    for key in _INT_FIELDS:
+        v = rec[key]
+        if not isinstance(v, int) or isinstance(v, bool):
+            return f"field {key!r} is {_kind(v)}, expected an integer"
+    for key in _TEXT_FIELDS:
+        v = rec.get(key)
+        if v is not None and not isinstance(v, str):
+            return f"field {key!r} is {_kind(v)}, expected a string"
+    for key in _NUMBER_FIELDS:
+        v = rec.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            return f"field {key!r} is {_kind(v)}, expected a number or null"
+    return None
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a float", type(None): "null"}.get(type(v), type(v).__name__)
+
+
 def read_records(path: str) -> tuple[list[dict], list[dict]]:
-    """(per-layer records, alert records) of a monitor's JSONL file; ValueError names a bad line."""
+    """(per-layer records, alert records) of a monitor's JSONL file; a line that is not UTF-8, not
+    JSON, nested too deeply, not a record or holding a field of the wrong type is a ValueError naming
+    the file, the line and the field."""
     records, alerts = [], []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start})") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{lineno}: not a JSON line (nested too deeply)") from None
+            except ValueError as exc:   # e.g. an integer beyond the digits limit
+                raise ValueError(f"{path}:{lineno}: not a JSON line ({exc})") from None
             if not isinstance(rec, dict) or "step" not in rec or "layer" not in rec:
                 raise ValueError(f"{path}:{lineno}: not a JacobianMonitor record (no step / layer)")
+            why = _field_error(rec)
+            if why is not None:
+                raise ValueError(f"{path}:{lineno}: {why}")
             (alerts if "alert" in rec else records).append(rec)
     return records, alerts
 
@@ -64,11 +108,18 @@ def _resolve(run_dir: str) -> str:
 def run(args) -> int:
     from condinit.cli import CLIError
 
+    from condinit.demo.report import check_output_dir
+    from condinit.io.atomic import atomic_output, check_output_path
+
     path = _resolve(args.run_dir)
     out = args.out if args.out is not None else (args.run_dir if os.path.isdir(args.run_dir)
                                                  else os.path.dirname(os.path.abspath(path)))
     if os.path.exists(out) and not os.path.isdir(out):
         raise CLIError(f"--out {out}: exists and is not a directory")
+    check_output_dir(out)
+    if os.path.isdir(out):
+        for _, fname, _, _ in PLOTS:
+            check_output_path(os.path.join(out, fname))
     records, alerts = read_records(path)
     if not records:
         raise CLIError(f"{path}: holds no per-layer records")
@@ -103,8 +154,11 @@ def run(args) -> int:
             ax.legend(fontsize=7, ncol=1 + len(data) // 12)
         fig.tight_layout()
         target = os.path.join(out, fname)
-        fig.savefig(target, dpi=110)
-        plt.close(fig)
+        try:
+            with atomic_output(target) as tmp:
+                fig.savefig(tmp, format="png", dpi=110)
+        finally:
+            plt.close(fig)
         written.append(target)
     for target in written:
         print(target)
