@@ -76,6 +76,7 @@ def test_debug_shows_the_os_error_itself(capsys, monkeypatch):
 
     monkeypatch.setattr(info, "collect", fail)
     from condinit.cli import main
+    assert run_cli(capsys, "info").rc == 2
     with pytest.raises(OSError, match="File too large"):
         main(["--debug", "info"])
 
