@@ -20,7 +20,6 @@ import atexit
 import errno
 import importlib
 import os
-import resource
 import shutil
 import sys
 import threading
@@ -50,6 +49,8 @@ def _os_error_line(exc: OSError) -> str:
         except OSError:
             pass
     elif exc.errno == errno.EFBIG:
+        import resource   # POSIX only, like the limit itself
+
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
             detail = f"; the file-size limit, ulimit -f, is {limit} bytes"
