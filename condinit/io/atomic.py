@@ -10,8 +10,10 @@ destination; never a partial file, on any error, Ctrl-C or SIGTERM.
   keeps its mode. The file is owned by the writer (the rename makes a new inode).
 * Symlinks are written through: a destination that is a symlink keeps the link, and the file it
   points to is replaced atomically in that file's own directory (a dangling link creates its
-  target, as a shell redirection does). Destinations that are not regular files (devices, FIFOs,
-  sockets) are refused before any work (:func:`check_output_path`).
+  target, as a shell redirection does). With ``follow_symlinks=False`` (the files of an output
+  directory) the link itself is replaced by a regular file and its target is never touched.
+  Destinations that are not regular files (devices, FIFOs, sockets) are refused before any work
+  (:func:`check_output_path`).
 """
 from __future__ import annotations
 
@@ -26,25 +28,30 @@ import tempfile
 import threading
 import time
 
-__all__ = ["atomic_output", "check_output_path", "removing_temps_on_sigterm", "STALE_TEMP_AGE_S"]
+__all__ = ["atomic_output", "check_output_path", "removing_temps_on_sigterm", "removed_on_sigterm", "process_alive",
+           "open_nofollow", "STALE_TEMP_AGE_S"]
 
 _FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
 
 
-def _resolve_output(path) -> tuple[str, str]:
+def _resolve_output(path, follow_symlinks: bool = True) -> tuple[str, str]:
     """``(shown, dest)``: the absolute path as given, and the file that will be replaced (symlinks
-    followed), after every check of :func:`check_output_path`."""
+    followed, or with ``follow_symlinks=False`` only those of its directory), after every check of
+    :func:`check_output_path`."""
     shown = os.path.abspath(os.fspath(path))
-    dest = os.path.realpath(shown)
+    if follow_symlinks:
+        dest = os.path.realpath(shown)
+    else:
+        dest = os.path.join(os.path.realpath(os.path.dirname(shown)), os.path.basename(shown))
     via = f" (the target of symlink {shown})" if dest != shown else ""
     try:
-        st = os.stat(dest)
+        st = os.stat(dest) if follow_symlinks else os.lstat(dest)
     except (FileNotFoundError, NotADirectoryError):  # the directory checks below say which
         st = None
     except OSError as exc:  # ELOOP: a symlink cycle
         raise ValueError(f"output {shown} cannot be used: {exc.strerror or exc}") from None
-    if st is not None:
+    if st is not None and not stat.S_ISLNK(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
             raise ValueError(f"output {dest}{via} is a directory, expected a file path")
         if not stat.S_ISREG(st.st_mode):
@@ -65,11 +72,12 @@ def _resolve_output(path) -> tuple[str, str]:
     return shown, dest
 
 
-def check_output_path(path) -> str:
+def check_output_path(path, follow_symlinks: bool = True) -> str:
     """Validate an output path before any work; returns it as an absolute path (symlinks kept).
 
-    Checked: the file that will be written (a symlink's target: writes go through links) is a
-    regular file or does not exist yet, and its directory exists and is writable. A directory, a
+    Checked: the file that will be written (a symlink's target: writes go through links; with
+    ``follow_symlinks=False`` the link itself, which is replaced) is a regular file or does not
+    exist yet, and its directory exists and is writable. A directory, a
     device node such as ``/dev/null``, a FIFO or a socket is refused with a ValueError naming the
     path and what it is.
 
@@ -79,7 +87,13 @@ def check_output_path(path) -> str:
         Traceback (most recent call last):
         ValueError: output /dev/null is a character device; condinit writes only regular files ...
     """
-    return _resolve_output(path)[0]
+    return _resolve_output(path, follow_symlinks)[0]
+
+
+def open_nofollow(path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symlink as the last component (``O_NOFOLLOW``: ELOOP); usable as
+    the ``opener`` of :func:`open`."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
 
 
 # Temporary files: ".{base}.{host tag}.{pid}.{random}.tmp" in the destination's directory. The host
@@ -97,6 +111,7 @@ _ACTIVE_TEMPS: set = set()         # temporary files being written by this proce
 # made after it); reentrant, as the handler runs in the main thread, possibly inside a holder
 _TEMPS_LOCK = threading.RLock()
 _TEMP_DIRS: set = set()             # (directory, temporary-name prefix) of every temporary file made
+_SIGTERM_FILES: set = set()         # other files of this process that SIGTERM removes (directory locks)
 _sigterm_depth = 0                 # nesting of main-thread writes that installed the handler
 _sigterm_previous = None
 
@@ -105,7 +120,8 @@ def _temp_pattern(base: str):
     return re.compile(rf"^\.{re.escape(base[:_BASE_CHARS])}\.([0-9a-f]{{8}})\.([0-9]+)\.[a-z0-9_]+\.tmp$")
 
 
-def _writer_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this PID exists on this host (owned by anyone)."""
     if pid <= 0 or os.name == "nt":  # os.kill(pid, 0) terminates the process on Windows
         return pid > 0
     try:
@@ -140,7 +156,7 @@ def _sweep_stale_temps(d: str, base: str) -> None:
                 continue
             if host == _HOST_TAG and pid == os.getpid():
                 stale = True  # ours, not being written: left by an earlier process with this PID
-            elif host == _HOST_TAG and not _writer_alive(pid):
+            elif host == _HOST_TAG and not process_alive(pid):
                 stale = True
             else:
                 stale = age > STALE_TEMP_AGE_S
@@ -171,7 +187,7 @@ def _on_sigterm(signum, frame):
     # and makes none after. The directories are swept too, for a file this thread made but had not
     # registered when the signal came.
     _TEMPS_LOCK.acquire()
-    for tmp in tuple(_ACTIVE_TEMPS):
+    for tmp in tuple(_ACTIVE_TEMPS) + tuple(_SIGTERM_FILES):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     for d, prefix in tuple(_TEMP_DIRS):
@@ -215,6 +231,19 @@ def removing_temps_on_sigterm():
                 signal.signal(signal.SIGTERM, _sigterm_previous)
 
 
+@contextlib.contextmanager
+def removed_on_sigterm(path):
+    """While inside, SIGTERM under :func:`removing_temps_on_sigterm` removes ``path`` too, with the
+    temporary files."""
+    with _TEMPS_LOCK:
+        _SIGTERM_FILES.add(path)
+    try:
+        yield
+    finally:
+        with _TEMPS_LOCK:
+            _SIGTERM_FILES.discard(path)
+
+
 def _current_umask() -> int:
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
@@ -228,22 +257,27 @@ def _current_umask() -> int:
     return mask
 
 
-def _final_mode(dest: str) -> int:
+def _final_mode(dest: str, follow_symlinks: bool) -> int:
     try:
-        st = os.stat(dest)
+        st = os.stat(dest) if follow_symlinks else os.lstat(dest)
     except FileNotFoundError:
+        st = None
+    if st is None or stat.S_ISLNK(st.st_mode):
         return 0o666 & ~_current_umask()
     return stat.S_IMODE(st.st_mode)
 
 
 @contextlib.contextmanager
-def atomic_output(path):
+def atomic_output(path, follow_symlinks: bool = True):
     """Yield a temporary path next to ``path``'s file; on success fsync it and rename it over the file,
     on error (or SIGTERM) remove it. The old file is untouched until the rename.
 
     ``path`` is checked first (:func:`check_output_path`). A symlink is written through: the file it
-    points to is replaced, in that file's directory, and the link stays. The result has the mode of
-    the file it replaces, or ``0o666 & ~umask`` when new. The temporary file is
+    points to is replaced, in that file's directory, and the link stays; with
+    ``follow_symlinks=False`` the link itself is replaced by the new file (its target untouched).
+    The temporary file is created with ``O_EXCL`` and reopened only with ``O_NOFOLLOW``
+    (:func:`open_nofollow`). The result has the mode of the file it replaces, or
+    ``0o666 & ~umask`` when new (or replacing a link). The temporary file is
     ``.{name}.{host tag}.{pid}.{random}.tmp``; each write first removes this destination's temporary
     files whose writer on this host is gone (SIGKILL) or that nobody has modified for an hour,
     never those of a live writer.
@@ -253,15 +287,15 @@ def atomic_output(path):
         ...     with open(tmp, "w") as fh:
         ...         fh.write("step,loss\\n")
     """
-    _, dest = _resolve_output(path)
+    _, dest = _resolve_output(path, follow_symlinks)
     d, base = os.path.split(dest)
     _sweep_stale_temps(d, base)
     with removing_temps_on_sigterm():
         tmp = _new_temp(d, base)
         try:
             yield tmp
-            os.chmod(tmp, _final_mode(dest))
-            with open(tmp, "rb+") as fh:
+            os.chmod(tmp, _final_mode(dest, follow_symlinks))
+            with open(tmp, "rb+", opener=open_nofollow) as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, dest)
         except BaseException:

@@ -1,5 +1,10 @@
-"""What is already where a streamed write goes: another model (refused unless ``overwrite``), shards
-a ``resume`` keeps, and the free disk space.
+"""What is already where a streamed write goes: symlinks and another model (refused unless
+``overwrite``), shards a ``resume`` keeps, and the free disk space.
+
+A symlink in the place of a file the write creates (a shard, ``config.json``,
+``generation_config.json``, the index) would send the write outside the directory: it is refused
+(:func:`symlinked`), and with ``overwrite`` the link itself is replaced by a regular file, its
+target never touched. A shard that is a symlink is never kept by a resume.
 
 A directory that holds another model (another ``config.json``, or weights whose ``condinit`` entry
 names another seed, method, dtype or layout, or weights without one) is refused. ``resume=True``
@@ -13,14 +18,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from typing import Optional
 
+from condinit.io.atomic import open_nofollow
 from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                                             canonical_json, read_header)
 
 from ..checkpoint import METADATA_KEY
 
-__all__ = ["check_out_dir", "other_model", "complete", "free_bytes", "needed_bytes"]
+__all__ = ["check_out_dir", "symlinked", "other_model", "complete", "free_bytes", "needed_bytes"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -36,6 +43,17 @@ def check_out_dir(out_dir) -> str:
     if not os.path.isdir(parent):
         raise ValueError(f"out_dir {path}: its parent directory {parent} does not exist")
     return path
+
+
+def symlinked(out_dir: str, names) -> Optional[str]:
+    """The first of ``names`` (files this write creates in ``out_dir``) that is a symlink, as
+    ``"NAME is a symlink to TARGET"``, or None."""
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if os.path.islink(path):
+            target = os.path.normpath(os.path.join(out_dir, os.readlink(path)))
+            return f"{name} is a symlink to {target}"
+    return None
 
 
 def _identity(meta: dict) -> dict:
@@ -109,13 +127,22 @@ def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planne
     return None
 
 
-def complete(path: str, head: bytes, size: int) -> bool:
-    """Whether ``path`` is the file this write would give: its size, and its header (every tensor's
-    name, dtype, shape and offsets, and the metadata) byte for byte."""
+def _regular_size(path: str) -> Optional[int]:
+    """The size of ``path`` if it is a regular file (not a symlink), else None."""
     try:
-        if not os.path.isfile(path) or os.path.getsize(path) != size:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def complete(path: str, head: bytes, size: int) -> bool:
+    """Whether ``path`` is the file this write would give: a regular file (not a symlink), its size,
+    and its header (every tensor's name, dtype, shape and offsets, and the metadata) byte for byte."""
+    try:
+        if _regular_size(path) != size:
             return False
-        with open(path, "rb") as fh:
+        with open(path, "rb", opener=open_nofollow) as fh:
             return fh.read(len(head)) == head
     except OSError:
         return False
@@ -128,9 +155,11 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def needed_bytes(paths: dict, sizes: dict, keep: set) -> int:
+def needed_bytes(paths: dict, sizes: dict, keep: set, follow_symlinks: bool = True) -> int:
     """Bytes the write needs free: every file it writes, less the files it replaces (freed at their
-    rename), but the largest of those, held until its own replacement is complete."""
+    rename; with ``follow_symlinks=False`` a symlink is replaced itself and frees nothing), but the
+    largest of those, held until its own replacement is complete."""
     new = sum(sizes[f] for f in paths if f not in keep)
-    replaced = [os.path.getsize(paths[f]) for f in paths if f not in keep and os.path.isfile(paths[f])]
+    size = (lambda p: os.path.getsize(p) if os.path.isfile(p) else None) if follow_symlinks else _regular_size
+    replaced = [n for n in (size(paths[f]) for f in paths if f not in keep) if n is not None]
     return new - sum(replaced) + max(replaced, default=0)

@@ -18,11 +18,22 @@ them, and the whole ``condinit`` entry (every layer) under ``"condinit"``. Heade
 deterministic: the same call writes the same bytes.
 
 **Before anything is written**: every argument is checked (:mod:`condinit.models.stream.prepare`),
-a directory holding another model is refused and the free space compared with the bytes to write
+a symlink in the place of a file the write creates and a directory holding another model are
+refused, and the free space compared with the bytes to write
 (:mod:`condinit.models.stream.destination`).
+
+**Inside the directory only**: every file is created in the directory; a symlink there is never
+written through (refused; with ``overwrite`` replaced itself by a regular file), a stale file that
+is a symlink is removed as a link, its target untouched.
+
+**One writer per directory**: a write (and a resume) holds the directory's lock
+(:func:`condinit.io.dirlock.directory_lock`, the file ``.condinit.lock`` in it) from its checks of
+what is there to its last file, so a second writer is refused (naming the first one's PID and host)
+and never mixes its files with the first one's. A dry run takes no lock.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -34,12 +45,13 @@ import torch
 from condinit._util import format_bytes, tensor_bytes
 from condinit._validate import check_bool
 from condinit.io.atomic import check_output_path, removing_temps_on_sigterm
+from condinit.io.dirlock import directory_lock
 from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                                             encode_header, json_text)
 
 from ..checkpoint import METADATA_KEY, shard_metadata
 from ..report import ApplyReport
-from .destination import check_out_dir, complete, free_bytes, needed_bytes, other_model
+from .destination import check_out_dir, complete, free_bytes, needed_bytes, other_model, symlinked
 from .materialize import Replay, compute_threads
 from .plan import WritePlan, make_plan
 from .prepare import Job, Settings, prepare
@@ -87,11 +99,64 @@ class _FileJob(NamedTuple):
     order: list
 
 
-def _run_write(job: Job, files: list, progress: bool, desc: str) -> None:
+class _Destination(NamedTuple):
+    """What a directory write found there: the planned shards a resume keeps, the free bytes, the
+    bytes the write needs."""
+
+    keep: list
+    free: int
+    need: int
+
+
+class _DirectoryFiles(NamedTuple):
+    """Every file a directory write creates: the weights files (name -> path, header), the texts of
+    ``config.json``, ``generation_config.json`` and the index (None: not written), the ``condinit``
+    entry."""
+
+    paths: dict
+    headers: dict
+    config_text: str
+    gen_text: Optional[str]
+    index_text: Optional[str]
+    metadata: dict
+
+    def names(self) -> list:
+        return list(self.paths) + [CONFIG_NAME] + ([_GENERATION_CONFIG_NAME] if self.gen_text is not None else []) \
+            + ([WEIGHTS_INDEX_NAME] if self.index_text is not None else [])
+
+
+_GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def _check_destination(out_dir: str, todo: _DirectoryFiles, resume: bool, overwrite: bool) -> _Destination:
+    """The refusals of a directory write (a symlink in the place of a file it creates, another model
+    there, too little disk space), and what a resume keeps."""
+    if not overwrite:
+        link = symlinked(out_dir, todo.names()) if os.path.isdir(out_dir) else None
+        if link is not None:
+            raise ValueError(f"out_dir {out_dir}: {link}; condinit writes a directory's files only inside it and never "
+                             f"through a link: remove the link, or pass overwrite=True (--overwrite) to replace the "
+                             f"link itself by a regular file")
+        why = other_model(out_dir, todo.config_text, todo.metadata, set(todo.paths))
+        if why is not None:
+            raise ValueError(f"out_dir {out_dir} already holds another model: {why}; pass overwrite=True "
+                             f"(--overwrite) to replace it, or choose another directory")
+    sizes = {f: h.size for f, h in todo.headers.items()}
+    keep = [f for f in todo.paths if resume and complete(todo.paths[f], todo.headers[f].head, sizes[f])]
+    need = needed_bytes(todo.paths, sizes, set(keep), follow_symlinks=False) + len(todo.config_text) \
+        + len(todo.index_text or "") + len(todo.gen_text or "")
+    free = free_bytes(out_dir)
+    if need > free:
+        raise ValueError(f"not enough disk space for {out_dir}: the write needs {format_bytes(need)} "
+                         f"({len(todo.paths) - len(keep)} weights file(s)), the filesystem has {format_bytes(free)} free")
+    return _Destination(keep, free, need)
+
+
+def _run_write(job: Job, files: list, progress: bool, desc: str, follow_symlinks: bool = True) -> None:
     """Write ``files`` (:class:`_FileJob`) in order: tensors computed here, written by a
     :class:`Writer` thread, with the threads :func:`compute_threads` gives (units computed whole
     on every core, pieces with one core left to the writer). SIGTERM in the main thread removes
-    the file being written."""
+    the file being written. ``follow_symlinks=False``: a symlink at a file's path is replaced."""
     engine, state = job.engine, job.state
     piece_bytes = tuning().piece_bytes
     todo = {k for f in files for k in f.order}
@@ -141,7 +206,7 @@ def _run_write(job: Job, files: list, progress: bool, desc: str) -> None:
         writer = Writer(bar, pool=engine.pool)
         try:
             for f in files:
-                writer.begin(f.path, f.head)
+                writer.begin(f.path, f.head, follow_symlinks)
                 for k in f.order:
                     put(compute(k))
                 writer.end()
@@ -174,7 +239,7 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
         resume: keep the planned shards already in ``out_dir`` that are complete (size and header
             exactly as this write gives them), write the rest.
         overwrite: write even when ``out_dir`` holds another model (its files of the same names are
-            replaced, its other shards removed).
+            replaced, a symlink among them by a regular file in its place, its other shards removed).
         seed: ``0 <= seed < 2**64``, for the conditioned Q/K (as ``condinit.apply(model, seed=seed)``)
             and the own init of everything else. Not drawn: the same call writes the same bytes.
         method, v_mode, qk_gain, v_gain, include, exclude, strict, memory_budget: as in
@@ -192,8 +257,10 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
 
     Raises:
         ValueError / TypeError: a bad argument, a model that is not all on meta, no attention layer,
-            ``strict`` with uncovered modules, another model in ``out_dir`` (without ``overwrite``),
-            too little free disk space; all before anything is written.
+            ``strict`` with uncovered modules, a symlink in ``out_dir`` in the place of a file the write
+            creates or another model there (both without ``overwrite``), too little free disk space;
+            all before anything is written.
+        condinit.io.dirlock.DirectoryLocked (a ValueError): another process is writing ``out_dir``.
 
     Examples:
         >>> config = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, ...)
@@ -215,8 +282,8 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
     model, state, metadata = job.model, job.state, job.metadata
     files = plan_files(state, limit)
     weight_map = {k: f for f, ks in files.items() for k in ks}
-    paths = {f: check_output_path(os.path.join(out_dir, f)) if os.path.isdir(out_dir) else os.path.join(out_dir, f)
-             for f in files}
+    paths = {f: check_output_path(os.path.join(out_dir, f), follow_symlinks=False) if os.path.isdir(out_dir)
+             else os.path.join(out_dir, f) for f in files}
 
     headers = {}
     n = len(files)
@@ -237,44 +304,47 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
         index_text = json_text({"metadata": {"total_parameters": job.num_parameters, "total_size": job.total_size,
                                              METADATA_KEY: metadata}, "weight_map": weight_map})
 
-    # refusals: nothing is written before these
-    if not overwrite:
-        why = other_model(out_dir, config_text, metadata, set(files))
-        if why is not None:
-            raise ValueError(f"out_dir {out_dir} already holds another model: {why}; pass overwrite=True "
-                             f"(--overwrite) to replace it, or choose another directory")
-    keep = [f for f in files if resume and complete(paths[f], headers[f].head, sizes[f])]
-    need = needed_bytes(paths, sizes, set(keep)) + len(config_text) + len(index_text or "") + len(gen_text or "")
-    free = free_bytes(out_dir)
-    if need > free:
-        raise ValueError(f"not enough disk space for {out_dir}: the write needs {format_bytes(need)} "
-                         f"({len(files) - len(keep)} weights file(s)), the filesystem has {format_bytes(free)} free")
-    if dry_run:
-        plan = make_plan(job, files, sizes, keep, free, need, measure=True)
-        job.report.total_time_s = time.perf_counter() - t_start
-        return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
-                                     job.num_parameters, job.report, job.report.total_time_s, plan=plan,
-                                     kept=[paths[f] for f in keep], dry_run=True)
-    plan = make_plan(job, files, sizes, keep, free, need, measure=False)
+    todo = _DirectoryFiles(paths, headers, config_text, gen_text, index_text, metadata)
 
-    # writing starts here
-    os.makedirs(out_dir, exist_ok=True)
-    for f in files:
-        paths[f] = check_output_path(paths[f])
-    for stale in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):   # never a loadable mix of old and new files
-        path = os.path.join(out_dir, stale)
-        if os.path.isfile(path) and stale not in files:
-            os.unlink(path)
-    write_text(os.path.join(out_dir, CONFIG_NAME), config_text)
-    if gen_text is not None:
-        write_text(os.path.join(out_dir, "generation_config.json"), gen_text)
-    _run_write(job, [_FileJob(paths[f], headers[f].head, headers[f].order) for f in files if f not in keep],
-               progress, "condinit write")
-    if index_text is not None:
-        write_text(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index_text)
-    for name in os.listdir(out_dir):    # shards of an earlier write that this one did not replace
-        if SHARD_NAME_RE.match(name) and name not in files and os.path.isfile(os.path.join(out_dir, name)):
-            os.unlink(os.path.join(out_dir, name))
+    # refusals: nothing is written before these (but the lock file, removed again)
+    with contextlib.ExitStack() as held:
+        locked = not dry_run and os.path.isdir(out_dir)
+        if locked:
+            held.enter_context(removing_temps_on_sigterm())
+            held.enter_context(directory_lock(out_dir))
+        found = _check_destination(out_dir, todo, resume, overwrite)
+        if dry_run:
+            plan = make_plan(job, files, sizes, found.keep, found.free, found.need, measure=True)
+            job.report.total_time_s = time.perf_counter() - t_start
+            return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
+                                         job.num_parameters, job.report, job.report.total_time_s, plan=plan,
+                                         kept=[paths[f] for f in found.keep], dry_run=True)
+
+        # writing starts here
+        if not locked:   # a new directory: locked once made, checked again (another writer may have come first)
+            os.makedirs(out_dir, exist_ok=True)
+            held.enter_context(removing_temps_on_sigterm())
+            held.enter_context(directory_lock(out_dir))
+            found = _check_destination(out_dir, todo, resume, overwrite)
+        keep = found.keep
+        plan = make_plan(job, files, sizes, keep, found.free, found.need, measure=False)
+        for f in files:
+            paths[f] = check_output_path(paths[f], follow_symlinks=False)
+        for stale in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):   # never a loadable mix of old and new files
+            path = os.path.join(out_dir, stale)
+            if (os.path.isfile(path) or os.path.islink(path)) and stale not in files:
+                os.unlink(path)
+        write_text(os.path.join(out_dir, CONFIG_NAME), config_text, follow_symlinks=False)
+        if gen_text is not None:
+            write_text(os.path.join(out_dir, _GENERATION_CONFIG_NAME), gen_text, follow_symlinks=False)
+        _run_write(job, [_FileJob(paths[f], headers[f].head, headers[f].order) for f in files if f not in keep],
+                   progress, "condinit write", follow_symlinks=False)
+        if index_text is not None:
+            write_text(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index_text, follow_symlinks=False)
+        for name in os.listdir(out_dir):    # shards of an earlier write that this one did not replace
+            path = os.path.join(out_dir, name)
+            if SHARD_NAME_RE.match(name) and name not in files and (os.path.isfile(path) or os.path.islink(path)):
+                os.unlink(path)
     job.report.total_time_s = time.perf_counter() - t_start
     return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
                                  job.num_parameters, job.report, job.report.total_time_s, plan=plan,

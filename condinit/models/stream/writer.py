@@ -5,7 +5,8 @@ Written data goes to the page cache (not the process's resident memory); the wri
 writeback to disk as it goes and drops what is on disk from the cache (:class:`Writeback`), so the
 disk works while tensors are computed and the cache holds only ~128 MB of the file being written
 (a big tensor is written in 64 MB pieces for that). Each file is written atomically
-(:func:`condinit.io.atomic.atomic_output`) and ``fsync``\\ ed before its rename.
+(:func:`condinit.io.atomic.atomic_output`) and ``fsync``\\ ed before its rename; the files of a
+directory replace a symlink in their place instead of writing through it.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from condinit._util import format_bytes, tensor_bytes
-from condinit.io.atomic import atomic_output
+from condinit.io.atomic import atomic_output, open_nofollow
 
 from .tuning import tuning
 
@@ -126,6 +127,7 @@ class Writeback:
 class _Begin(NamedTuple):
     path: str
     head: bytes
+    follow_symlinks: bool
 
 
 class _Data(NamedTuple):
@@ -190,8 +192,10 @@ class Writer:
                 self._cond.wait()
             return self._items.popleft()
 
-    def begin(self, path: str, head: bytes) -> None:
-        self._push(_Begin(path, head))
+    def begin(self, path: str, head: bytes, follow_symlinks: bool = True) -> None:
+        """Start the file ``path`` with the bytes ``head``; ``follow_symlinks=False``: a symlink at
+        ``path`` is replaced, not written through (:func:`atomic_output`)."""
+        self._push(_Begin(path, head, follow_symlinks))
 
     def put(self, tensor: torch.Tensor, buffer: Optional[torch.Tensor] = None) -> None:
         """Queue ``tensor`` for writing; then its buffer (``buffer``, of which ``tensor`` is a part,
@@ -212,8 +216,8 @@ class Writer:
                 if not isinstance(item, _Begin):
                     return
                 path = item.path
-                with atomic_output(path) as tmp:
-                    with open(tmp, "wb") as fh:
+                with atomic_output(path, item.follow_symlinks) as tmp:
+                    with open(tmp, "wb", opener=open_nofollow) as fh:
                         fh.write(item.head)
                         flush = Writeback(fh, len(item.head), self._step)
                         while True:
@@ -271,8 +275,9 @@ class Writer:
         self._thread.join()
 
 
-def write_text(path: str, text: str) -> None:
-    """``text`` (UTF-8) as the file ``path``, atomically."""
-    with atomic_output(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
+def write_text(path: str, text: str, follow_symlinks: bool = True) -> None:
+    """``text`` (UTF-8) as the file ``path``, atomically; ``follow_symlinks=False``: a symlink at
+    ``path`` is replaced, not written through."""
+    with atomic_output(path, follow_symlinks) as tmp:
+        with open(tmp, "w", encoding="utf-8", opener=open_nofollow) as fh:
             fh.write(text)

@@ -1,0 +1,194 @@
+"""Directory outputs: every file of ``condinit init --out DIR/`` is written inside DIR, never through a
+symlink in it (refused, or with ``--overwrite`` the link itself replaced), and one writer per
+directory at a time (a lock file in DIR, its holder's PID and host in the refusal, stale locks taken
+over, released on exit and on SIGTERM)."""
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from condinit.io.dirlock import LOCK_NAME, DirectoryLocked, directory_lock  # noqa: E402
+from condinit.models.stream import write_pretrained  # noqa: E402
+
+from helpers import run_cli  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARD1 = "model-00001-of-00002.safetensors"
+
+
+def tiny_config():
+    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=64, initializer_range=0.02)
+
+
+def write(out, **kw):
+    return write_pretrained(tiny_config(), out, max_shard_size=60_000, **kw)
+
+
+def snapshot(d):
+    """Every entry of ``d``: a regular file's bytes, or ("link", target)."""
+    result = {}
+    for name in sorted(os.listdir(d)):
+        p = os.path.join(d, name)
+        if os.path.islink(p):
+            result[name] = ("link", os.readlink(p))
+        else:
+            with open(p, "rb") as fh:
+                result[name] = fh.read()
+    return result
+
+
+@pytest.fixture
+def written(tmp_path):
+    """A two-shard directory, and a file outside it."""
+    out = tmp_path / "out"
+    rep = write(out, seed=1)
+    assert [os.path.basename(f) for f in rep.files] == [SHARD1, "model-00002-of-00002.safetensors"]
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not yours\n")
+    return out, outside
+
+
+@pytest.mark.parametrize("name, kw", [(SHARD1, {"resume": True}), (SHARD1, {}),
+                                      ("generation_config.json", {}), ("config.json", {}),
+                                      ("model.safetensors.index.json", {"resume": True})])
+def test_symlink_in_dir_is_refused_and_nothing_written(written, name, kw):
+    out, outside = written
+    os.unlink(out / name)
+    os.symlink(outside, out / name)
+    before = snapshot(out)
+    with pytest.raises(ValueError, match=rf"{name} is a symlink to {outside}.*--overwrite"):
+        write(out, seed=1, **kw)
+    assert outside.read_bytes() == b"not yours\n"
+    assert snapshot(out) == before
+
+
+def test_overwrite_replaces_the_link_itself(written):
+    out, outside = written
+    good = snapshot(out)
+    for name in (SHARD1, "generation_config.json", "config.json"):
+        os.unlink(out / name)
+        os.symlink(outside, out / name)
+    write(out, seed=1, overwrite=True, resume=True)
+    assert outside.read_bytes() == b"not yours\n"
+    assert snapshot(out) == good            # regular files again, the same bytes
+    assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_cli_resume_through_symlinked_shard_is_one_line(written, capsys):
+    out, outside = written
+    os.unlink(out / SHARD1)
+    os.symlink(outside, out / SHARD1)
+    r = run_cli(capsys, "init", "--config", _config_file(out.parent), "--out", f"{out}/", "--resume",
+                "--max-shard-size", "60000", "--seed", "1")
+    assert r.rc == 2 and len(r.err.strip().splitlines()) == 1, r
+    assert f"{SHARD1} is a symlink to {outside}" in r.err
+    assert outside.read_bytes() == b"not yours\n"
+
+
+def _config_file(d):
+    path = d / "config.json"
+    path.write_text(tiny_config().to_json_string())
+    return str(path)
+
+
+def test_lock_file_is_not_left_in_the_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    write(out, seed=0)
+    assert LOCK_NAME not in os.listdir(out)
+
+
+def test_locked_directory_is_refused_with_pid_and_host(written):
+    out, _ = written
+    before = snapshot(out)
+    with directory_lock(str(out)):
+        with pytest.raises(DirectoryLocked, match=rf"PID {os.getpid()} on host {socket.gethostname()}"):
+            write(out, seed=2, overwrite=True)
+        with pytest.raises(DirectoryLocked):
+            write(out, seed=1, resume=True)
+    assert {k: v for k, v in snapshot(out).items()} == before
+    write(out, seed=2, overwrite=True)    # released
+
+
+def test_leftover_lock_file_of_a_dead_writer_is_taken_over(written):
+    out, _ = written
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    write(out, seed=1)
+    assert LOCK_NAME not in os.listdir(out)
+
+
+def test_lock_file_symlink_is_refused(written):
+    out, outside = written
+    os.symlink(outside, out / LOCK_NAME)
+    with pytest.raises(ValueError, match=rf"{LOCK_NAME} is a symlink"):
+        write(out, seed=1)
+    assert outside.read_bytes() == b"not yours\n"
+
+
+# holds the lock on sys.argv[1] (the directory_lock of a writer) until stdin closes or SIGTERM;
+# with sys.argv[2] == "orphan" it hands the locked descriptor to a child and exits, so the lock is
+# held by a process that is not the one the lock file names
+_HOLDER = textwrap.dedent("""
+    import os, subprocess, sys
+    from condinit.io.atomic import removing_temps_on_sigterm
+    from condinit.io.dirlock import directory_lock
+    with removing_temps_on_sigterm(), directory_lock(sys.argv[1]) as lock:
+        if sys.argv[2] == "orphan":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=[lock.fd])
+            print(child.pid, flush=True)
+            os._exit(0)
+        print("held", flush=True)
+        sys.stdin.read()
+""")
+
+
+def _holder(out, mode="hold"):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out), mode], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    assert line, "the holder did not start"
+    return proc, line
+
+
+def test_second_process_is_refused_while_the_first_holds_the_lock(written, capsys):
+    out, _ = written
+    before = snapshot(out)
+    proc, _ = _holder(out)
+    try:
+        r = run_cli(capsys, "init", "--config", _config_file(out.parent), "--out", f"{out}/", "--overwrite",
+                    "--max-shard-size", "60000", "--seed", "5")
+        assert r.rc == 2 and len(r.err.strip().splitlines()) == 1, r
+        assert f"PID {proc.pid} on host {socket.gethostname()}" in r.err, r.err
+        assert {k: v for k, v in snapshot(out).items() if k != LOCK_NAME} == before
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert LOCK_NAME not in os.listdir(out)    # removed on SIGTERM
+    write(out, seed=5, overwrite=True)          # and released
+
+
+def test_lock_held_by_an_orphan_of_a_dead_writer_is_stale(written):
+    out, _ = written
+    proc, child = _holder(out, "orphan")
+    proc.wait(timeout=30)
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDWR)
+        try:   # still held, by the orphan
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        write(out, seed=1)     # the file names a dead PID: taken over
+        assert LOCK_NAME not in os.listdir(out)
+    finally:
+        os.kill(int(child), signal.SIGKILL)
