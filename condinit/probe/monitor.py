@@ -40,7 +40,11 @@ captured input and weights are cast up, the estimate is not skipped). A layer wh
 or weights hold NaN or Inf (a diverged step), whose estimate overflows its dtype (NaN values), or
 that the operator cannot read, is logged as a record with ``skipped`` set to the reason; an
 all-zero input gives the exact answer ``J = 0`` (``sigma_max`` 0, ``rank_deficient``, the reason in
-``notes``). Programming errors in the call itself (a negative or non-int ``step``, a closed
+``notes``). Nor because of the loop: a sampled forward under a :mod:`torch.func` transform (``vmap``,
+``grad``, ``jvp``; per-sample gradients) or traced by ``torch.compile`` is recorded as skipped with
+the reason (:mod:`condinit.probe.context`); ``functional_call``, autocast, ``no_grad`` and
+``inference_mode`` forwards are measured. Any other exception of a capture or an estimate (a
+kernel's) is recorded as ``skipped`` with its type and message. Programming errors in the call itself (a negative or non-int ``step``, a closed
 monitor) do raise, at the call.
 
 Distributed (FSDP2). For layers whose parameters are FSDP2 DTensors (``fully_shard``), the hooks keep
@@ -75,7 +79,9 @@ from condinit._validate import SEED_MAX, check_bool, check_choice, check_dtype, 
 from .alerts import Alerts, check_alerts
 from .autocast import autocast_disabled
 from .capture import InputCapture, call_position_embeddings
-from .records import SKIPPED_BUDGET, SKIPPED_MAX_LAYERS, SKIPPED_NOT_RUN, RecordLog, skipped_error
+from .context import compiling, functorch_transform
+from .records import (SKIPPED_BUDGET, SKIPPED_COMPILED, SKIPPED_MAX_LAYERS, SKIPPED_NOT_RUN, RecordLog,
+                      skipped_error, skipped_exception, skipped_transform)
 from .signals import attention_signals
 
 __all__ = ["JacobianMonitor"]
@@ -176,7 +182,8 @@ class JacobianMonitor:
         self.step_count = 0
         self._cursor = 0          # round-robin position over layers
         self._captured: dict = {}
-        self._errors: dict = {}
+        self._skipped: dict = {}      # layer -> the reason its capture on this step failed
+        self._traced: dict = {}       # layers whose forward this step was a torch.compile graph
         # output files: checked and opened before any hook is registered
         self._log = RecordLog(log_dir, path, tensorboard)
         self.path, self.csv_path = self._log.path, self._log.csv_path
@@ -191,13 +198,33 @@ class JacobianMonitor:
 
     def _on_input(self, idx: int, module: nn.Module, x, call) -> None:
         """Pre-hook callback: on a sampled step, snapshot layer ``idx``'s first forward as an operator
-        (sharded layers: its input only; the operator is built in :meth:`step`)."""
-        if not self.capturing or not self.sampling or idx in self._captured or idx in self._errors \
+        (sharded layers: its input only; the operator is built in :meth:`step`). Never raises: a
+        forward that cannot be measured leaves the reason in ``_skipped`` (:mod:`.context`)."""
+        if compiling():
+            # traced into the graph (so the step counter is not read: no guard on it); the graph
+            # replays this store each time it runs, and step() records the layer as not measured
+            if self.capturing:
+                self._traced[idx] = True
+            return
+        if not self.capturing or not self.sampling or idx in self._captured or idx in self._skipped \
                 or idx in self._pending:
             return
-        if x is None:
-            self._errors[idx] = "could not find a [B, N, D] input tensor"
+        transform = functorch_transform()
+        if transform is not None:
+            self._skipped[idx] = skipped_transform(transform)
             return
+        if x is None:
+            self._skipped[idx] = skipped_error("could not find a [B, N, D] input tensor")
+            return
+        try:
+            # the copies are plain tensors, also under inference_mode
+            with torch.inference_mode(False), torch.no_grad():
+                self._capture_input(idx, module, x, call)
+        except Exception as exc:     # a hook must not raise into the training loop: the layer is skipped
+            self._skipped[idx] = skipped_exception(exc)
+
+    def _capture_input(self, idx: int, module: nn.Module, x, call) -> None:
+        """Copy layer ``idx``'s input (cut to ``max_batch`` / ``max_tokens``) and build its operator."""
         details = self.layers[idx].spec.details
         pe = call_position_embeddings(*call, details.position_embeddings_arg)
         if self.max_batch is not None:
@@ -223,7 +250,9 @@ class JacobianMonitor:
         except (ValueError, TypeError) as exc:
             # non-finite data (NonFiniteError) or a layer the operator cannot read: logged as skipped
             # with the reason; training goes on
-            self._errors[idx] = str(exc)
+            self._skipped[idx] = skipped_error(str(exc))
+        except Exception as exc:
+            self._skipped[idx] = skipped_exception(exc)
 
     # -- estimation -----------------------------------------------------------------------------
 
@@ -240,9 +269,10 @@ class JacobianMonitor:
         cur = self.step_count if step is None else step
         records = []
         # every rank of a distributed monitor takes part in each sampled step (the gathers are collective)
-        if self._captured or self._errors or self._pending or (self.distributed and cur % self.every == 0):
+        if self._captured or self._skipped or self._pending or (self._traced and self.sampling) \
+                or (self.distributed and cur % self.every == 0):
             records = self._estimate(cur)
-        self._captured, self._errors, self._pending = {}, {}, {}
+        self._captured, self._skipped, self._pending, self._traced = {}, {}, {}, {}
         self.step_count = cur + 1
         return records
 
@@ -271,8 +301,8 @@ class JacobianMonitor:
                 if self._gather_and_build(idx):
                     done += 1
                     self._cursor = (idx + 1) % len(self.layers)
-            if idx in self._errors:
-                records.append({**base, "skipped": skipped_error(self._errors[idx])})
+            if idx in self._skipped:
+                records.append({**base, "skipped": self._skipped[idx]})
                 continue
             op = self._captured.get(idx)
             if op is None and idx in self._sharded and (over_time or over_layers):
@@ -282,23 +312,27 @@ class JacobianMonitor:
                     records.append({**base, "skipped": SKIPPED_NOT_RUN})
                 continue
             if op is None:
-                records.append({**base, "skipped": SKIPPED_NOT_RUN})
+                records.append({**base, "skipped": SKIPPED_COMPILED if idx in self._traced else SKIPPED_NOT_RUN})
                 continue
             if idx not in self._sharded and (over_time or over_layers):
                 records.append({**base, "skipped": SKIPPED_BUDGET if over_time else SKIPPED_MAX_LAYERS})
                 continue
             t0 = time.perf_counter()
             seed = (self.seed * 1_000_003 + step * 1009 + layer.index) % SEED_MAX
-            with torch.no_grad(), autocast_disabled(op.device):
-                sig = attention_signals(op) if self.signals else {}
-                est = lanczos_svd(op, steps=self.steps, seed=seed)
-                fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
-                    if self.frobenius_samples and math.isfinite(est.sigma_max) else None
-            self._captured.pop(idx, None)          # a layer's copies are freed once estimated
-            if not math.isfinite(est.sigma_max):
+            try:
+                with torch.no_grad(), autocast_disabled(op.device):
+                    sig = attention_signals(op) if self.signals else {}
+                    est = lanczos_svd(op, steps=self.steps, seed=seed)
+                    fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
+                        if self.frobenius_samples and math.isfinite(est.sigma_max) else None
                 # the estimators report an overflow of the compute dtype as NaN values with the reason
+                reason = None if math.isfinite(est.sigma_max) else est.notes
+            except Exception as exc:     # a kernel's error: recorded with its type and message, training goes on
+                sig, reason = {}, skipped_exception(exc)
+            self._captured.pop(idx, None)          # a layer's copies are freed once estimated
+            if reason is not None:
                 records.append({**base, **sig, "batch": op.B, "tokens": op.N, "time_s": time.perf_counter() - t0,
-                                "skipped": est.notes})
+                                "skipped": reason})
                 if idx not in self._sharded:
                     done += 1
                     self._cursor = (idx + 1) % len(self.layers)

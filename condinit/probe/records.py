@@ -17,7 +17,8 @@ import os
 from .signals import HEAD_SIGNALS
 
 __all__ = ["CSV_FIELDS", "TB_SCALARS", "LOGGED_KEYS", "logged_metrics", "SKIPPED_BUDGET", "SKIPPED_MAX_LAYERS",
-           "SKIPPED_NOT_RUN", "skipped_error", "finite_or_none", "RecordLog"]
+           "SKIPPED_NOT_RUN", "SKIPPED_COMPILED", "skipped_error", "skipped_exception", "skipped_transform",
+           "finite_or_none", "RecordLog"]
 
 # the CSV's columns (the JSONL lines hold every key of a record)
 CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged",
@@ -32,12 +33,26 @@ TB_SCALARS = ("sigma_max", "sigma_min", "kappa", "frobenius", "max_logit", "entr
 SKIPPED_BUDGET = "budget"            # the step's time budget was spent
 SKIPPED_MAX_LAYERS = "max_layers"    # max_layers layers were estimated this step
 SKIPPED_NOT_RUN = "layer not run in the sampled forward"
+# the sampled forward was a torch.compile graph: it does not call the hooks (condinit.probe.context)
+SKIPPED_COMPILED = "forward under torch.compile: the compiled graph does not run the monitor's hooks"
 
 
 def skipped_error(reason: str) -> str:
     """The ``skipped`` reason of a layer whose capture failed (non-finite data, a layer the operator
     cannot read)."""
     return f"error: {reason}"
+
+
+def skipped_exception(exc: BaseException) -> str:
+    """The ``skipped`` reason of a layer whose capture or estimate raised something other than a
+    refusal of its data (a kernel's error, say): the exception's type and message."""
+    return skipped_error(f"{type(exc).__name__}: {exc}")
+
+
+def skipped_transform(transform: str) -> str:
+    """The ``skipped`` reason of a layer whose sampled forward ran under the :mod:`torch.func`
+    transform ``transform`` (its tensors are the transform's wrappers; :mod:`condinit.probe.context`)."""
+    return f"forward under torch.func.{transform}: the monitor does not measure transformed tensors"
 
 
 # record keys a trainer callback passes on to its trainer's logger, as "jacobian/LAYER/KEY"

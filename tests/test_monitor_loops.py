@@ -1,0 +1,170 @@
+"""JacobianMonitor under every kind of training loop: torch.func transforms, functional_call, autocast,
+no_grad / inference_mode, torch.compile. The step's results equal those without the monitor; a
+sampled forward that cannot be measured, and an estimate that raises, are records with the reason."""
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vmap
+
+import condinit.probe.estimators as estimators
+import condinit.probe.operator as operator
+from condinit.probe import JacobianMonitor
+from condinit.probe.records import SKIPPED_COMPILED, skipped_transform
+from helpers import TinyTransformer
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 11
+
+
+def run(step_fn, monitor: bool, steps: int = 1):
+    """``step_fn(model, tok)`` for ``steps`` steps of a seeded TinyTransformer (every step sampled);
+    returns the step results and the monitor's records."""
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=VOCAB)
+    mon = JacobianMonitor(model, every=1, steps=4, frobenius_samples=0, tensorboard=False) if monitor else None
+    results, records = [], []
+    for _ in range(steps):
+        tok = torch.randint(0, VOCAB, (3, 6))
+        results.append(step_fn(model, tok))
+        if mon is not None:
+            records += mon.step()
+    if mon is not None:
+        mon.close()
+    return results, records
+
+
+def assert_same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert torch.equal(a, b)
+
+
+def check(step_fn, steps: int = 1):
+    """The step gives the same results with the monitor on; returns the monitor's records."""
+    plain, _ = run(step_fn, monitor=False, steps=steps)
+    watched, records = run(step_fn, monitor=True, steps=steps)
+    assert_same(plain, watched)
+    assert [r["step"] for r in records] == [s for s in range(steps) for _ in (0, 1)]
+    return records
+
+
+def params(model):
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def sequence_loss(model, p, tok):
+    """Cross entropy of next-token prediction, the model called functionally with parameters ``p``."""
+    out = functional_call(model, p, (tok,))
+    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), tok.roll(1, -1).reshape(-1))
+
+
+def per_sample_grads(model, tok):
+    def loss(p, t):
+        return sequence_loss(model, p, t.unsqueeze(0))
+    return vmap(grad(loss), in_dims=(None, 0), randomness="different")(params(model), tok)
+
+
+def test_per_sample_gradients_under_vmap_of_grad():
+    records = check(per_sample_grads)
+    # the forward runs inside grad, inside vmap: the innermost transform is named
+    assert {r["skipped"] for r in records} == {skipped_transform("grad")}
+
+
+def test_vmap_forward():
+    records = check(lambda m, tok: vmap(lambda t: m(t.unsqueeze(0)), randomness="different")(tok))
+    assert {r["skipped"] for r in records} == {skipped_transform("vmap")}
+
+
+def test_grad_and_jvp():
+    records = check(lambda m, tok: grad(lambda p: sequence_loss(m, p, tok))(params(m)))
+    assert {r["skipped"] for r in records} == {skipped_transform("grad")}
+
+    def forward_mode(m, tok):
+        p = params(m)
+        return jvp(lambda q: sequence_loss(m, q, tok), (p,), ({k: torch.ones_like(v) for k, v in p.items()},))
+    records = check(forward_mode)
+    assert {r["skipped"] for r in records} == {skipped_transform("jvp")}
+
+
+def test_functional_call_is_measured():
+    def step(m, tok):
+        p = dict(m.named_parameters())
+        loss = sequence_loss(m, p, tok)
+        return [loss.detach()] + list(torch.autograd.grad(loss, list(p.values())))
+    records = check(step)
+    assert all(r["skipped"] is None and r["sigma_max"] > 0 for r in records)
+
+
+def test_autocast_no_grad_inference_mode_are_measured():
+    def autocast_step(m, tok):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = sequence_loss(m, dict(m.named_parameters()), tok)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in m.parameters()]
+
+    def no_grad_step(m, tok):
+        with torch.no_grad():
+            return m(tok)
+
+    def inference_step(m, tok):
+        with torch.inference_mode():
+            return m(tok).clone(memory_format=torch.contiguous_format)
+
+    for step_fn in (autocast_step, no_grad_step, inference_step):
+        records = check(step_fn, steps=2)
+        assert all(r["skipped"] is None and r["sigma_max"] > 0 for r in records), step_fn.__name__
+
+
+def test_no_grad_and_inference_mode_estimates_agree():
+    def forward(mode):
+        def step(m, tok):
+            with mode():
+                return m(tok).sum().item()
+        return step
+    _, a = run(forward(torch.no_grad), monitor=True)
+    _, b = run(forward(torch.inference_mode), monitor=True)
+    assert [r["sigma_max"] for r in a] == [r["sigma_max"] for r in b]
+
+
+@pytest.mark.slow
+def test_compiled_forward():
+    compiled_models = {}
+
+    def compiled(m, tok):
+        if id(m) not in compiled_models:
+            # torch.compile does not guard on hooks: a graph traced before the monitor's hooks existed
+            # would be reused
+            torch.compiler.reset()
+            compiled_models[id(m)] = torch.compile(m, fullgraph=True, backend="eager")
+        loss = compiled_models[id(m)](tok).square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in m.parameters()]
+    records = check(compiled, steps=3)
+    assert {r["skipped"] for r in records} == {SKIPPED_COMPILED}
+
+
+def test_estimate_error_is_recorded_with_its_type(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+    monkeypatch.setattr(estimators, "lanczos_svd", boom)
+    records = check(lambda m, tok: m(tok))
+    assert {r["skipped"] for r in records} == {"error: RuntimeError: kernel launch failed"}
+    assert all(r["batch"] == 1 and r["tokens"] == 6 for r in records)
+
+
+def test_capture_error_is_recorded_with_its_type(monkeypatch):
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise IndexError("index 3 is out of bounds")
+    monkeypatch.setattr(operator, "JacobianOperator", Broken)
+    records = check(lambda m, tok: m(tok))
+    assert {r["skipped"] for r in records} == {"error: IndexError: index 3 is out of bounds"}
