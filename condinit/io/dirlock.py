@@ -92,9 +92,9 @@ def _open_lock_file(directory: str, path: str) -> int:
         fd = open_nofollow(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise ValueError(f"out_dir {directory}: {path} is a symlink to "
-                             f"{os.path.normpath(os.path.join(directory, os.readlink(path)))}; condinit never follows a link in the "
-                             f"directory it writes: remove the link") from None
+            target = os.path.normpath(os.path.join(directory, os.readlink(path)))
+            raise ValueError(f"out_dir {directory}: {path} is a symlink to {target}; condinit never follows a link "
+                             f"in the directory it writes: remove the link") from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

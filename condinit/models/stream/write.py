@@ -148,7 +148,8 @@ def _check_destination(out_dir: str, todo: _DirectoryFiles, resume: bool, overwr
     free = free_bytes(out_dir)
     if need > free:
         raise ValueError(f"not enough disk space for {out_dir}: the write needs {format_bytes(need)} "
-                         f"({len(todo.paths) - len(keep)} weights file(s)), the filesystem has {format_bytes(free)} free")
+                         f"({len(todo.paths) - len(keep)} weights file(s)), the filesystem has "
+                         f"{format_bytes(free)} free")
     return _Destination(keep, free, need)
 
 
