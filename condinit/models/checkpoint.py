@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["save_model_atomic", "condinit_metadata", "shard_metadata", "open_checkpoint", "read_metadata",
            "check_metadata", "check_metadata_tensors", "entry_stop", "entry_rows", "Checkpoint", "ShardedCheckpoint",
-           "METADATA_KEY", "METADATA_FORMAT"]
+           "parse_metadata_entry", "METADATA_KEY", "METADATA_FORMAT"]
 
 METADATA_KEY = "condinit"
 METADATA_FORMAT = 1
@@ -271,14 +271,7 @@ class ShardedCheckpoint:
                 raw = (self._shard(fname).metadata() or {}).get(METADATA_KEY)
                 if raw is None:
                     continue
-                try:
-                    ent = json.loads(raw)
-                except ValueError:
-                    raise ValueError(f"{os.path.join(self.path, fname)}: the '{METADATA_KEY}' metadata entry is not "
-                                     f"valid JSON") from None
-                if not isinstance(ent, dict):
-                    raise ValueError(f"{os.path.join(self.path, fname)}: the '{METADATA_KEY}' metadata entry is not "
-                                     f"a JSON object")
+                ent = parse_metadata_entry(raw, os.path.join(self.path, fname))
                 merged = merged or {k: v for k, v in ent.items() if k not in ("layers", "shard")}
                 if isinstance(ent.get("layers"), list):
                     layers += ent["layers"]
@@ -408,6 +401,20 @@ def check_metadata(meta, where: str) -> dict:
     return meta
 
 
+def parse_metadata_entry(raw: str, where: str) -> dict:
+    """The ``condinit`` header entry ``raw`` (JSON text) of the file ``where`` as a dict; a ValueError
+    naming ``where`` when it is not a JSON object (or is nested too deeply to parse)."""
+    try:
+        val = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{where}: the '{METADATA_KEY}' metadata entry is JSON nested too deeply to parse") from None
+    except ValueError:
+        raise ValueError(f"{where}: the '{METADATA_KEY}' metadata entry is not valid JSON") from None
+    if not isinstance(val, dict):
+        raise ValueError(f"{where}: the '{METADATA_KEY}' metadata entry is not a JSON object")
+    return val
+
+
 def read_metadata(fh) -> Optional[dict]:
     """The parsed and checked ``condinit`` header entry of an open checkpoint (:func:`open_checkpoint`),
     or None when there is none. A field of the wrong type is a ValueError naming the file and the field.
@@ -422,14 +429,7 @@ def read_metadata(fh) -> Optional[dict]:
     raw = meta.get(METADATA_KEY)
     if raw is None:
         return None
-    try:
-        val = json.loads(raw)
-    except RecursionError:
-        raise ValueError(f"{where}: the '{METADATA_KEY}' metadata entry is JSON nested too deeply to parse") from None
-    except ValueError:
-        raise ValueError(f"{where}: the '{METADATA_KEY}' metadata entry is not valid JSON") from None
-    if not isinstance(val, dict):
-        raise ValueError(f"{where}: the '{METADATA_KEY}' metadata entry is not a JSON object")
+    val = parse_metadata_entry(raw, where)
     check_metadata(val, where)
     names = {n for ent in val.get("layers") or () for n in (ent[p]["tensor"] for p in ("q", "k", "v"))}
     keys = set(fh.keys())
