@@ -116,6 +116,7 @@ def assert_cli_refuses_cleanly(capsys, command, *argv) -> None:
         assert err.count("\n") == 1 and err.startswith(f"condinit {command}: error: "), err
 
 
+@pytest.mark.slow   # condinit probe builds its preset model
 @FUZZ
 @given(mutations=MUTATIONS)
 def test_fuzz_file_header(originals, capsys, mutations):
@@ -129,6 +130,7 @@ def test_fuzz_file_header(originals, capsys, mutations):
         assert_cli_refuses_cleanly(capsys, "probe", path, "--preset", "tiny-llama", "--steps", "1")
 
 
+@pytest.mark.slow   # condinit probe builds its preset model
 @FUZZ
 @given(mutations=MUTATIONS)
 def test_fuzz_shard_header(originals, capsys, mutations):
@@ -139,8 +141,10 @@ def test_fuzz_shard_header(originals, capsys, mutations):
             fh.write(mutate(data, header_end(data), mutations))
         assert_library_refuses_cleanly(d)
         assert_cli_refuses_cleanly(capsys, "inspect", d + os.sep)
+        assert_cli_refuses_cleanly(capsys, "probe", d + os.sep, "--preset", "tiny-llama", "--steps", "1")
 
 
+@pytest.mark.slow   # condinit probe builds its preset model
 @FUZZ
 @given(mutations=MUTATIONS)
 def test_fuzz_index(originals, capsys, mutations):
@@ -151,6 +155,7 @@ def test_fuzz_index(originals, capsys, mutations):
             fh.write(mutate(data, len(data), mutations))
         assert_library_refuses_cleanly(d)
         assert_cli_refuses_cleanly(capsys, "inspect", d + os.sep)
+        assert_cli_refuses_cleanly(capsys, "probe", d + os.sep, "--preset", "tiny-llama", "--steps", "1")
 
 
 SEGMENTS = st.sampled_from(["..", ".", "", "sub", "dir", shard_name(1, 2), "outside.safetensors"])
