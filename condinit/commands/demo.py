@@ -57,7 +57,7 @@ def _split(name: str, value: str) -> tuple:
 def _validate(args):
     from condinit._validate import check_int, check_real
     from condinit.demo.inits import INITS
-    from condinit.demo.report import check_output_dir
+    from condinit.io.atomic import check_output_dir
     from condinit.demo.tasks import TASK_GROUPS, TASKS
     from condinit.demo.train import QUICK_INITS
 

@@ -89,7 +89,7 @@ def run(args) -> int:
 
     from condinit._validate import check_int, check_seed
     from condinit.cli import CLIError
-    from condinit.demo.report import check_output_dir
+    from condinit.io.atomic import check_output_dir
     from condinit.io.atomic import check_output_path
     from condinit.models.presets import PRESETS, load_config_dict
     from condinit.models.stream import parse_shard_size

@@ -108,7 +108,7 @@ def _resolve(run_dir: str) -> str:
 def run(args) -> int:
     from condinit.cli import CLIError
 
-    from condinit.demo.report import check_output_dir
+    from condinit.io.atomic import check_output_dir
     from condinit.io.atomic import atomic_output, check_output_path
 
     path = _resolve(args.run_dir)

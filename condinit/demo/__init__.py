@@ -13,11 +13,11 @@ Modules: :mod:`~condinit.demo.tasks` (data), :mod:`~condinit.demo.models` (tiny 
 (tables, JSON, CSV, plots). The CLI is ``condinit demo`` (:mod:`condinit.commands.demo`).
 """
 from .inits import INIT_LABELS, INITS, base_init_, initialize_, mimetic_init_, spectral_condition_
-from .report import check_output_dir, format_table, render_files, select_best_lr, summarize, write_outputs
+from .report import format_table, render_files, select_best_lr, summarize, write_outputs
 from .tasks import TASKS, make_task, mqar_shortcut_baseline, stdlib_corpus
 from .train import attention_jacobian_sigma, head_probe, probe_kappa, run_demo, task_config, train_run
 
 __all__ = ["INITS", "INIT_LABELS", "TASKS", "base_init_", "initialize_", "mimetic_init_", "spectral_condition_",
            "make_task", "mqar_shortcut_baseline", "stdlib_corpus", "task_config", "train_run", "run_demo",
            "attention_jacobian_sigma", "head_probe", "probe_kappa", "summarize", "select_best_lr", "format_table",
-           "render_files", "write_outputs", "check_output_dir"]
+           "render_files", "write_outputs"]

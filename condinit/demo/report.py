@@ -34,10 +34,12 @@ import os
 import statistics
 import tempfile
 
+from condinit.io.atomic import check_output_dir
+
 from .inits import INIT_LABELS
 
 __all__ = ["summarize", "select_best_lr", "spearman", "format_table", "table_rows", "render_files",
-           "write_outputs", "check_output_dir", "INIT_COLORS", "VALUE_PATH_SHARE"]
+           "write_outputs", "INIT_COLORS", "VALUE_PATH_SHARE"]
 
 VALUE_PATH_SHARE = 0.9
 BUDGET_FRACTIONS = (0.25, 0.5)
@@ -438,30 +440,6 @@ def render_files(results: dict, summary: dict, *, plots: bool = True) -> dict:
     if plots:
         files.update(render_plots(results, summary))
     return files
-
-
-def check_output_dir(path) -> str:
-    """Raise ValueError unless ``path`` is (or can be created as) a writable directory. Writes nothing."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"out must be a directory path, got {path!r}")
-    path = os.path.abspath(os.fspath(path))
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        what = "is" if probe == path else f"cannot be created: {probe!r} is"
-        raise ValueError(f"out directory {path!r} {what} not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"out directory {path!r} is not writable ({probe!r} does not allow writing)")
-    try:  # os.access says yes to root on read-only mounts: try for real, leave nothing behind
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        raise ValueError(f"out directory {path!r} is not writable: {exc}") from exc
-    return path
 
 
 def write_outputs(out_dir, files: dict) -> list[str]:

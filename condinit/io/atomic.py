@@ -90,6 +90,30 @@ def check_output_path(path, follow_symlinks: bool = True) -> str:
     return _resolve_output(path, follow_symlinks)[0]
 
 
+def check_output_dir(path) -> str:
+    """Raise ValueError unless ``path`` is (or can be created as) a writable directory. Writes nothing."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"out must be a directory path, got {path!r}")
+    path = os.path.abspath(os.fspath(path))
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        what = "is" if probe == path else f"cannot be created: {probe!r} is"
+        raise ValueError(f"out directory {path!r} {what} not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"out directory {path!r} is not writable ({probe!r} does not allow writing)")
+    try:  # os.access says yes to root on read-only mounts: try for real, leave nothing behind
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ValueError(f"out directory {path!r} is not writable: {exc}") from exc
+    return path
+
+
 def open_nofollow(path, flags: int, mode: int = 0o666) -> int:
     """``os.open`` that refuses a symlink as the last component (``O_NOFOLLOW``: ELOOP); usable as
     the ``opener`` of :func:`open`."""

@@ -335,11 +335,21 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
             path = os.path.join(out_dir, stale)
             if (os.path.isfile(path) or os.path.islink(path)) and stale not in files:
                 os.unlink(path)
-        write_text(os.path.join(out_dir, CONFIG_NAME), config_text, follow_symlinks=False)
-        if gen_text is not None:
-            write_text(os.path.join(out_dir, _GENERATION_CONFIG_NAME), gen_text, follow_symlinks=False)
-        _run_write(job, [_FileJob(paths[f], headers[f].head, headers[f].order) for f in files if f not in keep],
-                   progress, "condinit write", follow_symlinks=False)
+        side = [(CONFIG_NAME, config_text)] + ([(_GENERATION_CONFIG_NAME, gen_text)] if gen_text is not None else [])
+        created = [os.path.join(out_dir, name) for name, _ in side
+                   if not os.path.lexists(os.path.join(out_dir, name))]
+        try:
+            for name, text in side:
+                write_text(os.path.join(out_dir, name), text, follow_symlinks=False)
+            _run_write(job, [_FileJob(paths[f], headers[f].head, headers[f].order) for f in files if f not in keep],
+                       progress, "condinit write", follow_symlinks=False)
+        except BaseException:
+            # a failed write leaves no file of its own behind: the shard's temporary file is gone
+            # (atomic_output), and so are the configs this write created
+            for path in created:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         if index_text is not None:
             write_text(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index_text, follow_symlinks=False)
         for name in os.listdir(out_dir):    # shards of an earlier write that this one did not replace

@@ -210,6 +210,7 @@ class Writer:
         self._push(_End())
 
     def _run(self) -> None:
+        path = None
         try:
             while True:
                 item = self._pop()
@@ -237,6 +238,10 @@ class Writer:
                         os.fsync(fh.fileno())
                 self.written.append(path)
         except BaseException as exc:   # handed to the generating thread, which raises it
+            if isinstance(exc, OSError) and exc.filename is None and path is not None:
+                named = OSError(exc.errno, exc.strerror, path)   # the shard the error happened in
+                named.__cause__ = exc
+                exc = named
             with self._cond:
                 self.error = exc
                 self._cond.notify_all()
