@@ -74,3 +74,16 @@ def test_unknown_attribute_raises_attribute_error():
     import condinit
     with pytest.raises(AttributeError, match="no attribute"):
         condinit.does_not_exist
+
+
+@pytest.mark.slow
+def test_import_condinit_models_is_lean():
+    import subprocess
+    import sys
+
+    code = ("import sys, condinit, condinit.models; m = condinit.apply; "
+            "bad = [k for k in ('transformers', 'timm', 'torch.distributed.tensor') if k in sys.modules]; "
+            "import torch; assert not torch.cuda.is_initialized(); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
