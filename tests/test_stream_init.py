@@ -419,9 +419,18 @@ def test_sigterm_then_resume_gives_the_uninterrupted_directory(tmp_path):
                             stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(__file__))
     try:
         assert proc.stdout.readline().strip() == "paused", proc.stderr.read()
-        deadline = time.monotonic() + 30
-        while not any(n.endswith(".tmp") for n in os.listdir(out)):   # a shard is being written
-            assert time.monotonic() < deadline, os.listdir(out)
+        # "paused" comes while earlier shards may still be on their way to disk: wait until the writer
+        # has drained them and sits in the paused shard (a temporary file, complete shards before it,
+        # and nothing changing for half a second)
+        deadline, last, since = time.monotonic() + 30, None, time.monotonic()
+        while True:
+            names = sorted(os.listdir(out))
+            if names != last:
+                last, since = names, time.monotonic()
+            elif (any(n.endswith(".tmp") for n in names) and any(n.endswith(".safetensors") for n in names)
+                  and time.monotonic() - since > 0.5):
+                break
+            assert time.monotonic() < deadline, names
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == -signal.SIGTERM
