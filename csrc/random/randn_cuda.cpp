@@ -1,7 +1,9 @@
 // CUDA registration of condinit_C::philox_randn (schema in randn_cpu.cpp; kernel in randn_kernels.cu).
+// Light headers only (c10 stream and guard): no CUDAContext.h, whose cuBLAS / cuSPARSE / cuSOLVER
+// headers a minimal CUDA toolkit may lack.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "random/randn_checks.h"
@@ -20,7 +22,7 @@ void philox_randn_cuda(int64_t seed_lo, int64_t seed_hi, int64_t stream, const a
   const at::Tensor ids = block_ids.contiguous();
   const cudaError_t err = condinit::philox_randn_cuda_launch(
       (uint32_t)seed_lo, (uint32_t)seed_hi, (uint32_t)stream, ids.data_ptr<int64_t>(), B, mn, out.data_ptr<float>(),
-      at::cuda::getCurrentCUDAStream());
+      c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "philox_randn: CUDA launch failed: ", cudaGetErrorString(err));
 }
 
