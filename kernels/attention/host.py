@@ -5,6 +5,8 @@ arguments, and :func:`attention_fwd`, :func:`attention_jvp`, :func:`attention_bw
 Which head dims and dtypes these kernels run for is declared once, in the backend table of
 condinit/ops/attention/op.py; the public op validates arguments before calling them.
 """
+import contextlib
+
 import torch
 import triton
 
@@ -39,6 +41,13 @@ def _check_lse(q, lse):
     if tuple(lse.shape) != tuple(q.shape[:3]) or lse.dtype != torch.float32:
         raise ValueError(f"attention kernel: lse must be float32 {tuple(q.shape[:3])}, got "
                          f"{lse.dtype} {tuple(lse.shape)}")
+
+
+def _on_device(t):
+    """The launches of one host function run on ``t``'s GPU, whatever the current device is
+    (Triton launches on the current device and its current stream); on the CPU (the
+    interpreter) nothing to switch."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _rowmajor(t):
@@ -123,7 +132,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     the mask (causal, window, lengths) as in the module docstring.
     """
     _check_layout(q, k, v)
-    out, lse, _ = _forward(q, k, v, causal, scale, (window_left, window_right, q_lens, kv_lens))
+    with _on_device(q):
+        out, lse, _ = _forward(q, k, v, causal, scale, (window_left, window_right, q_lens, kv_lens))
     return out, lse
 
 
@@ -141,7 +151,8 @@ def attention_jvp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.T
         tq, tk, tv = tq[None], tk[None], tv[None]
     _check_layout(q, k, v)
     _check_tangents(q, k, v, tq, tk, tv)
-    out, lse, tout = _forward(q, k, v, causal, scale, (window_left, window_right, q_lens, kv_lens), tq, tk, tv)
+    with _on_device(q):
+        out, lse, tout = _forward(q, k, v, causal, scale, (window_left, window_right, q_lens, kv_lens), tq, tk, tv)
     return out, (tout[0] if single else tout), lse
 
 
@@ -169,37 +180,38 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     _check_layout(q, k, v, dout, out)
     _check_lse(q, lse)
-    q, k, v, dout, out = (_rowmajor(t) for t in (q, k, v, dout, out))
-    lse = lse.contiguous()
-    B, H, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    q_lens, kv_lens, win_left, win_right, has_lens = mask_args(q, k, causal, window_left, window_right,
-                                                                 q_lens, kv_lens)
-    meta = configs.common_meta(d)
-    delta = _row_sums(out, dout, q_lens, has_lens, meta["BLOCK_D"])
+    with _on_device(q):
+        q, k, v, dout, out = (_rowmajor(t) for t in (q, k, v, dout, out))
+        lse = lse.contiguous()
+        B, H, Nq, d = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        q_lens, kv_lens, win_left, win_right, has_lens = mask_args(q, k, causal, window_left, window_right,
+                                                                     q_lens, kv_lens)
+        meta = configs.common_meta(d)
+        delta = _row_sums(out, dout, q_lens, has_lens, meta["BLOCK_D"])
 
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    meta.update(CAUSAL=causal, HAS_LENS=has_lens)
-    tail = (float(scale) * _LOG2E, float(scale), win_left, win_right, configs.bucket(Nq), configs.bucket(Nk))
-    configs.launch("dkdv", lambda m: triton.cdiv(Nk, m["BLOCK_N"]) * B * Hkv,
-            (q, k, v, dout, lse, delta, dk, dv, q_lens, kv_lens,
-             q.stride(0), q.stride(1), q.stride(2),
-             k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2),
-             dout.stride(0), dout.stride(1), dout.stride(2),
-             dk.stride(0), dk.stride(1), dk.stride(2),
-             dv.stride(0), dv.stride(1), dv.stride(2),
-             Hkv, Nq, Nk, H // Hkv, *tail), meta)
-    configs.launch("dq", lambda m: triton.cdiv(Nq, m["BLOCK_M"]) * B * H,
-            (q, k, v, dout, lse, delta, dq, q_lens, kv_lens,
-             q.stride(0), q.stride(1), q.stride(2),
-             k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2),
-             dout.stride(0), dout.stride(1), dout.stride(2),
-             dq.stride(0), dq.stride(1), dq.stride(2),
-             H, Nq, Nk, H // Hkv, *tail), meta)
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        meta.update(CAUSAL=causal, HAS_LENS=has_lens)
+        tail = (float(scale) * _LOG2E, float(scale), win_left, win_right, configs.bucket(Nq), configs.bucket(Nk))
+        configs.launch("dkdv", lambda m: triton.cdiv(Nk, m["BLOCK_N"]) * B * Hkv,
+                (q, k, v, dout, lse, delta, dk, dv, q_lens, kv_lens,
+                 q.stride(0), q.stride(1), q.stride(2),
+                 k.stride(0), k.stride(1), k.stride(2),
+                 v.stride(0), v.stride(1), v.stride(2),
+                 dout.stride(0), dout.stride(1), dout.stride(2),
+                 dk.stride(0), dk.stride(1), dk.stride(2),
+                 dv.stride(0), dv.stride(1), dv.stride(2),
+                 Hkv, Nq, Nk, H // Hkv, *tail), meta)
+        configs.launch("dq", lambda m: triton.cdiv(Nq, m["BLOCK_M"]) * B * H,
+                (q, k, v, dout, lse, delta, dq, q_lens, kv_lens,
+                 q.stride(0), q.stride(1), q.stride(2),
+                 k.stride(0), k.stride(1), k.stride(2),
+                 v.stride(0), v.stride(1), v.stride(2),
+                 dout.stride(0), dout.stride(1), dout.stride(2),
+                 dq.stride(0), dq.stride(1), dq.stride(2),
+                 H, Nq, Nk, H // Hkv, *tail), meta)
     return dq, dk, dv
 
 
@@ -226,43 +238,44 @@ def attention_jvp_bwd(gout: torch.Tensor, gtout: torch.Tensor, q: torch.Tensor, 
         raise ValueError(f"attention kernel: tout {tuple(tout.shape)} and gtout {tuple(gtout.shape)} "
                          f"must be shaped like tq {tuple(tq.shape)}")
     _check_lse(q, lse)
-    q, k, v, gout, out, tq, tk, tv, tout, gtout = (
-        _rowmajor(t) for t in (q, k, v, gout, out, tq, tk, tv, tout, gtout))
-    lse = lse.contiguous()
-    B, H, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    n_probes = tq.shape[0]
-    q_lens, kv_lens, win_left, win_right, has_lens = mask_args(q, k, causal, window_left, window_right,
-                                                                 q_lens, kv_lens)
-    meta = configs.common_meta(d)
-    meta.update(CAUSAL=causal, HAS_LENS=has_lens)
-    tail = (n_probes, H // Hkv, float(scale) * _LOG2E, float(scale), win_left, win_right,
-            configs.bucket(Nq), configs.bucket(Nk))
-    strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *tq.stride()[:4], *tk.stride()[:4],
-               *tv.stride()[:4]]
+    with _on_device(q):
+        q, k, v, gout, out, tq, tk, tv, tout, gtout = (
+            _rowmajor(t) for t in (q, k, v, gout, out, tq, tk, tv, tout, gtout))
+        lse = lse.contiguous()
+        B, H, Nq, d = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        n_probes = tq.shape[0]
+        q_lens, kv_lens, win_left, win_right, has_lens = mask_args(q, k, causal, window_left, window_right,
+                                                                     q_lens, kv_lens)
+        meta = configs.common_meta(d)
+        meta.update(CAUSAL=causal, HAS_LENS=has_lens)
+        tail = (n_probes, H // Hkv, float(scale) * _LOG2E, float(scale), win_left, win_right,
+                configs.bucket(Nq), configs.bucket(Nk))
+        strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *tq.stride()[:4], *tk.stride()[:4],
+                   *tv.stride()[:4]]
 
-    r = torch.empty((n_probes, B, H, Nq), device=q.device, dtype=torch.float32)
-    delta_t = torch.empty_like(r)
-    d_row = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    configs.launch("jvp_bwd_rows", lambda m: triton.cdiv(Nq, m["BLOCK_M"]) * B * H,
-            (q, k, tq, tk, out, tout, gout, gtout, lse, q_lens, kv_lens, r, delta_t, d_row,
-             *q.stride()[:3], *k.stride()[:3], *tq.stride()[:4], *tk.stride()[:4],
-             *out.stride()[:3], *tout.stride()[:4], *gout.stride()[:3], *gtout.stride()[:4],
-             H, Nq, Nk, *tail), meta)
+        r = torch.empty((n_probes, B, H, Nq), device=q.device, dtype=torch.float32)
+        delta_t = torch.empty_like(r)
+        d_row = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+        configs.launch("jvp_bwd_rows", lambda m: triton.cdiv(Nq, m["BLOCK_M"]) * B * H,
+                (q, k, tq, tk, out, tout, gout, gtout, lse, q_lens, kv_lens, r, delta_t, d_row,
+                 *q.stride()[:3], *k.stride()[:3], *tq.stride()[:4], *tk.stride()[:4],
+                 *out.stride()[:3], *tout.stride()[:4], *gout.stride()[:3], *gtout.stride()[:4],
+                 H, Nq, Nk, *tail), meta)
 
-    new = lambda x: torch.empty(x.shape, device=q.device, dtype=q.dtype)  # noqa: E731  (contiguous)
-    dq, dtq = new(q), new(tq)
-    configs.launch("jvp_bwd_dq", lambda m: triton.cdiv(Nq, m["BLOCK_M"]) * B * H,
-            (q, k, v, tq, tk, tv, gout, gtout, lse, d_row, r, delta_t, q_lens, kv_lens, dq, dtq,
-             *strides, *gout.stride()[:3], *gtout.stride()[:4], *dq.stride()[:3], *dtq.stride()[:4],
-             H, Nq, Nk, *tail), meta)
+        new = lambda x: torch.empty(x.shape, device=q.device, dtype=q.dtype)  # noqa: E731  (contiguous)
+        dq, dtq = new(q), new(tq)
+        configs.launch("jvp_bwd_dq", lambda m: triton.cdiv(Nq, m["BLOCK_M"]) * B * H,
+                (q, k, v, tq, tk, tv, gout, gtout, lse, d_row, r, delta_t, q_lens, kv_lens, dq, dtq,
+                 *strides, *gout.stride()[:3], *gtout.stride()[:4], *dq.stride()[:3], *dtq.stride()[:4],
+                 H, Nq, Nk, *tail), meta)
 
-    dk, dv, dtk, dtv = new(k), new(v), new(tk), new(tv)
-    configs.launch("jvp_bwd_dkdv", lambda m: triton.cdiv(Nk, m["BLOCK_N"]) * B * Hkv,
-            (q, k, v, tq, tk, tv, gout, gtout, lse, d_row, r, delta_t, q_lens, kv_lens, dk, dv, dtk, dtv,
-             *strides, *gout.stride()[:3], *gtout.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
-             *dtk.stride()[:4], *dtv.stride()[:4],
-             Hkv, Nq, Nk, *tail), meta)
+        dk, dv, dtk, dtv = new(k), new(v), new(tk), new(tv)
+        configs.launch("jvp_bwd_dkdv", lambda m: triton.cdiv(Nk, m["BLOCK_N"]) * B * Hkv,
+                (q, k, v, tq, tk, tv, gout, gtout, lse, d_row, r, delta_t, q_lens, kv_lens, dk, dv, dtk, dtv,
+                 *strides, *gout.stride()[:3], *gtout.stride()[:4], *dk.stride()[:3], *dv.stride()[:3],
+                 *dtk.stride()[:4], *dtv.stride()[:4],
+                 Hkv, Nq, Nk, *tail), meta)
     if single:
         dtq, dtk, dtv = dtq[0], dtk[0], dtv[0]
     return dq, dk, dv, dtq, dtk, dtv
