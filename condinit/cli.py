@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)   # what a launcher (init --nproc) runs again
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -75,6 +75,12 @@ def add_arguments(p):
                    help="with a directory --out: replace a model that is already there (refused otherwise)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (files, sizes, peak memory, expected time) and write nothing")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="with a directory --out: write it from N processes on this machine (launched as torchrun "
+                        "does); with --dry-run: plan for N ranks (bytes, shards and expected time per rank)")
+    p.add_argument("--rank-rate", default=None, metavar="RATE",
+                   help="with --dry-run: the bytes per second one rank writes (e.g. 800MB, measured by a real "
+                        "write), for the expected time per rank instead of the generation rates measured now")
     p.add_argument("--strict", action="store_true",
                    help="fail (and write nothing) if any attention-like module cannot be conditioned")
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:FUNCTION",
@@ -93,6 +99,7 @@ def run(args) -> int:
     from condinit.io.atomic import check_output_path
     from condinit.models.presets import PRESETS, load_config_dict
     from condinit.models.stream import parse_shard_size
+    from condinit.models.stream.ranks import launched_world_size
 
     # every check on the input happens before any work
     to_directory = args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)
@@ -109,6 +116,18 @@ def run(args) -> int:
             if given:
                 raise CLIError(f"{flag}: only with a directory --out (ending in {os.sep}); {args.out} is a file")
     shard = parse_shard_size(args.max_shard_size if args.max_shard_size is not None else "5GB", "--max-shard-size")
+    launched = launched_world_size()
+    check_int("--nproc", args.nproc, min=1, allow_none=True)
+    if args.rank_rate is not None and not args.dry_run:
+        raise CLIError("--rank-rate: only with --dry-run (it predicts the time of a write)")
+    rank_rate = parse_shard_size(args.rank_rate, "--rank-rate") if args.rank_rate is not None else None
+    if (args.nproc is not None or launched is not None and launched > 1) and not to_directory:
+        raise CLIError(f"--out {args.out}: one .safetensors file is written by one process; several ranks write a "
+                       f"directory (--out DIR{os.sep})")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", launched or 1))
+    if launched is not None and args.nproc is not None and args.nproc != local and not args.dry_run:
+        raise CLIError(f"--nproc {args.nproc}: this process was launched among {local} process(es) on this machine "
+                       f"(LOCAL_WORLD_SIZE): leave --nproc out under torchrun")
     try:
         config = load_config_dict(args.config) if args.config else None
     except RecursionError:
@@ -116,8 +135,21 @@ def run(args) -> int:
     preset = None if config is not None else (args.preset or "tiny-llama")
     adapters = [_load_adapter(ref) for ref in args.adapter]
     target = args.out if to_directory else out
+    if args.nproc is not None and args.nproc > 1 and launched is None and not args.dry_run:
+        return _launch(args)
+    if args.dry_run and launched is not None and int(os.environ["RANK"]) != 0:
+        return 0   # the plan is rank 0's; nothing is written
     try:
-        return _write(args, preset, config, adapters, target, to_directory, shard)
+        if launched is None or launched == 1 or args.dry_run:
+            world = (args.nproc or launched) if args.dry_run else None
+            return _write(args, preset, config, adapters, target, to_directory, shard, args.device, world, rank_rate)
+        from condinit.models.stream.ranks import RankFailed, launched_group
+
+        with launched_group(args.device) as device:
+            try:
+                return _write(args, preset, config, adapters, target, to_directory, shard, device, None, None)
+            except RankFailed as exc:
+                raise CLIError(str(exc)) from exc
     except OSError as exc:
         if exc.filename is not None or exc.errno is None:
             raise
@@ -125,6 +157,27 @@ def run(args) -> int:
         for note in getattr(exc, "__notes__", ()):
             named.add_note(note)
         raise named from exc
+
+
+def _launch(args) -> int:
+    """``--nproc N`` (a real write): this same command run as N processes on this machine by
+    torch.distributed's launcher (what ``torchrun --standalone --nproc-per-node N -m condinit``
+    does), each with ``OMP_NUM_THREADS`` = this machine's cores / N unless set; the exit status is
+    that of the ranks (the first failure named)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from condinit.cli import CLIError
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    try:
+        run(parse_args(["--standalone", "--nproc-per-node", str(args.nproc), "--module", "--", "condinit"]
+                       + list(args._argv)))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise CLIError(f"--nproc {args.nproc}: rank {rank} exited with status {failure.exitcode} (its error is "
+                       f"printed above); no index written (complete shards stay: --resume writes the rest)") from None
+    return 0
 
 
 def _load_adapter(ref: str):
@@ -188,9 +241,13 @@ class _adapters_registered:
         return False
 
 
-def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) -> int:
-    """The streamed writer: :func:`condinit.models.stream.write_pretrained` for ``--out DIR/``,
+def _write(args, preset, config, adapters, out, to_directory: bool, shard: int, device: str,
+           world, rank_rate) -> int:
+    """The streamed writer: :func:`condinit.models.stream.write_pretrained` for ``--out DIR/`` (this
+    process's share of it under torchrun; ``world``: the ranks a dry run plans for),
     :func:`condinit.models.stream.write_checkpoint` for one file."""
+    import torch.distributed as dist
+
     from condinit.models.presets import DTYPES, build_model
     from condinit.models.stream import write_checkpoint, write_pretrained
 
@@ -198,17 +255,19 @@ def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) 
     model, family = build_model(preset, config, dtype=DTYPES[args.dtype], device="meta", source=source)
     common = dict(seed=args.seed, method=args.method, v_mode=args.v_mode, qk_gain=args.qk_gain, v_gain=args.v_gain,
                   strict=args.strict, family=family, extra_metadata={"preset": preset, "dtype": args.dtype},
-                  progress=not args.quiet and sys.stderr.isatty(), device=args.device, dry_run=args.dry_run)
+                  progress=not args.quiet and sys.stderr.isatty(), device=device, dry_run=args.dry_run)
     with _adapters_registered(adapters):
         if to_directory:
             rep = write_pretrained(model, out, max_shard_size=shard, resume=args.resume, overwrite=args.overwrite,
-                                   **common)
+                                   world_size=world, **common)
         else:
             rep = write_checkpoint(model, out, **common)
     where = rep.out_dir if to_directory else rep.files[0]
     if args.dry_run:
-        _print_plan(rep, where, args.quiet)
+        _print_plan(rep, where, args.quiet, rank_rate)
         return 0
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0   # rank 0 prints the write
     if args.quiet:
         print(where)
         return 0
@@ -222,11 +281,28 @@ def _write(args, preset, config, adapters, out, to_directory: bool, shard: int) 
               f"{rep.total_size / 2 ** 20:.1f} MiB, seed {rep.seed}, {rep.time_s:.2f} s"
               + (f"; {len(rep.uncovered)} attention-like module(s) not conditioned (listed above)"
                  if rep.uncovered else ""))
+    if len(rep.written) > 1:
+        con.print(_ranks_line(rep.written))
     return 0
 
 
-def _print_plan(rep, where: str, quiet: bool) -> None:
-    """``--dry-run``: what the write would do."""
+def _ranks_line(written) -> str:
+    """What each rank of a multi-rank write wrote, in one line."""
+    from condinit._util import format_bytes
+
+    busy = [w for w in written if w.files]
+    total = sum(w.bytes for w in written)
+    slowest = max((w.seconds for w in busy), default=0.0)
+    rates = [w.bytes / max(w.seconds, 1e-9) for w in busy]
+    return (f"{len(written)} ranks wrote {format_bytes(total)} in {slowest:.2f} s (the slowest rank's time from its "
+            f"first shard to its last): " + ", ".join(
+                f"rank {w.rank} {len(w.files)} shard(s) {format_bytes(w.bytes)} in {w.seconds:.2f} s" for w in written)
+            + (f"; per rank {min(rates) / 1e6:.0f}-{max(rates) / 1e6:.0f} MB/s, together "
+               f"{total / max(slowest, 1e-9) / 1e6:.0f} MB/s" if busy else ""))
+
+
+def _print_plan(rep, where: str, quiet: bool, rank_rate) -> None:
+    """``--dry-run``: what the write would do (and, with ranks, what each rank would do)."""
     from condinit._util import format_bytes
 
     plan = rep.plan
@@ -239,6 +315,8 @@ def _print_plan(rep, where: str, quiet: bool) -> None:
     lines.append(f"{len(plan.files)} file(s), {format_bytes(plan.total_size)} of tensors, "
                  f"{rep.num_parameters / 1e6:.1f}M parameters; to write {format_bytes(plan.write_bytes)}, "
                  f"{format_bytes(plan.free_bytes)} free")
+    for why in plan.refusals:
+        lines.append(f"the write would be refused: {why}")
     largest = plan.largest_unit
     whole = (f"largest unit computed whole {largest.name}, {format_bytes(largest.bytes)}"
              if largest.name is not None else "no unit computed whole")
@@ -248,10 +326,45 @@ def _print_plan(rep, where: str, quiet: bool) -> None:
         lines.append(f"  computed whole: {name or '(the model itself)'}: {why}")
     if len(plan.whole_modules) > 10:
         lines.append(f"  ... and {len(plan.whole_modules) - 10} more modules computed whole")
+    if len(plan.ranks) > 1:
+        lines.extend(_rank_lines(plan, rank_rate, quiet))
+    elif rank_rate is not None:
+        lines.append(f"expected time at {format_bytes(rank_rate)}/s (given): about "
+                     f"{plan.write_bytes / rank_rate:.0f} s")
     if plan.rates is not None:
         r = plan.rates
-        lines.append(f"expected time on this machine: about {plan.estimated_seconds:.0f} s to generate (own init "
+        who = "the slowest rank, " if len(plan.ranks) > 1 else ""
+        lines.append(f"expected time on this machine: about {plan.estimated_seconds:.0f} s to generate ({who}own init "
                      f"{r.own_elements_per_s / 1e6:.0f}M {r.dtype} elements/s, {r.layer_s:.2f} s per "
-                     f"attention layer, measured now); writing overlaps it, so the run takes the longer of that and "
-                     f"{format_bytes(plan.write_bytes)} at this disk's write speed (not measured: nothing is written)")
+                     f"attention layer, measured now in one process); writing overlaps it, so the run takes the longer "
+                     f"of that and {format_bytes(max(s.bytes for s in plan.ranks))} at the disk's write speed "
+                     f"(not measured: nothing is written)")
     print("\n".join(lines))
+
+
+def _rank_lines(plan, rank_rate, quiet: bool) -> list:
+    """The ranks of a dry run: shards, bytes and expected time per rank."""
+    from condinit._util import format_bytes
+
+    shares = plan.ranks
+    counts = [len(s.files) for s in shares]
+    idle = sum(1 for c in counts if c == 0)
+    largest = max(shares, key=lambda s: s.bytes)
+    lines = [f"{len(shares)} ranks: {min(counts)}-{max(counts)} shard(s) per rank, "
+             f"{format_bytes(min(s.bytes for s in shares))}-{format_bytes(largest.bytes)} per rank "
+             f"(rank {largest.rank} the most)"]
+    if idle:
+        todo = sum(s.bytes for s in shares)
+        lines.append(f"  {idle} of the {len(shares)} ranks have no shard: {sum(counts)} to write; a --max-shard-size "
+                     f"of at most {format_bytes(max(1, todo // len(shares)))} gives every rank one")
+    if rank_rate is not None:
+        lines.append(f"expected time at {format_bytes(rank_rate)}/s per rank (given): about "
+                     f"{largest.bytes / rank_rate:.0f} s (rank {largest.rank}'s {format_bytes(largest.bytes)}), "
+                     f"{format_bytes((len(shares) - idle) * rank_rate)}/s together")
+    if not quiet:
+        for s in shares[:8]:
+            eta = "" if s.estimated_seconds is None else f", about {s.estimated_seconds:.0f} s to generate"
+            lines.append(f"  rank {s.rank}: {len(s.files)} shard(s), {format_bytes(s.bytes)}{eta}")
+        if len(shares) > 8:
+            lines.append(f"  ... and {len(shares) - 8} more ranks")
+    return lines

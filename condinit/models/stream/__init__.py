@@ -23,7 +23,8 @@ model calls it).
 
 Stages, in order: :mod:`.prepare` (checks, the meta model, the materializer), :mod:`.plan`
 (:class:`WritePlan`), :mod:`.destination` (refusals, resume, disk space), :mod:`.write` (the entry
-points), :mod:`.writer`; sizes and switches in :mod:`.tuning`.
+points), :mod:`.writer`; sizes and switches in :mod:`.tuning`. Several processes (torchrun) write
+one directory together, each its own shards (:mod:`.ranks`), the same bytes as one process.
 
 **Memory**: one unit computed whole (usually an attention layer: its Q/K/V, and the
 orthogonalization's scratch, in chunks of :attr:`Tuning.cpu_layer_budget` on the CPU unless
@@ -42,7 +43,8 @@ names.
 from condinit.io.safetensors_format import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from .own_init import own_init_
-from .plan import LargestUnit, PlannedFile, Rates, WritePlan
+from .plan import LargestUnit, PlannedFile, RankShare, Rates, WritePlan
+from .ranks import RankFailed, RankWritten, assign
 from .shards import parse_shard_size, plan_shards
 from .streams import OWN_INIT_BLOCK, own_init_stream, own_normal_
 from .tuning import Tuning, tuned, tuning
@@ -50,4 +52,4 @@ from .write import PretrainedWriteReport, write_checkpoint, write_pretrained
 
 __all__ = ["write_pretrained", "write_checkpoint", "plan_shards", "parse_shard_size", "own_init_stream",
            "own_normal_", "own_init_", "OWN_INIT_BLOCK", "PretrainedWriteReport", "WritePlan", "PlannedFile",
-           "LargestUnit", "Rates", "Tuning", "tuning", "tuned", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
+           "LargestUnit", "Rates", "RankShare", "RankWritten", "RankFailed", "assign", "Tuning", "tuning", "tuned", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]

@@ -27,22 +27,27 @@ from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_
 
 from ..checkpoint import METADATA_KEY
 
-__all__ = ["check_out_dir", "symlinked", "other_model", "complete", "free_bytes", "needed_bytes"]
+__all__ = ["check_out_dir", "missing_parent", "symlinked", "other_model", "complete", "free_bytes", "needed_bytes"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
-def check_out_dir(out_dir) -> str:
-    """The absolute output directory: an existing directory, or a new one in an existing directory."""
+def check_out_dir(out_dir, missing_parent_ok: bool = False) -> str:
+    """The absolute output directory: an existing directory, or a new one in an existing directory
+    (``missing_parent_ok``: in a directory that does not exist yet either, for a dry run's plan)."""
     path = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ValueError(f"out_dir {path} exists and is not a directory")
         return path
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise ValueError(f"out_dir {path}: its parent directory {parent} does not exist")
+    if not missing_parent_ok and not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(missing_parent(path))
     return path
+
+
+def missing_parent(out_dir: str) -> str:
+    """The refusal of an output directory whose parent directory does not exist."""
+    return f"out_dir {out_dir}: its parent directory {os.path.dirname(out_dir)} does not exist"
 
 
 def symlinked(out_dir: str, names) -> Optional[str]:

@@ -11,16 +11,16 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from condinit._util import tensor_bytes
 from condinit.ops.orthogonalize.op import DEFAULT_BUDGET
 from condinit.ops.random.op import NORMAL_CHUNK
 
 from .materialize import LayerUnit, ModuleUnit, compute_threads
 from .prepare import Job
+from .ranks import assign
 from .streams import own_normal_
 from .tuning import tuning
 
-__all__ = ["PlannedFile", "LargestUnit", "Rates", "WritePlan", "make_plan"]
+__all__ = ["PlannedFile", "LargestUnit", "Rates", "RankShare", "WritePlan", "make_plan"]
 
 
 class PlannedFile(NamedTuple):
@@ -29,6 +29,16 @@ class PlannedFile(NamedTuple):
     name: str
     size: int
     tensors: int
+
+
+class RankShare(NamedTuple):
+    """What one rank of a write does: its rank, the files it writes (names, in file order), their
+    bytes, and its generation time estimated from the rates measured here (None unless measured)."""
+
+    rank: int
+    files: list
+    bytes: int
+    estimated_seconds: Optional[float] = None
 
 
 class LargestUnit(NamedTuple):
@@ -56,7 +66,12 @@ class WritePlan:
     computed ahead, and scratch), how many of the ``units`` are drawn in pieces of at most
     ``piece_bytes`` (``replayed_units``; ``whole_modules``: the other modules besides attention
     layers, each with why its init is not replayed), and the generation time estimated from rates
-    measured on this machine (``rates``: :class:`Rates`; ``None`` unless measured)."""
+    measured on this machine (``rates``: :class:`Rates`; ``None`` unless measured). ``ranks``:
+    each rank's share (:class:`RankShare`, one for one process; the files still to write given out by
+    :func:`condinit.models.stream.ranks.assign`), each rank's estimate counting the own-init
+    elements and the attention layers of its own files at these rates (so ``estimated_seconds``
+    of a multi-rank plan is the slowest rank's). ``refusals``: what the write would refuse (a dry
+    run plans it anyway), the messages the write raises."""
 
     files: list
     total_size: int
@@ -71,6 +86,8 @@ class WritePlan:
     whole_modules: dict = field(default_factory=dict)
     rates: Optional[Rates] = None
     estimated_seconds: Optional[float] = None
+    ranks: list = field(default_factory=list)
+    refusals: list = field(default_factory=list)
 
 
 def _current_rss() -> int:
@@ -114,9 +131,9 @@ def _measure_rates(job: Job) -> Rates:
 
 
 def make_plan(job: Job, files: dict, sizes: dict, keep: list, free: Optional[int], write_bytes: int,
-              measure: bool) -> WritePlan:
+              measure: bool, world: int = 1, refusals=()) -> WritePlan:
     """The :class:`WritePlan` of writing ``files`` (``{name: [keys]}``, ``sizes``: ``{name: bytes}``)
-    but ``keep``; ``measure``: the rates and the time estimate too."""
+    but ``keep``, shared by ``world`` ranks; ``measure``: the rates and the time estimates too."""
     engine = job.engine
     units = engine.unit_modules
     unit_bytes = {u: engine.unit_bytes(u) for u in units}
@@ -137,13 +154,19 @@ def make_plan(job: Job, files: dict, sizes: dict, keep: list, free: Optional[int
     unit_name = None if largest_unit is None else engine.unit_name(largest_unit)
     plan = WritePlan([PlannedFile(f, sizes[f], len(files[f])) for f in files], job.total_size, write_bytes, free,
                      peak, LargestUnit(unit_name, largest_bytes), list(keep), len(units), len(units) - len(whole),
-                     piece_bytes, {u.name: why for u, why in engine.whole_why.items()})
+                     piece_bytes, {u.name: why for u, why in engine.whole_why.items()}, refusals=list(refusals))
+    shares = assign({f: sizes[f] for f in files if f not in keep}, world)
+    plan.ranks = [RankShare(r, names, sum(sizes[f] for f in names)) for r, names in enumerate(shares)]
     if measure:
         rates = _measure_rates(job)
-        own = sum(t.numel() for k, t in job.state.items() if isinstance(job.engine.unit_of[k], ModuleUnit))
-        todo = {k for f in files if f not in keep for k in files[f]}
-        frac = sum(tensor_bytes(job.state[k]) for k in todo) / max(job.total_size, 1)
-        n_layers = sum(1 for u in units if isinstance(u, LayerUnit))
+
+        def seconds(names) -> float:   # the own-init elements and the attention layers of these files
+            keys = [k for f in names for k in files[f]]
+            own = sum(job.state[k].numel() for k in keys if isinstance(engine.unit_of[k], ModuleUnit))
+            layers = {engine.unit_of[k] for k in keys if isinstance(engine.unit_of[k], LayerUnit)}
+            return own / rates.own_elements_per_s + len(layers) * rates.layer_s
+
         plan.rates = rates
-        plan.estimated_seconds = frac * (own / rates.own_elements_per_s + n_layers * rates.layer_s)
+        plan.ranks = [s._replace(estimated_seconds=seconds(s.files)) for s in plan.ranks]
+        plan.estimated_seconds = max(s.estimated_seconds for s in plan.ranks)
     return plan

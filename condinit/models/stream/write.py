@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from condinit._util import format_bytes, tensor_bytes
-from condinit._validate import check_bool
+from condinit._validate import check_bool, check_int
 from condinit.io.atomic import check_output_path, removing_temps_on_sigterm
 from condinit.io.dirlock import directory_lock
 from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
@@ -51,9 +51,10 @@ from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_
 
 from ..checkpoint import METADATA_KEY, shard_metadata
 from ..report import ApplyReport
-from .destination import check_out_dir, complete, free_bytes, needed_bytes, other_model, symlinked
+from .destination import check_out_dir, complete, free_bytes, missing_parent, needed_bytes, other_model, symlinked
 from .materialize import Replay, compute_threads
 from .plan import WritePlan, make_plan
+from .ranks import RankWritten, decided, ranks_of, reported
 from .prepare import Job, Settings, prepare
 from .shards import parse_shard_size, plan_files
 from .tuning import tuning
@@ -68,7 +69,8 @@ class PretrainedWriteReport:
     tensor bytes (``total_size`` as in the index), the parameter count, and the conditioning as an
     :class:`condinit.models.ApplyReport` (``apply``: layers, seed, uncovered modules; no singular values).
     ``plan``: the :class:`WritePlan`; ``kept``: the shards a resume found complete; ``dry_run``:
-    nothing was written."""
+    nothing was written; ``written``: what each rank wrote
+    (:class:`condinit.models.stream.ranks.RankWritten`, in rank order; one entry for one process)."""
 
     out_dir: str
     files: list
@@ -81,6 +83,7 @@ class PretrainedWriteReport:
     plan: Optional[WritePlan] = None
     kept: list = field(default_factory=list)
     dry_run: bool = False
+    written: list = field(default_factory=list)
 
     @property
     def seed(self) -> int:
@@ -101,11 +104,12 @@ class _FileJob(NamedTuple):
 
 class _Destination(NamedTuple):
     """What a directory write found there: the planned shards a resume keeps, the free bytes, the
-    bytes the write needs."""
+    bytes the write needs, and what the write refuses (a dry run's plan lists it)."""
 
     keep: list
     free: int
     need: int
+    refusals: list = []
 
 
 class _DirectoryFiles(NamedTuple):
@@ -128,9 +132,11 @@ class _DirectoryFiles(NamedTuple):
 _GENERATION_CONFIG_NAME = "generation_config.json"
 
 
-def _check_destination(out_dir: str, todo: _DirectoryFiles, resume: bool, overwrite: bool) -> _Destination:
+def _check_destination(out_dir: str, todo: _DirectoryFiles, resume: bool, overwrite: bool,
+                       refuse: bool = True) -> _Destination:
     """The refusals of a directory write (a symlink in the place of a file it creates, another model
-    there, too little disk space), and what a resume keeps."""
+    there, a parent directory that does not exist, too little disk space), and what a resume keeps.
+    ``refuse=False`` (a dry run): the last two are listed in ``refusals`` instead of raised."""
     if not overwrite:
         link = symlinked(out_dir, todo.names()) if os.path.isdir(out_dir) else None
         if link is not None:
@@ -146,18 +152,25 @@ def _check_destination(out_dir: str, todo: _DirectoryFiles, resume: bool, overwr
     need = needed_bytes(todo.paths, sizes, set(keep), follow_symlinks=False) + len(todo.config_text) \
         + len(todo.index_text or "") + len(todo.gen_text or "")
     free = free_bytes(out_dir)
+    refusals = []
+    if not os.path.isdir(os.path.dirname(out_dir)):
+        refusals.append(missing_parent(out_dir))
     if need > free:
-        raise ValueError(f"not enough disk space for {out_dir}: the write needs {format_bytes(need)} "
-                         f"({len(todo.paths) - len(keep)} weights file(s)), the filesystem has "
-                         f"{format_bytes(free)} free")
-    return _Destination(keep, free, need)
+        refusals.append(f"not enough disk space for {out_dir}: the write needs {format_bytes(need)} "
+                        f"({len(todo.paths) - len(keep)} weights file(s)), the filesystem has "
+                        f"{format_bytes(free)} free")
+    if refusals and refuse:
+        raise ValueError(refusals[0])
+    return _Destination(keep, free, need, refusals)
 
 
-def _run_write(job: Job, files: list, progress: bool, desc: str, follow_symlinks: bool = True) -> None:
+def _run_write(job: Job, files: list, progress: bool, desc: str, follow_symlinks: bool = True,
+               started: Optional[list] = None) -> None:
     """Write ``files`` (:class:`_FileJob`) in order: tensors computed here, written by a
     :class:`Writer` thread, with the threads :func:`compute_threads` gives (units computed whole
     on every core, pieces with one core left to the writer). SIGTERM in the main thread removes
-    the file being written. ``follow_symlinks=False``: a symlink at a file's path is replaced."""
+    the file being written. ``follow_symlinks=False``: a symlink at a file's path is replaced;
+    ``started``: each file's path is appended to it when its tensors start being computed."""
     engine, state = job.engine, job.state
     piece_bytes = tuning().piece_bytes
     todo = {k for f in files for k in f.order}
@@ -207,6 +220,8 @@ def _run_write(job: Job, files: list, progress: bool, desc: str, follow_symlinks
         writer = Writer(bar, pool=engine.pool)
         try:
             for f in files:
+                if started is not None:
+                    started.append(f.path)
                 writer.begin(f.path, f.head, follow_symlinks)
                 for k in f.order:
                     put(compute(k))
@@ -225,7 +240,8 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
                      max_shard_size: Union[int, str] = "5GB", model_class=None, include=None, exclude=None,
                      strict: bool = False, memory_budget: Optional[int] = None, family: Optional[str] = None,
                      extra_metadata: Optional[dict] = None, progress: bool = False, device=None,
-                     resume: bool = False, overwrite: bool = False, dry_run: bool = False) -> PretrainedWriteReport:
+                     resume: bool = False, overwrite: bool = False, dry_run: bool = False, process_group=None,
+                     world_size: Optional[int] = None) -> PretrainedWriteReport:
     """Write a ``from_pretrained``-ready model directory of the conditioned model, streamed (see
     :mod:`condinit.models.stream`).
 
@@ -252,7 +268,17 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
         family: the ``family`` field of the ``condinit`` metadata (default: the config's ``model_type``).
         extra_metadata: more fields for the ``condinit`` metadata (e.g. ``{"preset": ...}``).
         progress: a progress bar over the bytes written (tqdm; else a line every 10 s on stderr).
-        dry_run: plan, check and measure only (``report.plan``); nothing is written.
+        dry_run: plan, check and measure only (``report.plan``); nothing is written. The plan lists
+            what the write would refuse (too little disk space, a parent directory that does not
+            exist yet) instead of refusing it.
+        process_group: when torch.distributed is initialized, the write is shared by the ranks of
+            this group (default: the default group), every rank calling with the same arguments:
+            each writes the shards :func:`condinit.models.stream.ranks.assign` gives it, rank 0
+            holds the lock, makes the checks and writes the configs and, once every rank's shards
+            are durable, the index (:mod:`condinit.models.stream.ranks`). The files are the same
+            bytes for any number of ranks.
+        world_size: with ``dry_run``, the number of ranks to plan for (``plan.ranks``; default the
+            group's size, 1 without torch.distributed).
     Returns:
         :class:`PretrainedWriteReport`.
 
@@ -262,6 +288,8 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
             creates or another model there (both without ``overwrite``), too little free disk space;
             all before anything is written.
         condinit.io.dirlock.DirectoryLocked (a ValueError): another process is writing ``out_dir``.
+        condinit.models.stream.ranks.RankFailed (a RuntimeError): another rank's write failed, or it
+            ended without reporting; no index is written.
 
     Examples:
         >>> config = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, ...)
@@ -275,7 +303,12 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
     resume = check_bool("resume", resume)
     overwrite = check_bool("overwrite", overwrite)
     dry_run = check_bool("dry_run", dry_run)
-    out_dir = check_out_dir(out_dir)
+    out_dir = check_out_dir(out_dir, missing_parent_ok=dry_run)
+    ranks = ranks_of(process_group)
+    world = check_int("world_size", world_size, min=1, allow_none=True) or ranks.size
+    if not dry_run and world != ranks.size:
+        raise ValueError(f"world_size={world_size}: a write is shared by the ranks of its process group "
+                         f"({ranks.size}); world_size plans for other counts with dry_run=True only")
     job = prepare(model_or_config, Settings(
         seed=seed, method=method, v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain, dtype=dtype, model_class=model_class,
         include=include, exclude=exclude, strict=strict, memory_budget=memory_budget, family=family,
@@ -306,60 +339,91 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
                                              METADATA_KEY: metadata}, "weight_map": weight_map})
 
     todo = _DirectoryFiles(paths, headers, config_text, gen_text, index_text, metadata)
+    if dry_run:   # no lock, nothing written; the refusals of the real write are in the plan
+        found = _check_destination(out_dir, todo, resume, overwrite, refuse=False)
+        plan = make_plan(job, files, sizes, found.keep, found.free, found.need, measure=True, world=world,
+                         refusals=found.refusals)
+        job.report.total_time_s = time.perf_counter() - t_start
+        return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
+                                     job.num_parameters, job.report, job.report.total_time_s, plan=plan,
+                                     kept=[paths[f] for f in found.keep], dry_run=True)
 
-    # refusals: nothing is written before these (but the lock file, removed again)
     with contextlib.ExitStack() as held:
-        locked = not dry_run and os.path.isdir(out_dir)
-        if locked:
-            held.enter_context(removing_temps_on_sigterm())
-            held.enter_context(directory_lock(out_dir))
-        found = _check_destination(out_dir, todo, resume, overwrite)
-        if dry_run:
-            plan = make_plan(job, files, sizes, found.keep, found.free, found.need, measure=True)
-            job.report.total_time_s = time.perf_counter() - t_start
-            return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
-                                         job.num_parameters, job.report, job.report.total_time_s, plan=plan,
-                                         kept=[paths[f] for f in found.keep], dry_run=True)
-
-        # writing starts here
-        if not locked:   # a new directory: locked once made, checked again (another writer may have come first)
-            os.makedirs(out_dir, exist_ok=True)
-            held.enter_context(removing_temps_on_sigterm())
-            held.enter_context(directory_lock(out_dir))
-            found = _check_destination(out_dir, todo, resume, overwrite)
+        held.enter_context(removing_temps_on_sigterm())
+        created: list = []
+        if ranks.rank == 0:
+            try:
+                found = _begin_directory(out_dir, todo, resume, overwrite, held, created)
+            except BaseException as exc:
+                _remove(created)
+                decided(ranks, error=exc)   # every rank raises it
+                raise
+            keep = decided(ranks, (found.keep, found.free, found.need))
+        else:
+            keep, free, need = decided(ranks)
+            found = _Destination(keep, free, need)
         keep = found.keep
-        plan = make_plan(job, files, sizes, keep, found.free, found.need, measure=False)
-        for f in files:
-            paths[f] = check_output_path(paths[f], follow_symlinks=False)
-        for stale in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):   # never a loadable mix of old and new files
-            path = os.path.join(out_dir, stale)
-            if (os.path.isfile(path) or os.path.islink(path)) and stale not in files:
-                os.unlink(path)
-        side = [(CONFIG_NAME, config_text)] + ([(_GENERATION_CONFIG_NAME, gen_text)] if gen_text is not None else [])
-        created = [os.path.join(out_dir, name) for name, _ in side
-                   if not os.path.lexists(os.path.join(out_dir, name))]
+        plan = make_plan(job, files, sizes, keep, found.free, found.need, measure=False, world=world)
+        mine = plan.ranks[ranks.rank].files
+        started: list = []
+        error, t0 = None, time.perf_counter()
         try:
-            for name, text in side:
-                write_text(os.path.join(out_dir, name), text, follow_symlinks=False)
-            _run_write(job, [_FileJob(paths[f], headers[f].head, headers[f].order) for f in files if f not in keep],
-                       progress, "condinit write", follow_symlinks=False)
+            for f in mine:
+                paths[f] = check_output_path(paths[f], follow_symlinks=False)
+            desc = "condinit write" if ranks.size == 1 else f"condinit write, rank 0 of {ranks.size}"
+            _run_write(job, [_FileJob(paths[f], headers[f].head, headers[f].order) for f in mine],
+                       progress and ranks.rank == 0, desc, follow_symlinks=False, started=started)
+        except BaseException as exc:
+            error = exc
+        done = RankWritten(ranks.rank, list(mine), sum(sizes[f] for f in mine), time.perf_counter() - t0)
+        try:
+            written = reported(ranks, done, error, os.path.basename(started[-1]) if started else None)
         except BaseException:
-            # a failed write leaves no file of its own behind: the shard's temporary file is gone
+            # a failed write leaves no file of its own behind: the shards' temporary files are gone
             # (atomic_output), and so are the configs this write created
-            for path in created:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            _remove(created)
             raise
-        if index_text is not None:
-            write_text(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index_text, follow_symlinks=False)
-        for name in os.listdir(out_dir):    # shards of an earlier write that this one did not replace
-            path = os.path.join(out_dir, name)
-            if SHARD_NAME_RE.match(name) and name not in files and (os.path.isfile(path) or os.path.islink(path)):
-                os.unlink(path)
+        if ranks.rank == 0:
+            if index_text is not None:   # every shard is durable: the directory loads from now on
+                write_text(os.path.join(out_dir, WEIGHTS_INDEX_NAME), index_text, follow_symlinks=False)
+            for name in os.listdir(out_dir):    # shards of an earlier write that this one did not replace
+                path = os.path.join(out_dir, name)
+                if SHARD_NAME_RE.match(name) and name not in files and (os.path.isfile(path) or os.path.islink(path)):
+                    os.unlink(path)
     job.report.total_time_s = time.perf_counter() - t_start
     return PretrainedWriteReport(out_dir, [paths[f] for f in files], weight_map, job.total_size,
                                  job.num_parameters, job.report, job.report.total_time_s, plan=plan,
-                                 kept=[paths[f] for f in keep])
+                                 kept=[paths[f] for f in keep], written=written)
+
+
+def _remove(paths: list) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _begin_directory(out_dir: str, todo: _DirectoryFiles, resume: bool, overwrite: bool, held: contextlib.ExitStack,
+                     created: list) -> _Destination:
+    """Rank 0's part before any shard: the directory made (in its existing parent) and locked (the
+    lock entered into ``held``), every refusal checked, the stale index removed, the configs written
+    (those that were not there listed in ``created``, for removal on failure). What a resume keeps."""
+    if not os.path.isdir(out_dir):   # refused before the directory is made, checked again once locked
+        _check_destination(out_dir, todo, resume, overwrite)
+        os.makedirs(out_dir, exist_ok=True)
+    held.enter_context(directory_lock(out_dir))
+    found = _check_destination(out_dir, todo, resume, overwrite)
+    for stale in (WEIGHTS_INDEX_NAME, WEIGHTS_NAME):   # never a loadable mix of old and new files
+        path = os.path.join(out_dir, stale)
+        if (os.path.isfile(path) or os.path.islink(path)) and stale not in todo.paths:
+            os.unlink(path)
+    side = [(CONFIG_NAME, todo.config_text)] \
+        + ([(_GENERATION_CONFIG_NAME, todo.gen_text)] if todo.gen_text is not None else [])
+    for name, text in side:
+        path = os.path.join(out_dir, name)
+        if not os.path.lexists(path):
+            created.append(path)
+        write_text(path, text, follow_symlinks=False)
+    return found
 
 
 def write_checkpoint(model_or_config, path, *, seed: int = 0, method: str = "auto", v_mode: str = "identity",
@@ -396,10 +460,11 @@ def write_checkpoint(model_or_config, path, *, seed: int = 0, method: str = "aut
     header = encode_header(keys, job.state, {"format": "pt", METADATA_KEY: job.metadata})
     need = needed_bytes({name: path}, {name: header.size}, set())
     free = free_bytes(path)
-    if need > free:
-        raise ValueError(f"not enough disk space for {path}: the write needs {format_bytes(need)}, the filesystem "
-                         f"has {format_bytes(free)} free")
-    plan = make_plan(job, {name: keys}, {name: header.size}, [], free, need, measure=dry_run)
+    refusals = [f"not enough disk space for {path}: the write needs {format_bytes(need)}, the filesystem "
+                f"has {format_bytes(free)} free"] if need > free else []
+    if refusals and not dry_run:
+        raise ValueError(refusals[0])
+    plan = make_plan(job, {name: keys}, {name: header.size}, [], free, need, measure=dry_run, refusals=refusals)
     if not dry_run:
         _run_write(job, [_FileJob(path, header.head, header.order)], progress, "condinit write")
     job.report.total_time_s = time.perf_counter() - t_start
