@@ -38,6 +38,7 @@ or a sequence of them (layers are estimated one after another; the probes of one
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
@@ -52,26 +53,43 @@ from .operator import JacobianOperator
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "default_rank_rtol"]
 
-_LANCZOS_TOL = 1e-2   # relative residual below which a Lanczos estimate counts as converged
+_STEPS = 300          # default step budget of lanczos_svd / condition_number
+_TOL = 0.1            # converged: kappa's bracket within 10 % (kappa_hi <= (1 + tol) kappa_lo)
+_CONFIDENCE = 0.999   # sigma_max's upper bound holds with this probability over the random start
+_FLOOR = 64           # a new Krylov vector of norm below _FLOOR * eps * ||A|| * ||p|| is rounding
+
+_BRACKET_EXACT = ("exact: the Krylov space is invariant (it is range(J^T)), so the Ritz values are the nonzero "
+                  "singular values; each within its residual / sqrt(2) (Bauer-Fike on [[0, J], [J^T, 0]])")
+_BRACKET_KRYLOV = (
+    "sigma_max >= the largest Ritz value and sigma_min <= the smallest (always: the Krylov space lies in "
+    "range(J^T)); sigma_max <= s_1 / sqrt(1 - e) with probability >= confidence over the random start "
+    "(Kuczynski-Wozniakowski); sigma_min >= max(s_k - eta_k, s_k - eta_k^2 / (s_{k-1} - eta_{k-1} - s_k)) "
+    "assuming the two smallest Ritz values approximate the two smallest nonzero singular values (residual "
+    "bound and Kato-Temple with that gap)")
 
 
 def default_rank_rtol(dtype: torch.dtype) -> float:
-    """sigma_min / sigma_max below this counts as rank-deficient (what the dtype can resolve)."""
+    """A nonzero sigma_min / sigma_max below this counts as rank-deficient (a near-degeneracy the dtype
+    resolves only roughly: the Krylov vectors carry null-space components of about ``eps kappa``)."""
     return 1e-10 if dtype == torch.float64 else 1e-5
 
 
 @dataclass
 class SpectrumEstimate:
-    """Extreme singular values of one attention Jacobian and how they were obtained.
+    """Extreme singular values of one attention Jacobian, their brackets, and how they were obtained.
 
-    ``sigma_min`` / ``kappa`` refer to ``J`` on the complement of its known null directions
-    (``subspace``); ``kappa`` is None when ``rank_deficient`` and for ``power`` (no sigma_min).
-    ``J = 0`` (an empty complement, e.g. ``x = 0``) gives ``sigma_max = sigma_min = 0``,
-    ``rank_deficient``; values that overflow the operator's dtype give NaN sigmas and
+    ``sigma_min`` is the smallest *nonzero* singular value of ``J`` (``J`` on ``range(J^T)``,
+    ``subspace``), whatever null directions the mask, window, padding, GQA or a short sequence
+    create; ``kappa = sigma_max / sigma_min``, None when ``rank_deficient`` (``sigma_min <=
+    rank_rtol sigma_max``) and for ``power`` (no sigma_min).
+    ``sigma_max_lo <= sigma_max <= sigma_max_hi`` and likewise ``sigma_min_*``, ``kappa_*``: how each
+    side is obtained and what it assumes is in ``bracket``. ``converged``: ``kappa_hi <= (1 + tol)
+    kappa_lo`` (or, when rank-deficient, ``sigma_min_hi <= rank_rtol sigma_max_lo``). ``exact``: the
+    Krylov space became invariant (it holds every distinct nonzero singular value; the brackets are
+    then the products' rounding). ``wall_s``: seconds spent. ``J = 0`` gives ``sigma_max = sigma_min
+    = 0``, ``rank_deficient``; values that overflow the operator's dtype give NaN sigmas and
     ``converged`` False; ``notes`` says why in both cases.
     Residuals are relative: ``||A^T u - sigma v|| / sigma`` for the Ritz pair of each value.
-    Lanczos Ritz values bracket from inside: ``sigma_max`` is a lower bound and ``sigma_min`` an upper
-    bound of the true values (so an unconverged ``kappa`` is a lower bound).
     """
 
     method: str
@@ -89,6 +107,17 @@ class SpectrumEstimate:
     seed: int
     wrt: str = ""
     notes: str = ""
+    sigma_max_lo: Optional[float] = None
+    sigma_max_hi: Optional[float] = None
+    sigma_min_lo: Optional[float] = None
+    sigma_min_hi: Optional[float] = None
+    kappa_lo: Optional[float] = None
+    kappa_hi: Optional[float] = None
+    exact: bool = False
+    tol: Optional[float] = None
+    confidence: Optional[float] = None
+    bracket: str = ""
+    wall_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,9 +126,11 @@ class SpectrumEstimate:
         if self.sigma_min is None or math.isnan(self.sigma_min):
             tail = ""
         elif self.rank_deficient:
-            tail = f", sigma_min {self.sigma_min:.3e} (rank-deficient beyond the known nulls)"
+            tail = f", sigma_min {self.sigma_min:.3e} (rank-deficient: below rank_rtol sigma_max)"
         else:
             tail = f", sigma_min {self.sigma_min:.4e}, kappa {self.kappa:.4e}"
+            if self.kappa_lo is not None and self.kappa_hi is not None:
+                tail += f" in [{self.kappa_lo:.4e}, {self.kappa_hi:.4e}]"
         return (f"{self.method}: sigma_max {self.sigma_max:.4e}{tail} ({self.iterations} it, residuals "
                 f"{self.residual_max:.1e}" + (f"/{self.residual_min:.1e}" if self.residual_min is not None else "")
                 + f", {'converged' if self.converged else 'not converged'})")
@@ -176,15 +207,19 @@ def _nonfinite_estimate(op: JacobianOperator, method: str, reason: str, *, itera
         notes=f"not estimated: {reason}")
 
 
-def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int) -> "SpectrumEstimate":
-    """The exact result when the complement is empty (r = 0): every direction is a known null, J = 0."""
+def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int,
+                   found: bool = False) -> "SpectrumEstimate":
+    """The exact result ``J = 0``: every direction is a known null (r = 0), or (``found``) ``J^T J e = 0``
+    for the random start ``e``, which holds with probability 1 only when ``J = 0``."""
     side = "input" if eff.n_c == 0 else "output"
+    why = ("J^T J e = 0 for a random e, so J = 0 (with probability 1)" if found else
+           f"every {side} direction is a known null direction (r = 0; e.g. x = 0 for wrt='weights')")
     return SpectrumEstimate(
         method=method, sigma_max=0.0, sigma_min=0.0, kappa=None, iterations=0, residual_max=0.0, residual_min=0.0,
         converged=True, rank_deficient=True, subspace=eff.subspace(), null_dims=tuple(op.null_dims),
         shape=tuple(op.shape), seed=seed, wrt=op.wrt,
-        notes=f"J = 0 exactly: every {side} direction is a known null direction (r = 0; e.g. x = 0 for "
-              f"wrt='weights'), so sigma_max = sigma_min = 0 and kappa is not defined")
+        notes=f"J = 0 exactly: {why}, so sigma_max = sigma_min = 0 and kappa is not defined",
+        sigma_max_lo=0.0, sigma_max_hi=0.0, sigma_min_lo=0.0, sigma_min_hi=0.0, exact=True, bracket="exact: J = 0")
 
 
 def _operator_notes(op: JacobianOperator) -> list:
@@ -209,35 +244,50 @@ def _randn(op, size, gen, lead=()):
 
 
 class _Effective:
-    """``A = P_out J P_in`` oriented so that its input side is the smaller complement (see module doc)."""
+    """The operator ``A`` the bidiagonalization runs on: ``J``, or ``J^T`` when ``J`` is wide on the
+    complement of its known nulls (``m' < n'``), so that ``A``'s input side ``E`` is the smaller one.
+
+    ``fwd`` is ``A`` (``E -> F``), ``adj`` is ``A^T``. When ``A = J^T`` and the weights' side is
+    cheaper in projection-output coordinates, vectors of ``F`` (the weights) are pairs ``[G; K G]``
+    (:meth:`JacobianOperator.coord_rmv`). The known nulls only orient the run and bound its length
+    (``rank(J) <= r = min(m', n')``): the Krylov space stays in ``range(A^T)`` by construction, so
+    unknown nulls never enter it either."""
 
     def __init__(self, op: JacobianOperator):
         kin, kout = op.null_dims
         self.op = op
         self.n_c, self.m_c = op.n - kin, op.m - kout
         self.transposed = self.m_c < self.n_c
-        # Only the start vector is projected: every later vector is J v or J^T u, which lies in
-        # range(J) / range(J^T), orthogonal to the known nulls (they are in null(J^T) / null(J)), so
-        # P_out J P_in acts as J on the Krylov space; the projections would only remove rounding
-        # (which J and J^T annihilate again) at the cost of a pass over the long vectors per step.
-        if self.transposed:   # A^T: input R^m (projected start), output R^n
-            self.mv, self.rmv = op.rmv, op.mv
-            self.proj_in, self.size_in, self.size_out = op.project_output, op.m, op.n
+        self.coords = self.transposed and getattr(op, "projection_coordinates", False)
+        if self.coords:
+            self.fwd, self.adj = self._coord_fwd, lambda f: op.coord_mv(f[1])
+        elif self.transposed:
+            self.fwd, self.adj = op.rmv, op.mv
         else:
-            self.mv, self.rmv = op.mv, op.rmv
-            self.proj_in, self.size_in, self.size_out = op.project_input, op.n, op.m
+            self.fwd, self.adj = op.mv, op.rmv
+        self.size_in = op.m if self.transposed else op.n
         self.r = min(self.n_c, self.m_c)
+
+    def random_out(self, gen) -> Tensor:
+        """A Gaussian vector of ``F`` (a pair ``[G; K G]`` with Gaussian ``G`` in coordinates)."""
+        op = self.op
+        if self.coords:
+            g = _randn(op, op.B * op.N * sum(s[0] for s in op._in_shapes), gen)
+            return torch.stack([g, op.coord_gram(g)])
+        return _randn(op, op.n if self.transposed else op.m, gen)
+
+    def _coord_fwd(self, e: Tensor) -> Tensor:
+        g = self.op.coord_rmv(e)
+        return torch.stack([g, self.op.coord_gram(g)])
 
     def subspace(self) -> str:
         op = self.op
-        side = ("J is wide on the complement (m' < n'): sigma_min = smallest singular value of J^T on the "
-                "output-side complement" if self.transposed else
-                "J is tall on the complement (n' <= m'): sigma_min = min ||J t|| over unit t in the input-side "
-                "complement")
-        return (f"sigma_min = sigma_r(P_out J P_in), r = min(m', n') = {self.r}, with n' = {self.n_c} (of "
-                f"n = {op.n}) and m' = {self.m_c} (of m = {op.m}) the dimensions of the orthogonal complements "
-                f"of the known null directions; {side}. Known nulls: {op.null_description} "
-                f"Operator: {op.description}")
+        return (f"sigma_min = the smallest nonzero singular value of J (J on range(J^T)); the Krylov space is "
+                f"kept in range(J^T) / range(J) by construction, so null directions of J (known or not: the "
+                f"causal mask's early rows, windows, padding, GQA, N < head_dim) never enter it. rank(J) <= "
+                f"r = min(m', n') = {self.r}, with n' = {self.n_c} (of n = {op.n}) and m' = {self.m_c} (of "
+                f"m = {op.m}) the dimensions of the complements of the known null directions. Known nulls: "
+                f"{op.null_description} Operator: {op.description}")
 
 
 def _norm(w: Tensor) -> Tensor:
@@ -248,45 +298,119 @@ def _norm(w: Tensor) -> Tensor:
 
 
 class _Basis:
-    """Orthonormal vectors in a preallocated ``[rows, size]`` buffer (no per-step re-stacking).
+    """Orthonormal vectors in blocks that grow as needed (at most ``rows``; no per-step re-stacking).
 
     A vector may also be a coordinate pair ``[2, size]`` = ``[G; K G]`` (the weights' long side in
     projection-output coordinates, see :meth:`JacobianOperator.coord_rmv`), orthonormal in the
     inner product ``<G_1, K G_2>``."""
 
-    def __init__(self, rows: int, like: Tensor):
-        self.M = like.new_empty(rows, *like.shape)
-        self.k = 0
+    def __init__(self, rows: int):
+        self.rows, self.k = rows, 0
+        self.blocks: list = []
+        self._free = 0
 
     def append(self, v: Tensor):
-        self.M[self.k] = v
+        if self._free == 0:      # the next block as large as all before it (at least 8 rows)
+            size = min(max(8, self.k), self.rows - self.k)
+            self.blocks.append(v.new_empty(size, *v.shape))
+            self._free = size
+        blk = self.blocks[-1]
+        blk[blk.shape[0] - self._free] = v
+        self._free -= 1
         self.k += 1
 
-    def last(self) -> Tensor:
-        return self.M[self.k - 1]
+    def _filled(self):
+        for i, blk in enumerate(self.blocks):
+            yield blk if i < len(self.blocks) - 1 else blk[: blk.shape[0] - self._free]
 
-    def _remove(self, Q: Tensor, w: Tensor) -> Tensor:
+    def _remove(self, w: Tensor) -> Tensor:
+        # classical Gram-Schmidt over all blocks: every coefficient from the same w
         if w.dim() == 2:
-            c = Q[:, 0] @ w[1]
-            return w - torch.tensordot(c, Q, dims=1)
-        return w - Q.t() @ (Q @ w)
+            cs = [(Q, Q[:, 0] @ w[1]) for Q in self._filled()]
+            for Q, c in cs:
+                w = w - torch.tensordot(c, Q, dims=1)
+            return w
+        cs = [(Q, Q @ w) for Q in self._filled()]
+        for Q, c in cs:
+            w = w - Q.t() @ c
+        return w
 
     def reorth(self, w: Tensor) -> Tensor:
         """Full reorthogonalization; a second pass only when the first removed most of ``w``
         (Kahan / Parlett: twice is enough, once is when the norm drops by less than 1/sqrt(2))."""
         if self.k:
-            Q = self.M[: self.k]
             before = _norm(w)
-            w = self._remove(Q, w)
+            w = self._remove(w)
             if not bool(_norm(w) > 0.7071 * before):
-                w = self._remove(Q, w)
+                w = self._remove(w)
         return w
 
 
 # ------------------------------------------------------------------------------------------------
-# Golub-Kahan-Lanczos
+# Golub-Kahan-Lanczos on range(J^T) / range(J)
 
-def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Optional[float], tol: float):
+def _kw_epsilon(k: int, dim: int, confidence: float) -> float:
+    """Kuczynski-Wozniakowski (1992, Thm 4.2a): after ``k`` Lanczos steps on a PSD ``M`` (dimension
+    ``dim``) from a uniformly random start, ``P(theta < (1 - e) lambda_max) <= 1.648 sqrt(dim)
+    exp(-sqrt(e) (2k - 1))``; the ``e`` at which that probability is ``1 - confidence``."""
+    return (math.log(1.648 * math.sqrt(dim) / (1.0 - confidence)) / (2 * k - 1)) ** 2
+
+
+def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: float, eps: float) -> dict:
+    """Lower / upper bounds on sigma_max, sigma_min and kappa from the Ritz values ``s`` (descending)
+    and residuals ``res`` (``||A^T u_i - s_i v_i||``) after ``k`` steps (docs/design.md, "The attention
+    Jacobian", "Brackets")."""
+    eta = [r / math.sqrt(2.0) for r in res]        # residual of the augmented [[0, A], [A^T, 0]]
+    s1, sk = s[0], s[-1]
+    if exhausted:        # the Krylov space is invariant: the Ritz values are the singular values, to rounding
+        fl = _FLOOR * eps * s1
+        smax = (s1 - fl, s1 + eta[0] + fl)
+        smin = (max(sk - eta[-1] - fl, 0.0), sk + fl)
+    else:
+        e = _kw_epsilon(k, dim, confidence)
+        smax = (s1, s1 / math.sqrt(1.0 - e) if e < 1.0 else math.inf)
+        lo = sk - eta[-1]                          # a singular value lies within eta of s_k: sigma_min (assumed)
+        if k >= 2:                                 # Kato-Temple with sigma_2 >= s_{k-1} - eta_{k-1} (assumed)
+            gap = (s[-2] - eta[-2]) - sk
+            if gap > 0:
+                lo = max(lo, sk - eta[-1] ** 2 / gap)
+        smin = (max(lo, 0.0), sk)
+    kappa = (smax[0] / smin[1] if smin[1] > 0 else math.inf, smax[1] / smin[0] if smin[0] > 0 else math.inf)
+    return {"sigma_max": smax, "sigma_min": smin, "kappa": kappa}
+
+
+def _ritz(alphas: list, betas: list):
+    """Singular values (descending) of the upper bidiagonal ``B_k`` and each Ritz pair's residual
+    ``beta_{k+1} |P[k-1, i]|`` (``B_k = P S W^T``)."""
+    k = len(alphas)
+    Bk = torch.zeros(k, k, dtype=torch.float64)
+    Bk[range(k), range(k)] = torch.tensor(alphas, dtype=torch.float64)
+    if k > 1:
+        Bk[range(k - 1), range(1, k)] = torch.tensor(betas[:k - 1], dtype=torch.float64)
+    P, s, _ = torch.linalg.svd(Bk)
+    beta = betas[k - 1] if len(betas) >= k else 0.0
+    return s.tolist(), (abs(beta) * P[-1, :].abs()).tolist()
+
+
+def _converged(b: dict, tol: float, rtol: float) -> bool:
+    """The kappa bracket within ``tol`` (relative width), or sigma_min certainly below ``rtol sigma_max``."""
+    (klo, khi), (smin_lo, smin_hi), (smax_lo, _) = b["kappa"], b["sigma_min"], b["sigma_max"]
+    return khi <= (1.0 + tol) * klo or smin_hi <= rtol * smax_lo
+
+
+def _settled(history: list, tol: float) -> bool:
+    """The smallest Ritz value has moved by at most ``tol / 4`` (relative) over the last third of the
+    steps (at least 8): a value found only lately may still be one a smaller singular value has not
+    yet displaced, so it is not yet taken as sigma_min."""
+    it, smin = history[-1]
+    window = max(8, it // 3)
+    earlier = [s for k, s in history if k <= it - window]
+    return bool(earlier) and earlier[-1] - smin <= 0.25 * tol * smin
+
+
+def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Optional[float], tol: float,
+                 time_budget: Optional[float], confidence: float):
+    t0 = time.perf_counter()
     method = "golub-kahan-lanczos"
     eff = _Effective(op)
     if eff.r == 0:
@@ -296,91 +420,131 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
     gen = _generator(op, seed)
     eps = torch.finfo(op.dtype).eps
-    v = eff.proj_in(_randn(op, eff.size_in, gen))
-    v = v / torch.linalg.vector_norm(v)
+    rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
+    # start in range(A^T): v_1 = A^T y_1 with y_1 Gaussian on F (scaled to ||v_1|| = 1)
+    y = eff.random_out(gen)
+    v = eff.adj(y)
+    nrm = float(_norm(v))
+    if not math.isfinite(nrm):
+        return _nonfinite_estimate(op, method, f"J^T J e is not finite in {op.dtype} (overflow)", iterations=0,
+                                   seed=seed, subspace=eff.subspace())
+    if nrm == 0.0:
+        return _zero_estimate(op, eff, method, seed, found=True)
+    v, y = v / nrm, y / nrm
     k_max = min(steps, eff.r)
-    V, U, alphas, betas = _Basis(k_max + 1, v), None, [], []
+    V, U = _Basis(k_max + 1), _Basis(k_max)
     V.append(v)
-    beta, u_prev = 0.0, None
-    scale_est = 0.0
-    # the long side (A^T's output, the weights) in projection-output coordinates when that is cheaper
-    coords = eff.transposed and getattr(op, "projection_coordinates", False)
+    alphas, betas = [], []
+    x_prev, beta, scale = None, 0.0, 0.0
+    exhausted, stop, bracket, every, history = False, "steps", None, 1, []
     for it in range(1, k_max + 1):
-        # upper bidiagonal: A V_k = U_k B_k,  A^T U_k = V_k B_k^T + beta_k v_{k+1} e_k^T
-        if coords:
-            g = op.coord_rmv(V.last())
-            u = torch.stack([g, op.coord_gram(g)])
-        else:
-            u = eff.mv(V.last())
-        if U is None:
-            U = _Basis(k_max, u)
-        if u_prev is not None:
-            u = u - beta * u_prev
-        u = U.reorth(u)
+        # A V_k = U_k B_k, A^T U_k = V_k B_k^T + beta_{k+1} v_{k+1} e_k^T, with x_k, y_k such that
+        # A x_k = u_k and A^T y_k = v_k: each new vector is one fresh product A p / A^T z, so it lies in
+        # range(A) / range(A^T) up to that product's rounding (docs/design.md: "Why the range is kept")
+        p = v if x_prev is None else v - beta * x_prev
+        u = U.reorth(eff.fwd(p))
         alpha = float(_norm(u))
         if not math.isfinite(alpha):
             return _nonfinite_estimate(op, method, f"J v is not finite in {op.dtype} at step {it} (overflow)",
                                        iterations=it, seed=seed, subspace=eff.subspace())
-        scale_est = max(scale_est, alpha, beta)
-        if alpha <= 100 * eps * max(scale_est, 1e-300):
-            alphas.append(0.0)       # A v = 0 on the complement: B_k ends with a zero column
-            betas.append(0.0)
+        scale = max(scale, alpha, beta)
+        if alpha <= _FLOOR * eps * scale * max(1.0, float(_norm(p))):
+            # A v_k lies in span(U_{k-1}) to rounding: v_k adds no direction of range(A^T); B_{k-1} stands
+            exhausted, stop = True, "noise"
+            if it == 1:
+                return _zero_estimate(op, eff, method, seed, found=True)
             break
         u = u / alpha
         U.append(u)
         alphas.append(alpha)
-        w = (op.coord_mv(u[1]) if coords else eff.rmv(u)) - alpha * V.last()
-        w = V.reorth(w)
-        beta = float(torch.linalg.vector_norm(w))
+        x = p / alpha
+        z = u - alpha * y
+        w = V.reorth(eff.adj(z))
+        beta = float(_norm(w))
         if not math.isfinite(beta):
             return _nonfinite_estimate(op, method, f"J^T u is not finite in {op.dtype} at step {it} (overflow)",
                                        iterations=it, seed=seed, subspace=eff.subspace())
         betas.append(beta)
-        scale_est = max(scale_est, beta)
-        if beta <= 100 * eps * scale_est or it == k_max:
-            break                    # invariant subspace found (exact Ritz values), or out of steps
-        V.append(w / beta)
-        u_prev = U.last()
+        scale = max(scale, beta)
+        if beta <= _FLOOR * eps * scale * max(1.0, float(_norm(z))) or it == eff.r:
+            exhausted, stop = True, "range"  # the Krylov space is invariant: all of range(A^T)
+            break
+        if it == k_max:
+            break
+        if it % every == 0:
+            s, res = _ritz(alphas, betas)
+            bracket = _bracket(s, res, it, False, eff.size_in, confidence, eps)
+            history.append((it, s[-1]))
+            if _converged(bracket, tol, rtol) and _settled(history, tol):
+                stop = "converged"
+                break
+            every = max(1, it // 16)
+        if time_budget is not None and time.perf_counter() - t0 >= time_budget:
+            stop = "time"
+            break
+        v, y, x_prev = w / beta, z / beta, x
+        V.append(v)
     k = len(alphas)
-    Bk = torch.zeros(k, k, dtype=torch.float64)
-    Bk[range(k), range(k)] = torch.tensor(alphas, dtype=torch.float64)
-    if k > 1:
-        Bk[range(k - 1), range(1, k)] = torch.tensor(betas[:-1], dtype=torch.float64)
-    P, s, _ = torch.linalg.svd(Bk)
-    res = (abs(betas[-1]) * P[-1, :].abs()).tolist()     # ||A^T u_i - s_i v_i|| for each Ritz pair
-    smax, smin = float(s[0]), float(s[-1])
-    rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
-    res_max = res[0] / smax if smax > 0 else 0.0
-    # sigma_min is only a Ritz value of the complement when the Krylov space is not yet all of it
-    complete = k >= eff.r or betas[-1] <= 100 * eps * scale_est
+    s, res = _ritz(alphas, betas)
+    bracket = _bracket(s, res, k, exhausted, eff.size_in, confidence, eps)
+    smax, smin = s[0], s[-1]
     rank_def = smax == 0.0 or smin <= rtol * smax
-    res_min = (res[-1] / smin) if smin > 0 else math.inf
-    converged = res_max <= tol and (complete or rank_def or res_min <= tol)
+    converged = _converged(bracket, tol, rtol)
+    res_max = res[0] / smax if smax > 0 else 0.0
+    res_min = res[-1] / smin if smin > 0 else math.inf
     notes = []
-    if not complete and res_min > tol:
-        notes.append("sigma_min not converged: Ritz values approach sigma_min from above; raise steps")
-    if smax == 0.0:
-        notes.append("J vanishes on the Krylov space of the start vector (sigma_max = 0); kappa not reported")
+    if not converged:
+        why = f"the time budget ({time_budget:g} s)" if stop == "time" else f"the step budget ({steps} steps)"
+        notes.append(f"not converged: kappa in [{bracket['kappa'][0]:.4g}, {bracket['kappa'][1]:.4g}] is wider "
+                     f"than tol = {tol:g} after {k} steps ({why} reached); the Ritz values are inside the "
+                     f"spectrum (sigma_max >= {smax:.4g}, sigma_min <= {smin:.4g}); raise steps or time_budget")
+    if stop == "noise":
+        notes.append(f"the Krylov space reached the rounding floor of {op.dtype} at step {k + 1}: J has no "
+                     f"further direction above it")
     if rank_def and smax > 0:
-        notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has null directions "
-                     f"beyond the known ones (e.g. N <= head_dim, causal early rows under GQA); kappa not reported")
+        notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has a nonzero singular "
+                     f"value this small on range(J^T) (a genuine near-degeneracy, not a mask null); kappa not "
+                     f"reported")
     return SpectrumEstimate(
         method=method, sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin,
         iterations=k, residual_max=res_max, residual_min=None if math.isinf(res_min) else res_min,
         converged=bool(converged), rank_deficient=bool(rank_def), subspace=eff.subspace(),
         null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt,
-        notes="; ".join(notes + _operator_notes(op)))
+        notes="; ".join(notes + _operator_notes(op)),
+        sigma_max_lo=bracket["sigma_max"][0], sigma_max_hi=bracket["sigma_max"][1],
+        sigma_min_lo=bracket["sigma_min"][0], sigma_min_hi=bracket["sigma_min"][1],
+        kappa_lo=None if rank_def else bracket["kappa"][0], kappa_hi=None if rank_def else bracket["kappa"][1],
+        exact=exhausted, tol=tol, confidence=confidence,
+        bracket=_BRACKET_EXACT if exhausted else _BRACKET_KRYLOV, wall_s=time.perf_counter() - t0)
 
 
-def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
-                rank_rtol: Optional[float] = None, tol: float = _LANCZOS_TOL):
-    """sigma_max and sigma_min (on the complement of the known nulls) by Golub-Kahan-Lanczos.
+def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
+    check_int("steps", steps, min=1)
+    rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
+    tol = check_real("tol", tol, min=0.0)
+    time_budget = check_real("time_budget", time_budget, min=0.0, min_open=True, allow_none=True)
+    confidence = check_real("confidence", confidence, min=0.0, min_open=True, max=1.0)
+    if confidence == 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence} (a certain bound needs the whole range)")
+    return dict(steps=steps, tol=tol, time_budget=time_budget, confidence=confidence, rank_rtol=rank_rtol)
 
-    ``steps`` bidiagonalization steps (each one JVP and one VJP; at most ``r``, where the Krylov
-    space is the whole complement and the values are exact), full reorthogonalization in the
-    operator's dtype, singular values of the ``k x k`` bidiagonal in float64. ``converged`` when the
-    relative residuals are below ``tol`` (sigma_min converges more slowly than sigma_max).
-    ``sigma_min <= rank_rtol * sigma_max`` is reported as rank-deficient (default
+
+def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = _STEPS, seed: int = 0, *,
+                tol: float = _TOL, time_budget: Optional[float] = None, confidence: float = _CONFIDENCE,
+                rank_rtol: Optional[float] = None):
+    """sigma_max and the smallest nonzero sigma_min of ``J``, with brackets, by Golub-Kahan-Lanczos.
+
+    The bidiagonalization starts from ``J^T J e`` (``e`` random) and forms each new vector as one fresh
+    product ``J p`` or ``J^T z``, so the Krylov space lies in ``range(J^T)`` / ``range(J)`` and its Ritz
+    values approximate the nonzero singular values only (full reorthogonalization in the operator's
+    dtype, singular values of the ``k x k`` bidiagonal in float64). It stops as soon as kappa's
+    bracket is within ``tol`` (``kappa_hi <= (1 + tol) kappa_lo``, checked every few steps), after
+    ``steps`` steps (each one JVP and one VJP), after ``time_budget`` seconds (None: no limit), or
+    when the Krylov space is all of ``range(J)`` (then the values are exact: ``exact``).
+    The brackets (``sigma_max_lo`` ... ``kappa_hi``; ``bracket`` says how): ``sigma_max_hi`` holds
+    with probability ``confidence`` over the random start, ``sigma_min_lo`` assumes the smallest two
+    Ritz values approximate the smallest two nonzero singular values (docs/design.md, "The attention
+    Jacobian"). ``sigma_min <= rank_rtol * sigma_max`` is reported as rank-deficient (default
     :func:`default_rank_rtol` of the operator's dtype). ``seed`` (in ``[0, 2**64)``) seeds the
     private generator of the start vector. Returns a :class:`SpectrumEstimate` (a list for a
     sequence of operators).
@@ -388,63 +552,71 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
         >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
-        >>> est = condinit.lanczos_svd(op, steps=20, seed=0)
-        >>> est.sigma_max, est.residual_max, est.converged   # sigma_max converges first, sigma_min later
-        >>> est = condinit.lanczos_svd(op, steps=200, seed=0)   # steps >= r: exact
-        >>> est.sigma_min, est.kappa, est.converged
+        >>> est = condinit.lanczos_svd(op, seed=0)          # stops when kappa is within 10 %
+        >>> est.kappa, (est.kappa_lo, est.kappa_hi), est.converged, est.iterations
+        >>> est = condinit.lanczos_svd(op, steps=10_000, tol=0.0)   # to the end: est.exact
     """
     ops = _check_operators(op)
-    check_int("steps", steps, min=1)
+    kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
-    rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
-    tol = check_real("tol", tol, min=0.0)
-    return _many(op, ops, _lanczos_one, steps=steps, seed=seed, rank_rtol=rank_rtol, tol=tol)
+    return _many(op, ops, _lanczos_one, seed=seed, **kw)
 
 
-def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = 20, seed: int = 0, *,
-                     method: str = "lanczos", rank_rtol: Optional[float] = None):
-    """kappa(J) = sigma_max / sigma_min on the complement of the known nulls (see the module doc).
+def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = _STEPS, seed: int = 0,
+                     *, method: str = "lanczos", tol: float = _TOL, time_budget: Optional[float] = None,
+                     confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None):
+    """kappa(J) = sigma_max / sigma_min over the nonzero singular values of ``J``, with its bracket.
 
-    ``method="lanczos"``: :func:`lanczos_svd` (``steps``, ``seed``); ``"dense"``: exact, from
-    ``op.dense()`` projected on the complements and ``torch.linalg.svdvals`` (tiny layers only;
-    ``steps`` and ``seed`` unused). Returns a :class:`SpectrumEstimate` (a list for a sequence of
-    operators); its ``kappa`` is None when ``J`` is rank-deficient beyond the known nulls.
+    ``method="lanczos"``: :func:`lanczos_svd` (``steps``, ``seed``, ``tol``, ``time_budget``,
+    ``confidence``); ``"dense"``: exact, from ``op.dense()`` and ``torch.linalg.svdvals`` in float64
+    (tiny layers only; the other arguments unused), with the numerical rank ``#{s_i > max(m, n) eps
+    s_1}`` (``eps`` of the operator's dtype). Returns a :class:`SpectrumEstimate` (a list for a
+    sequence of operators); its ``kappa`` is None when ``J`` is rank-deficient (``sigma_min <=
+    rank_rtol sigma_max``).
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
         >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
-        >>> condinit.condition_number(op, steps=200, seed=0).kappa       # Lanczos
+        >>> est = condinit.condition_number(op, seed=0)                  # Lanczos, converged within 10 %
+        >>> est.kappa, est.kappa_lo, est.kappa_hi
         >>> condinit.condition_number(op, method="dense").kappa          # exact, tiny layers only
     """
     ops = _check_operators(op)
-    check_int("steps", steps, min=1)
+    kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
     check_choice("method", method, ("lanczos", "dense"))
-    rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
     if method == "dense":
-        return _many(op, ops, _dense_one, rank_rtol=rank_rtol)
-    return _many(op, ops, _lanczos_one, steps=steps, seed=seed, rank_rtol=rank_rtol, tol=_LANCZOS_TOL)
+        return _many(op, ops, _dense_one, rank_rtol=kw["rank_rtol"])
+    return _many(op, ops, _lanczos_one, seed=seed, **kw)
 
 
 def _dense_one(op: JacobianOperator, *, rank_rtol):
+    t0 = time.perf_counter()
     eff = _Effective(op)
     J = op.dense()
     if eff.r == 0:
         return _zero_estimate(op, eff, "dense-svd", 0)
     reason = _overflow(op)
-    Jc = op.project_output(op.project_input(J).t()).t()
-    if reason is None and not bool(torch.isfinite(Jc).all()):
+    if reason is None and not bool(torch.isfinite(J).all()):
         reason = f"J is not finite in {op.dtype} (overflow)"
     if reason is not None:
         return _nonfinite_estimate(op, "dense-svd", reason, iterations=0, seed=0, subspace=eff.subspace())
-    s = torch.linalg.svdvals(Jc.to(torch.float64))
-    smax, smin = float(s[0]), float(s[eff.r - 1]) if eff.r > 0 else 0.0
+    s = torch.linalg.svdvals(J.to(torch.float64))
+    floor = max(op.m, op.n) * torch.finfo(op.dtype).eps * float(s[0])
+    rank = int((s > floor).sum())
+    if rank == 0:
+        return _zero_estimate(op, eff, "dense-svd", 0, found=True)
+    smax, smin = float(s[0]), float(s[rank - 1])
     rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
-    rank_def = smax == 0.0 or smin <= rtol * smax
+    rank_def = smin <= rtol * smax
+    kappa = None if rank_def else smax / smin
     return SpectrumEstimate(
-        method="dense-svd", sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin, iterations=0,
+        method="dense-svd", sigma_max=smax, sigma_min=smin, kappa=kappa, iterations=0,
         residual_max=0.0, residual_min=0.0, converged=True, rank_deficient=bool(rank_def), subspace=eff.subspace(),
-        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=0, wrt=op.wrt)
+        null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=0, wrt=op.wrt,
+        sigma_max_lo=smax, sigma_max_hi=smax, sigma_min_lo=smin, sigma_min_hi=smin, kappa_lo=kappa, kappa_hi=kappa,
+        exact=True, bracket=f"exact: dense SVD, rank = #{{s_i > max(m, n) eps s_1}} = {rank}",
+        wall_s=time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -80,8 +80,8 @@ from .alerts import Alerts, check_alerts
 from .autocast import autocast_disabled
 from .capture import InputCapture, call_position_embeddings
 from .context import compiling, functorch_transform
-from .records import (SKIPPED_BUDGET, SKIPPED_COMPILED, SKIPPED_MAX_LAYERS, SKIPPED_NOT_RUN, RecordLog,
-                      skipped_error, skipped_exception, skipped_transform)
+from .records import (BRACKET_KEYS, SKIPPED_BUDGET, SKIPPED_COMPILED, SKIPPED_MAX_LAYERS, SKIPPED_NOT_RUN,
+                      RecordLog, skipped_error, skipped_exception, skipped_transform)
 from .signals import attention_signals
 
 __all__ = ["JacobianMonitor"]
@@ -94,7 +94,12 @@ class JacobianMonitor:
         model: the model; attention layers are found by the adapter registry.
         every: sample steps ``0, every, 2 every, ...`` (counted by :meth:`step`).
         budget: max seconds of estimation per sampled step (None: unlimited; must be > 0).
-        steps: Golub-Kahan-Lanczos steps per layer.
+        steps: at most this many Golub-Kahan-Lanczos steps per layer; each layer stops as soon as
+            its kappa bracket is within ``tol`` (:func:`~condinit.probe.lanczos_svd`).
+        tol: the relative width of the kappa bracket at which a layer's estimate counts as converged
+            (``kappa_hi <= (1 + tol) kappa_lo``).
+        layer_budget: at most this many seconds of Lanczos steps per layer (None: no limit); the
+            step's ``budget`` also bounds each layer by what is left of it.
         log_dir: directory for ``jacobian.jsonl``, ``jacobian.csv`` and TensorBoard events.
         path: explicit JSONL path (CSV beside it with ``.csv``); default ``log_dir/jacobian.jsonl``.
         seed: seed of the private generator, in ``[0, 2**64)`` (each sampled step and layer derive
@@ -135,8 +140,9 @@ class JacobianMonitor:
         >>> mon = condinit.JacobianMonitor(model, every=1, alerts={"max_logit": 20.0, "kappa_growth": 10.0})
     """
 
-    def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 20, *,
-                 log_dir=None, path=None, seed: int = 0, wrt: str = "weights", causal: Optional[bool] = None,
+    def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 300, *,
+                 tol: float = 0.1, layer_budget: Optional[float] = None, log_dir=None, path=None, seed: int = 0,
+                 wrt: str = "weights", causal: Optional[bool] = None,
                  max_layers: Optional[int] = None, max_batch: Optional[int] = 1,
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
                  exclude=None, tensorboard: bool = True, signals: bool = True, alerts: Optional[dict] = None,
@@ -148,6 +154,8 @@ class JacobianMonitor:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         every = check_int("every", every, min=1)
         steps = check_int("steps", steps, min=1)
+        tol = check_real("tol", tol, min=0.0)
+        layer_budget = check_real("layer_budget", layer_budget, min=0.0, min_open=True, allow_none=True)
         frobenius_samples = check_int("frobenius_samples", frobenius_samples, min=0)
         if frobenius_samples == 1:
             raise ValueError("frobenius_samples must be 0 (off) or >= 2 (a confidence interval needs 2 probes)")
@@ -172,6 +180,7 @@ class JacobianMonitor:
             log_dir = path = None            # rank 0 writes every rank's records
             tensorboard = False
         self.every, self.budget, self.steps, self.seed, self.wrt = every, budget, steps, seed, wrt
+        self.tol, self.layer_budget = tol, layer_budget
         self.causal, self.max_layers, self.max_batch, self.max_tokens = causal, max_layers, max_batch, max_tokens
         self.frobenius_samples, self.dtype = frobenius_samples, dtype
         self.signals, self.thresholds = signals, alerts
@@ -281,6 +290,12 @@ class JacobianMonitor:
         order = [(self._cursor + i) % L for i in range(L)]
         return order
 
+    def _layer_time(self, t_start: float) -> Optional[float]:
+        """Seconds one layer's Lanczos steps may take: ``layer_budget``, and what is left of ``budget``."""
+        left = None if self.budget is None else max(self.budget - (time.perf_counter() - t_start), 1e-3)
+        limits = [t for t in (self.layer_budget, left) if t is not None]
+        return min(limits) if limits else None
+
     def _estimate(self, step: int) -> list[dict]:
         from .estimators import frobenius_hutchinson, lanczos_svd
 
@@ -322,7 +337,8 @@ class JacobianMonitor:
             try:
                 with torch.no_grad(), autocast_disabled(op.device):
                     sig = attention_signals(op) if self.signals else {}
-                    est = lanczos_svd(op, steps=self.steps, seed=seed)
+                    est = lanczos_svd(op, steps=self.steps, seed=seed, tol=self.tol,
+                                      time_budget=self._layer_time(t_start))
                     fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                         if self.frobenius_samples and math.isfinite(est.sigma_max) else None
                 # the estimators report an overflow of the compute dtype as NaN values with the reason
@@ -338,6 +354,7 @@ class JacobianMonitor:
                     self._cursor = (idx + 1) % len(self.layers)
                 continue
             rec = {**base, "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
+                   **{key: getattr(est, key) for key in BRACKET_KEYS},
                    "rank_deficient": est.rank_deficient, "converged": est.converged,
                    "residual_max": est.residual_max, "residual_min": est.residual_min,
                    "lanczos_steps": est.iterations, "batch": op.B, "tokens": op.N,

@@ -2,7 +2,8 @@
 skipped, the keys trainer callbacks pass on, and the JSONL / CSV / TensorBoard log they are written to.
 
 One record per layer and sampled step: ``step``, ``layer``, ``name``, ``wrt`` (and ``rank`` when
-distributed), the estimate (``sigma_max``, ``sigma_min``, ``kappa``, ...), the signals
+distributed), the estimate (``sigma_max``, ``sigma_min``, ``kappa``, their brackets
+:data:`BRACKET_KEYS`, ``converged``, ...), the signals
 (:mod:`condinit.probe.signals`), or ``skipped`` set to the reason the layer has no estimate.
 Alert records (:mod:`condinit.probe.alerts`) go to the JSONL file only: the CSV has one row per
 layer. A log line never carries NaN or inf: such values are written as None.
@@ -16,17 +17,22 @@ import os
 
 from .signals import HEAD_SIGNALS
 
-__all__ = ["CSV_FIELDS", "TB_SCALARS", "LOGGED_KEYS", "logged_metrics", "SKIPPED_BUDGET", "SKIPPED_MAX_LAYERS",
-           "SKIPPED_NOT_RUN", "SKIPPED_COMPILED", "skipped_error", "skipped_exception", "skipped_transform",
-           "finite_or_none", "RecordLog"]
+__all__ = ["BRACKET_KEYS", "CSV_FIELDS", "TB_SCALARS", "LOGGED_KEYS", "logged_metrics", "SKIPPED_BUDGET",
+           "SKIPPED_MAX_LAYERS", "SKIPPED_NOT_RUN", "SKIPPED_COMPILED", "skipped_error", "skipped_exception",
+           "skipped_transform", "finite_or_none", "RecordLog"]
 
+# an estimate's brackets (condinit.probe.SpectrumEstimate): lower and upper bounds, whether exact, and the
+# tolerance on kappa's relative width that ``converged`` refers to
+BRACKET_KEYS = ("sigma_max_lo", "sigma_max_hi", "sigma_min_lo", "sigma_min_hi", "kappa_lo", "kappa_hi", "exact", "tol")
 # the CSV's columns (the JSONL lines hold every key of a record)
-CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa", "rank_deficient", "converged",
+CSV_FIELDS = ("step", "layer", "name", "wrt", "sigma_max", "sigma_min", "kappa") + BRACKET_KEYS + (
+              "rank_deficient", "converged",
               "residual_max", "residual_min", "lanczos_steps", "frobenius", "frobenius_ci_low", "frobenius_ci_high",
               "max_logit", "entropy_mean", "entropy_min", "qk_norm") + HEAD_SIGNALS + (
               "batch", "tokens", "time_s", "skipped", "notes")
 # the TensorBoard scalars per layer (and, per head, those of HEAD_SIGNALS)
-TB_SCALARS = ("sigma_max", "sigma_min", "kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
+TB_SCALARS = ("sigma_max", "sigma_min", "kappa", "kappa_lo", "kappa_hi", "frobenius", "max_logit", "entropy_mean",
+              "entropy_min", "qk_norm")
 
 # why a layer's record has no estimate (``skipped``); an estimate that overflowed its dtype carries the
 # estimator's own reason
@@ -56,7 +62,7 @@ def skipped_transform(transform: str) -> str:
 
 
 # record keys a trainer callback passes on to its trainer's logger, as "jacobian/LAYER/KEY"
-LOGGED_KEYS = ("kappa", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
+LOGGED_KEYS = ("kappa", "kappa_lo", "kappa_hi", "frobenius", "max_logit", "entropy_mean", "entropy_min", "qk_norm")
 
 
 def logged_metrics(records) -> dict:
