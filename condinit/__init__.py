@@ -46,6 +46,7 @@ _LAZY = {
     "attention_jvp_varlen": "condinit.ops.attention",
     "sdpa": "condinit.ops.attention.sdpa",
     "patch_sdpa": "condinit.ops.attention.sdpa",
+    "explain": "condinit.ops.attention.explain",
     "register_hf_attention": "condinit.integrations.hf",
     "conditioned_blocks": "condinit.init",
     "apply": "condinit.models",

@@ -15,13 +15,55 @@ contract every backend implements: :func:`attention` and ``docs/design.md``, "At
 
 Each has a fake (meta) kernel, so ``torch.compile`` traces them, and a vmap rule that folds the
 vmapped dimension into the batch dimension, so ``torch.vmap`` / ``jacfwd`` / ``jacrev`` work.
+
+Each op's body, when it runs, adds one :class:`DispatchRecord` (the op, the backend it ran, the
+shapes and mask kinds) to every open :func:`condinit.explain.dispatch_log` (``ACTIVE_LOGS``; an
+empty list costs one truth test per call).
 """
+import dataclasses
 import torch
 from torch import Tensor
 from typing import Optional
 
 from condinit.ops.attention import reference
-from condinit.ops.attention.backends import ATTENTION_BWD, ATTENTION_FWD, ATTENTION_JVP, ATTENTION_JVP_BWD
+from condinit.ops.attention.backends import (ATTENTION_BWD, ATTENTION_FWD, ATTENTION_JVP, ATTENTION_JVP_BWD,
+                                             mask_kinds)
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRecord:
+    """One attention kernel call as it ran: the op, the backend row, and what the row was chosen
+    for (device, dtype, shapes, probes, mask kinds)."""
+    op: str
+    backend: str
+    device: str
+    dtype: torch.dtype
+    shape: tuple[int, int, int, int, int, int]   # B, H, Hkv, Nq, Nk, d
+    probes: int                                  # P for the JVP ops, 0 otherwise
+    masks: tuple[str, ...]                       # the mask kinds: "causal", "window", "lens"
+    window: tuple[int, int]                      # (window_left, window_right), -1: unbounded
+
+    def __str__(self) -> str:
+        B, H, Hkv, Nq, Nk, d = self.shape
+        probes = f", {self.probes} probe{'s' * (self.probes != 1)}" if self.probes else ""
+        window = f" {self.window}" if "window" in self.masks else ""
+        masks = ", ".join(m + window if m == "window" else m for m in self.masks) or "no mask"
+        return (f"{self.op} on {self.backend}: {self.device} {str(self.dtype).replace('torch.', '')} "
+                f"B={B} H={H} Hkv={Hkv} Nq={Nq} Nk={Nk} d={d}{probes}; {masks}")
+
+
+# The lists of the open dispatch logs (condinit.explain.dispatch_log appends and removes them).
+ACTIVE_LOGS: list[list] = []
+
+
+def _record(op: str, impl: str, q: Tensor, k: Tensor, probes: int, causal: bool, window_left: int,
+            window_right: int, q_lens: Optional[Tensor], kv_lens: Optional[Tensor]) -> None:
+    B, H, Nq, d = q.shape
+    rec = DispatchRecord(op, impl, q.device.type, q.dtype, (B, H, k.shape[1], Nq, k.shape[2], d), probes,
+                         mask_kinds(causal, window_left, window_right, q_lens, kv_lens),
+                         (window_left, window_right))
+    for log in ACTIVE_LOGS:
+        log.append(rec)
+
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -36,6 +78,8 @@ def attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
                       window_right: int, q_lens: Optional[Tensor], kv_lens: Optional[Tensor],
                       impl: str) -> tuple[Tensor, Tensor]:
     """Fused attention forward on backend ``impl``: ``(out, lse)``."""
+    if ACTIVE_LOGS:
+        _record("attention_fwd", impl, q, k, 0, causal, window_left, window_right, q_lens, kv_lens)
     out, lse = ATTENTION_FWD(impl, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale,
                              window_left, window_right, q_lens, kv_lens)
     return out, lse
@@ -53,6 +97,8 @@ def attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                       q_lens: Optional[Tensor], kv_lens: Optional[Tensor], impl: str
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """Flash VJP from the saved ``lse`` on backend ``impl``: ``(dq, dk, dv)``."""
+    if ACTIVE_LOGS:
+        _record("attention_bwd", impl, q, k, 0, causal, window_left, window_right, q_lens, kv_lens)
     dq, dk, dv = ATTENTION_BWD(impl, *(x.contiguous() for x in (dout, q, k, v, out, lse)), causal, scale,
                                window_left, window_right, q_lens, kv_lens)
     return dq, dk, dv
@@ -104,6 +150,9 @@ def attention_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor], tk: 
                       ) -> tuple[Tensor, Tensor, Tensor]:
     """Fused single-pass JVP on backend ``impl``: ``(out, tout, lse)``; tangents ``[P, ...]``,
     at least one not None (a None tangent is zero)."""
+    if ACTIVE_LOGS:
+        P = next(t.shape[0] for t in (tq, tk, tv) if t is not None)
+        _record("attention_jvp", impl, q, k, P, causal, window_left, window_right, q_lens, kv_lens)
     out, tout, lse = ATTENTION_JVP(impl, q.contiguous(), k.contiguous(), v.contiguous(),
                                    contiguous_or_none(tq), contiguous_or_none(tk), contiguous_or_none(tv), causal, scale, window_left, window_right,
                                    q_lens, kv_lens)
@@ -127,6 +176,9 @@ def attention_jvp_bwd_op(gout: Tensor, gtout: Tensor, q: Tensor, k: Tensor, v: T
     """Backward through the fused JVP on backend ``impl``: ``(dq, dk, dv, dtq, dtk, dtv)`` for
     upstream ``gout`` and ``gtout`` ``[P, ...]``. A None tangent is zero and still gets its
     gradient (the caller drops it)."""
+    if ACTIVE_LOGS:
+        _record("attention_jvp_bwd", impl, q, k, gtout.shape[0], causal, window_left, window_right, q_lens,
+                kv_lens)
     grads = ATTENTION_JVP_BWD(impl, *(x.contiguous() for x in (gout, gtout, q, k, v)), contiguous_or_none(tq), contiguous_or_none(tk),
                               contiguous_or_none(tv), *(x.contiguous() for x in (out, tout, lse)), causal, scale,
                               window_left, window_right, q_lens, kv_lens)

@@ -28,7 +28,7 @@ from condinit.ops.attention.checks import check_mask, check_options, check_prima
 from condinit.ops.attention.library import (AttentionBwd, attention_fwd_op, attention_jvp_bwd_op, attention_jvp_op,
                                             contiguous_or_none, fold, fold_mask, unfold)
 
-__all__ = ["attention", "attention_jvp", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "ATTENTION_FWD",
+__all__ = ["attention", "attention_jvp", "chosen_backends", "KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "ATTENTION_FWD",
            "ATTENTION_BWD", "ATTENTION_JVP", "ATTENTION_JVP_BWD"]
 
 # --------------------------------------------------------------------------------------------
@@ -107,6 +107,15 @@ class _AttentionAD(_Attention):
         return tout.squeeze(0), None
 
 
+def chosen_backends(q: Tensor, backend: Optional[str], masks: tuple[str, ...]) -> dict[str, str]:
+    """The backend of each op a :func:`attention` call runs, by op name: the forward, its
+    backward, forward mode (the fused JVP) and the backward through that tangent (chosen once per
+    call; :func:`condinit.explain` reports them)."""
+    impls = {op.name: choose(op, q, backend, masks) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP)}
+    impls[ATTENTION_JVP_BWD.name] = _backward_backend(ATTENTION_JVP_BWD, q, backend, masks)
+    return impls
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               window: Optional[tuple[int, int]] = None, q_lens: Optional[Tensor] = None,
               kv_lens: Optional[Tensor] = None, scale: Optional[float] = None,
@@ -132,7 +141,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             table). A forced backend that cannot run the call raises
             :class:`condinit.BackendUnavailableError`.
 
-    Returns ``out`` ``[B, H, Nq, d]`` in the input dtype (fp32 accumulation).
+    Returns ``out`` ``[B, H, Nq, d]`` in the input dtype (fp32 accumulation; float64 inputs in
+    float64).
 
     Differentiable in reverse mode (flash VJP from the saved log-sum-exp, O(N) memory) and
     forward mode (``torch.func.jvp``, ``torch.autograd.forward_ad``: the fused JVP kernel), and
@@ -153,8 +163,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     causal, left, right, q_lens, kv_lens = check_mask(q, k, causal, window, q_lens, kv_lens)
     scale, backend = check_options(scale, backend, q.shape[-1])
     masks = mask_kinds(causal, left, right, q_lens, kv_lens)
-    impls = tuple(choose(op, q, backend, masks) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP))
-    impls += (_backward_backend(ATTENTION_JVP_BWD, q, backend, masks),)
+    impls = tuple(chosen_backends(q, backend, masks).values())
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
     out, _ = fn.apply(q, k, v, causal, scale, left, right, q_lens, kv_lens, *impls)
