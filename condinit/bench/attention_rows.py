@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from .config import ATTENTION_FLOP_FACTOR, AttentionShape, BenchConfig, dtype_name
-from .measure import Row, Section, Timer, add_ratio
+from .config import ATTENTION_FLOP_FACTOR, AttentionShape, BenchConfig, jvp_flop_factor
+from .measure import Row, Section, Timer, add_ratio, set_aim
 
 __all__ = ["attention_flops", "sdpa_best", "math_jvp", "attention_backends", "attention_rows"]
 
@@ -97,20 +97,19 @@ def attention_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> li
     mk = lambda h: torch.randn(s.batch, h, s.seq, s.head_dim, device=dev, generator=g).to(dtype)  # noqa: E731
     q, k, v = mk(s.heads), mk(s.kv_heads), mk(s.kv_heads)
     tq, tk, tv = mk(s.heads), mk(s.kv_heads), mk(s.kv_heads)
-    tag = f"{s.label()} {dtype_name(dtype)}{' causal' if causal else ''}"
     fl = {kind: attention_flops(s, causal, kind) for kind in ATTENTION_FLOP_FACTOR}
     chosen = lambda kind: attention_backends(dev, dtype, s.head_dim, cfg.backend)[kind]  # noqa: E731
     kw = {"backend": cfg.backend} if cfg.backend else {}
 
     # SDPA's best fused forward and backward (measured first: the other rows compare to them)
-    sdpa_fwd = _measure_sdpa(sec, "sdpa_fwd", f"SDPA forward, best backend ({tag})", q, k, v, causal, timer,
+    sdpa_fwd = _measure_sdpa(sec, "sdpa_fwd", "SDPA forward, best backend", q, k, v, causal, timer,
                              False, fl["fwd"])
     sdpa_bwd = _measure_sdpa(sec, "sdpa_bwd", "SDPA backward, best backend", q, k, v, causal, timer, True,
                              fl["bwd"])
     fwd = sec.measure("fwd", "condinit attention forward", lambda: chosen("fwd"),
                       lambda: condinit.attention(q, k, v, causal=causal, **kw), flops=fl["fwd"], peak_memory=True)
     add_ratio(fwd, sdpa_fwd)
-    fwd.aim = "<= 1.1x SDPA forward"
+    set_aim(fwd, "attention.sdpa_fwd", 1.1, "<= 1.1x sdpa_fwd")
 
     if "math_jvp" not in cfg.skip:
         math_row = sec.measure("math_jvp", "torch.func.jvp over SDPA MATH", "SDPA MATH",
@@ -122,14 +121,14 @@ def attention_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> li
                       peak_memory=True)
     add_ratio(jvp, math_row)
     add_ratio(jvp, sdpa_fwd)
-    jvp.aim = "<= 2.5x SDPA forward (3x its FLOPs)"
+    set_aim(jvp, "attention.sdpa_fwd", 2.5, "<= 2.5x sdpa_fwd (3x its FLOPs)")
     P = cfg.probes
     if P > 1 and "jvp_probes" not in cfg.skip:
         def probes_setup():
             t = [torch.randn(P, *x.shape, device=dev, generator=g).to(dtype) for x in (q, k, v)]
             return lambda: condinit.attention_jvp(q, k, v, *t, causal=causal, **kw)
         multi = sec.measure("jvp_probes", f"condinit attention_jvp, {P} probes in one call", lambda: chosen("jvp"),
-                            None, setup=probes_setup, flops=P * fl["jvp"])
+                            None, setup=probes_setup, flops=jvp_flop_factor(P) * fl["fwd"])
         if multi.ok and jvp.ok:   # against P single-probe calls (the row above)
             multi.ratios[f"attention.jvp*{P}"] = multi.seconds / (P * jvp.seconds)
 
@@ -152,18 +151,18 @@ def attention_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> li
         return setup
 
     if "math_jvp_bwd" not in cfg.skip:
-        math_tb = sec.measure("math_jvp_bwd", "backward through torch.func.jvp over SDPA MATH", "SDPA MATH", None,
+        math_tb = sec.measure("math_jvp_bwd", "backward through torch.func.jvp over MATH", "SDPA MATH", None,
                               setup=tangent_bwd_setup(lambda *x: math_jvp(*x, causal)), flops=fl["jvp_bwd"],
                               peak_memory=True)
     else:
         math_tb = None
-    tb = sec.measure("jvp_bwd", "condinit attention_jvp backward (through the tangent)", lambda: chosen("jvp_bwd"),
+    tb = sec.measure("jvp_bwd", "backward through condinit attention_jvp", lambda: chosen("jvp_bwd"),
                      None, setup=tangent_bwd_setup(
                          lambda a, b, c, ta, tb_, tc: condinit.attention_jvp(a, b, c, ta, tb_, tc, causal=causal, **kw)),
                      flops=fl["jvp_bwd"], peak_memory=True)
     add_ratio(tb, math_tb)
     add_ratio(tb, sdpa_fwd)
-    tb.aim = "<= 0.2x the MATH one"
+    set_aim(tb, "attention.math_jvp_bwd", 0.2, "<= 0.2x math_jvp_bwd")
     return sec.rows
 
 

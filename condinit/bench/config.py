@@ -3,8 +3,11 @@ defaults per device, and the FLOP conventions the rates are counted by.
 
 FLOP conventions (those of FlashAttention's benchmarks and Triton's fused-attention tutorial):
 attention forward ``4 B H Nq Nk d``, halved when causal with ``Nq = Nk``; backward 2.5x the
-forward; JVP 3x; backward through the tangent output 7.5x. Init: the matrix products of
-CholeskyQR2 (4 of ``2 d^2 D`` per block), and the bytes of the weights written once.
+forward; JVP 3x for one probe, ``(1 + 2P)``x for ``P`` probes in one call (the primal's two
+products are done once, each probe adds four: ``Q' K^T``, ``Q K'^T``, ``(P o S') V``, ``P V'``);
+backward through the tangent output 7.5x. Each count is at most the products the kernels do, so a
+rate over it never overstates the work. Init: the matrix products of CholeskyQR2 (4 of
+``2 d^2 D`` per block), and the bytes of the weights written once.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FLOP_CONVENTIONS", "ATTENTION_FLOP_FACTOR", "InitShape", "AttentionShape", "INIT_PRESETS",
+__all__ = ["FLOP_CONVENTIONS", "ATTENTION_FLOP_FACTOR", "jvp_flop_factor", "InitShape", "AttentionShape", "INIT_PRESETS",
            "ATTENTION_PRESETS", "parse_shape", "BenchConfig", "default_config", "dtype_name"]
 
 
@@ -22,12 +25,17 @@ FLOP_CONVENTIONS = {
     "copy": "bytes read + bytes written",
     "attention_fwd": "4 B H Nq Nk d, halved for causal with Nq = Nk",
     "attention_bwd": "2.5 x attention_fwd",
-    "attention_jvp": "3 x attention_fwd (per probe)",
+    "attention_jvp": "3 x attention_fwd for one probe; (1 + 2P) x for P probes in one call",
     "attention_jvp_bwd": "7.5 x attention_fwd (backward through the tangent output)",
     "init": "CholeskyQR2: 4 GEMMs of 2 d^2 D per d x D block (the floor: a Gram 2 d^2 D + a triangular "
             "solve d^2 D); bytes: the weights written once",
 }
 ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "jvp": 3.0, "jvp_bwd": 7.5}
+
+
+def jvp_flop_factor(probes: int) -> float:
+    """FLOPs of a JVP with ``probes`` tangents in one call, in units of the forward's."""
+    return 1.0 + 2.0 * probes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from .ceilings import matmul_library
-from .config import BenchConfig, InitShape, dtype_name
-from .measure import Row, Section, Timer, add_ratio
+from .config import BenchConfig, InitShape
+from .measure import Row, Section, Timer, add_ratio, set_aim
 
 __all__ = ["make_stack", "init_backend", "init_batched", "init_per_tensor", "per_head_orthogonal", "batched_qr",
            "init_floor", "condinit_gaussians", "init_rows"]
@@ -125,21 +125,20 @@ def init_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list[Ro
     elements = shape.layers * (shape.heads + 2 * shape.kv_heads) * d * D
     gemm_flops = 4 * 2.0 * d * d * D * nb
     written = elements * torch.empty((), dtype=storage).element_size()
-    tag = f"({shape.label()}, {dtype_name(storage)})"
     kw = {"backend": cfg.backend} if cfg.backend else {}
     backend = lambda: init_backend(dev, cfg.backend, (d, D))  # noqa: E731
-    batched = sec.measure("batched", f"condinit conditioned_init_layers_ {tag}", backend,
+    batched = sec.measure("batched", "condinit conditioned_init_layers_", backend,
                           lambda: init_batched(stack, shape, **kw), flops=gemm_flops)
-    per = sec.measure("per_tensor", "condinit semi_orthogonal_ per weight + rect_identity_",
+    per = sec.measure("per_tensor", "semi_orthogonal_ per weight + rect_identity_",
                       lambda: init_backend(dev, None, (d, D)), lambda: init_per_tensor(stack, shape),
                       flops=gemm_flops, note=f"{2 * shape.layers} calls")
-    per.aim = "<= 1.2x batched"
+    set_aim(per, "init.batched", 1.2, "<= 1.2x batched")
     chunk = chunk_blocks(d, D, dev.type, None, gemm_dtype(dev.type))
-    floor = sec.measure("floor", "floor: normal_ + Gram + Cholesky + triangular solve",
+    floor = sec.measure("floor", "floor: normal_ + Gram + Cholesky + solve",
                         "torch " + ("cuBLAS/cuSOLVER" if dev.type == "cuda" else matmul_library(dev, torch.float32)),
                         lambda: init_floor(stack, shape, dev, chunk), flops=3.0 * d * d * D * nb,
                         note=f"chunks of {chunk} blocks, one CholeskyQR pass")
-    batched.aim = "<= 1.3x floor"
+    set_aim(batched, "init.floor", 1.3, "<= 1.3x floor")
     limit = cfg.baseline_blocks
     loop_blocks = min(nb, limit) if limit else nb
     if "orthogonal_loop" not in cfg.skip:
@@ -150,17 +149,17 @@ def init_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list[Ro
                 layers = min(shape.layers, -(-loop_blocks // (shape.heads + shape.kv_heads)))
                 loop_stack = make_stack(dataclasses.replace(shape, layers=layers), dev, torch.float32)
             return lambda: per_head_orthogonal(loop_stack, shape, loop_blocks)
-        sec.measure("orthogonal_loop", "per-head torch.nn.init.orthogonal_ loop + eye_", "torch (LAPACK)" if
+        sec.measure("orthogonal_loop", "per-head nn.init.orthogonal_ loop + eye_", "torch (LAPACK)" if
                     dev.type == "cpu" else "torch (cuSOLVER)", None, setup=loop_setup, scale=nb / loop_blocks,
                     note=_scaled(loop_blocks, nb))
     qr_blocks = min(nb, limit) if (limit and dev.type == "cuda") else nb
     if "batched_qr" not in cfg.skip:
-        sec.measure("batched_qr", f"torch.randn + batched torch.linalg.qr [{nb}, {D}, {d}]",
+        sec.measure("batched_qr", f"randn + batched linalg.qr [{nb}, {D}, {d}]",
                     "torch (LAPACK)" if dev.type == "cpu" else "torch (cuSOLVER)",
                     lambda: batched_qr(shape, dev, qr_blocks), scale=nb / qr_blocks, note=_scaled(qr_blocks, nb))
-    sec.measure("randn", f"torch.randn of the stack's {elements / 1e6:.1f}M elements ({dtype_name(storage)})", "torch",
+    sec.measure("randn", f"torch.randn of the stack's {elements / 1e6:.1f}M elements", "torch",
                 lambda: torch.randn(elements, device=dev, dtype=storage))
-    sec.measure("block_randn", "  of which condinit's Gaussians: block_randn of the Q/K blocks",
+    sec.measure("block_randn", "  of which block_randn of the Q/K blocks",
                 lambda: _randn_backend(dev), lambda: condinit_gaussians(shape, dev, chunk),
                 note="part of the batched row")
     for r in (batched, per, floor, sec.get("init.randn")):

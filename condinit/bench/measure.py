@@ -1,5 +1,6 @@
 """Timing and the rows of ``condinit bench``: the timer, the :class:`Row` each measurement becomes,
-a section's rows with their error guard, and the rates and time ratios filled in afterwards.
+a section's rows with their error guard, the rates and time ratios filled in afterwards, and the
+verdict of each row against its aim.
 
 Timing: CPU rows take the median wall time of ``repeats`` calls after a warm-up call; CUDA rows
 the median of CUDA-event times after warm-up. Baselines that loop over blocks in Python (the
@@ -15,7 +16,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Timing", "Timer", "Row", "Section", "fill_rates", "add_ratio"]
+__all__ = ["Timing", "Timer", "Row", "Section", "fill_rates", "add_ratio", "set_aim", "judge", "VERDICTS"]
+
+# A row's verdict against its aim: its time over another row's at most ``aim_max``.
+VERDICTS = ("met", "not met", "no aim", "unknown")
 
 
 @dataclasses.dataclass
@@ -28,11 +32,15 @@ class Timing:
 
 class Timer:
     """Median time of ``fn()`` on ``device``: wall clock on the CPU, CUDA events on GPUs (after a
-    synchronize), ``warmup`` untimed calls first."""
+    synchronize), ``warmup`` untimed calls first, then ``repeats`` timed calls, and more while
+    their total is under ``min_seconds`` (at most :attr:`MAX_CALLS`): the fastest of many short
+    calls is the rate of a quiet moment even on a busy machine."""
 
-    def __init__(self, device, repeats: int = 3, warmup: int = 1):
+    MAX_CALLS = 1000
+
+    def __init__(self, device, repeats: int = 3, warmup: int = 1, min_seconds: float = 0.0):
         self.device = torch.device(device)
-        self.repeats, self.warmup = max(1, repeats), warmup
+        self.repeats, self.warmup, self.min_seconds = max(1, repeats), warmup, min_seconds
 
     def __call__(self, fn: Callable[[], object], scale: float = 1.0) -> Timing:
         cuda = self.device.type == "cuda"
@@ -41,7 +49,7 @@ class Timer:
         times = []
         if cuda:
             torch.cuda.synchronize(self.device)
-        for _ in range(self.repeats):
+        while len(times) < self.repeats or (sum(times) < self.min_seconds and len(times) < self.MAX_CALLS):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -60,8 +68,10 @@ class Timer:
 @dataclasses.dataclass
 class Row:
     """One measurement. ``key`` identifies it across runs (``init.batched``); ``ratios``: this row's
-    time over other rows' (``{key of the other row: ratio}``); ``rate``: achieved FLOP/s or B/s and
-    ``of_ceiling`` its fraction of the machine's measured ceiling."""
+    time over other rows' (``{key of the other row: ratio}``); ``rate``: achieved FLOP/s or B/s,
+    ``ceiling`` the key of the ceiling row it is rated against and ``of_ceiling`` its fraction of
+    that row's rate. ``aim``: the target in words, ``aim_key`` / ``aim_max``: the same as "time at
+    most ``aim_max`` x row ``aim_key``'s", ``verdict`` one of :data:`VERDICTS`."""
     section: str
     key: str
     name: str
@@ -72,9 +82,13 @@ class Row:
     bytes: Optional[float] = None
     rate: Optional[float] = None
     rate_unit: str = ""
+    ceiling: Optional[str] = None
     of_ceiling: Optional[float] = None
     ratios: dict = dataclasses.field(default_factory=dict)
     aim: Optional[str] = None
+    aim_key: Optional[str] = None
+    aim_max: Optional[float] = None
+    verdict: str = "no aim"
     note: str = ""
     error: Optional[str] = None
     peak_bytes: Optional[int] = None
@@ -82,6 +96,11 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def above_ceiling(self) -> bool:
+        """The rate exceeds its ceiling's: with ceilings that are upper bounds, timing noise."""
+        return self.of_ceiling is not None and self.of_ceiling > 1.0
 
 
 class Section:
@@ -128,20 +147,47 @@ class Section:
         return self.add(row)
 
 
-def fill_rates(rows: Sequence[Row], matmul: Optional[Row], copy: Optional[Row]) -> None:
+def fill_rates(rows: Sequence[Row], flop_ceiling: Optional[Row], copy: Optional[Row]) -> None:
+    """Each row's rate (FLOP/s when it counts FLOPs, else B/s) and its fraction of the ceiling: the
+    ``flop_ceiling`` row for FLOPs, ``copy`` for bytes (``None``: no ceiling measured)."""
     for r in rows:
         if not r.ok or not r.seconds:
             continue
         if r.flops:
-            r.rate, r.rate_unit = r.flops / r.seconds, "FLOP/s"
-            if matmul is not None and matmul.rate and r is not matmul:
-                r.of_ceiling = r.rate / matmul.rate
+            r.rate, r.rate_unit, ceiling = r.flops / r.seconds, "FLOP/s", flop_ceiling
         elif r.bytes:
-            r.rate, r.rate_unit = r.bytes / r.seconds, "B/s"
-            if copy is not None and copy.rate and r is not copy:
-                r.of_ceiling = r.rate / copy.rate
+            r.rate, r.rate_unit, ceiling = r.bytes / r.seconds, "B/s", copy
+        else:
+            continue
+        if ceiling is not None and ceiling.rate and r is not ceiling:
+            r.ceiling, r.of_ceiling = ceiling.key, r.rate / ceiling.rate
+            if r.above_ceiling:
+                r.note = "; ".join(x for x in (r.note, f"above its ceiling ({ceiling.key}): timing noise") if x)
 
 
 def add_ratio(row: Row, other: Optional[Row]) -> None:
     if row.ok and other is not None and other.ok and other.seconds:
         row.ratios[other.key] = row.seconds / other.seconds
+
+
+def set_aim(row: Row, other_key: str, at_most: float, words: str) -> None:
+    """The aim "``row``'s time at most ``at_most`` x row ``other_key``'s" (``words``: the same, for
+    the table); :func:`judge` gives the verdict."""
+    row.aim, row.aim_key, row.aim_max = words, other_key, at_most
+
+
+def judge(rows: Sequence[Row]) -> None:
+    """Every row's verdict: ``met`` / ``not met`` against its aim (a row that failed does not meet
+    it), ``no aim``, or ``unknown`` when the row it is compared with did not run (the note says so)."""
+    ran = {r.key: r.ok for r in rows}
+    for r in rows:
+        if r.aim_key is None:
+            r.verdict = "no aim"
+        elif not r.ok:
+            r.verdict = "not met"
+        elif r.aim_key not in r.ratios:
+            r.verdict = "unknown"
+            why = "failed" if r.aim_key in ran else "did not run"
+            r.note = "; ".join(x for x in (r.note, f"no verdict: {r.aim_key} {why}") if x)
+        else:
+            r.verdict = "met" if r.ratios[r.aim_key] <= r.aim_max else "not met"

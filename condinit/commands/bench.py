@@ -1,6 +1,7 @@
 """``condinit bench``: time condinit's kernels on this machine against its measured ceilings and
-against what a user would otherwise run, side by side (the library: :mod:`condinit.bench`). ``--json``
-is checked before anything runs and written atomically."""
+against what a user would otherwise run, side by side, in tables at most 120 columns wide (the
+library: :mod:`condinit.bench`). ``--json PATH`` is checked before anything runs and written
+atomically; ``--json -`` (or ``--json`` alone) writes the JSON to stdout and the tables to stderr."""
 from __future__ import annotations
 
 import sys
@@ -36,7 +37,9 @@ def add_arguments(p):
                         "and scale (default: all on cpu, 256 on cuda)")
     p.add_argument("--skip", default="", help="comma-separated row keys not to run, e.g. math_jvp,math_jvp_bwd")
     p.add_argument("--quick", action="store_true", help="small shapes and 2 repeats: seconds, for a smoke test")
-    p.add_argument("--json", metavar="PATH", help="also write machine, versions, FLOP conventions and every row here")
+    p.add_argument("--json", metavar="PATH", nargs="?", const="-",
+                   help="also write machine, versions, FLOP conventions and every row to PATH; '-' or no PATH: "
+                        "the JSON on stdout (and nothing else), the tables on stderr")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
 
 
@@ -118,7 +121,8 @@ def run(args) -> int:
     from condinit import bench
     from condinit.io.atomic import atomic_output, check_output_path
 
-    json_out = check_output_path(args.json) if args.json else None   # before any work
+    to_stdout = args.json == "-"
+    json_out = check_output_path(args.json) if args.json and not to_stdout else None   # before any work
     cfg = _config(args)
     progress = _Progress(bench.planned_rows(cfg), enabled=not args.no_progress)
     try:
@@ -129,12 +133,16 @@ def run(args) -> int:
     where = machine.get("gpu") or f"{machine['processor']}, {machine['cpu_count']} CPUs"
     load = f", load {machine['load_average_1min']:.1f}" if "load_average_1min" in machine else ""
     header = (f"condinit bench on {cfg.device} ({where}{load}); torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads; init: {cfg.init_shape.label()}; attention: "
-              f"{cfg.attention_shape.label()}{' causal' if cfg.causal else ''}; {bench.dtype_name(cfg.dtype)}; "
-              f"median of {cfg.repeats}\n"
-              "FLOPs: attention fwd 4BHN^2d (halved causal), bwd 2.5x, jvp 3x, tangent bwd 7.5x; "
-              "init 4 GEMMs of 2d^2D per block; % of the ceiling measured above")
-    print(bench.format_table(rows, header))
+              f"{torch.get_num_threads()} threads; {bench.dtype_name(cfg.dtype)}; each time the median of "
+              f"{cfg.repeats} calls after a warm-up call")
+    titles = bench.section_titles(rows, cfg, bench.section_ceilings(rows, cfg))
+    table = bench.format_table(rows, header, titles)
+    if to_stdout:
+        print(table, file=sys.stderr)
+        sys.stdout.write(bench.json_text(rows, cfg))
+        sys.stdout.flush()
+    else:
+        print(table)
     if json_out:
         with atomic_output(json_out) as tmp:
             bench.write_json(tmp, rows, cfg)
