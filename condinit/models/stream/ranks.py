@@ -88,7 +88,7 @@ def assign(sizes: dict, world: int) -> list:
 
     Examples:
         >>> assign({"a": 5, "b": 5, "c": 2, "d": 1}, 2)
-        [['a', 'd'], ['b', 'c']]
+        [['a', 'c'], ['b', 'd']]
     """
     order = {name: i for i, name in enumerate(sizes)}
     loads, shares = [0] * world, [[] for _ in range(world)]
