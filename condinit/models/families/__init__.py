@@ -13,7 +13,8 @@ separate ``q_bias`` / ``v_bias``), CodeGen (``qkv_proj`` in 4 groups ordered Q, 
 whose heads span several groups is refused), AIMv2's attention-pooling head (a learned query,
 ``fixed``). See ``docs/design.md``, "Model layouts".
 """
-# registration order: torch, then transformers, then timm
+# registration order: torch, then transformers, then timm, then multi-head latent attention (mla)
 from . import torch_nn  # noqa: F401
 from . import hf  # noqa: F401
 from . import timm  # noqa: F401
+from . import mla  # noqa: F401

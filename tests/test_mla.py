@@ -1,0 +1,219 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) conditioned through its factors: ``condinit.init.factors``
+and the opt-in adapter ``condinit.models.families.mla``.
+
+The reader is independent of condinit: it runs the module's own ``forward`` in float64, captures the
+query, key and value states where the module hands them to its attention function, and takes their
+Jacobian with respect to the input (``torch.func.jacrev``) with each latent RMSNorm passing its
+input through (a forward hook); a plain forward checks that the norm multiplies each token by one
+scalar. So each head's effective map is the product of the factors as the forward applies them, in
+the head split the forward makes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from condinit.init.factors import latent_attention_init_  # noqa: E402
+from condinit.init.functional import conditioned_blocks  # noqa: E402
+from condinit.init.plan import InitPlan, run_plan  # noqa: E402
+from condinit.models import UnsupportedAttention, describe  # noqa: E402
+from condinit.models.families.mla import LatentAttentionSpec, latent_attention, mla_mode  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-6
+SEED = 0x5EED
+
+
+def _attention(version: int, *, q_lora_rank=24, kv_lora_rank=12, heads=4, nope=6, rope=4, v=5, hidden=40):
+    """A float64 DeepseekV{version}Attention module and its config."""
+    if version == 2:
+        from transformers import DeepseekV2Config as Config
+        from transformers.models.deepseek_v2 import modeling_deepseek_v2 as mod
+        cls = mod.DeepseekV2Attention
+    else:
+        from transformers import DeepseekV3Config as Config
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mod
+        cls = mod.DeepseekV3Attention
+    cfg = Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=q_lora_rank,
+                 kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v,
+                 num_hidden_layers=1, intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4,
+                 vocab_size=32)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(1)
+    return cls(cfg, 0).double(), cfg, mod
+
+
+def _condition(attn, *, layer=3, v_mode="identity", qk_gain=1.0, v_gain=1.0, seed=SEED):
+    with latent_attention("factors"):
+        found = describe(attn)
+    assert isinstance(found.spec, LatentAttentionSpec)
+    plan = InitPlan()
+    found.spec.plan_into(plan, layer, 0, v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain)
+    run_plan(plan, seed, "auto")
+    return found.spec
+
+
+def _read(attn, cfg, mod, monkeypatch, *, position=5):
+    """``(q, k, v, ratios)``: the Jacobians ``[H, d, D]`` of the query, key and value states of one
+    token at ``position`` with respect to its input, norms passing their input through, and the
+    per-channel output/input ratios of each latent norm in a plain forward."""
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        captured.update(q=query, k=key, v=value)
+        b, h, n, _ = value.shape
+        return value.new_zeros(b, n, h, value.shape[-1]), None
+
+    monkeypatch.setattr(mod, "eager_attention_forward", capture)
+    D = cfg.hidden_size
+    rotary = (mod.DeepseekV2RotaryEmbedding if "v2" in mod.__name__ else mod.DeepseekV3RotaryEmbedding)(cfg)
+    x0 = torch.randn(1, 1, D, dtype=torch.float64)
+    pos = rotary(x0, torch.tensor([[position]]))
+    pos = pos if isinstance(pos, torch.Tensor) else tuple(p.double() for p in pos)
+    norms = [n for n in (attn.q_a_layernorm, attn.kv_a_layernorm) if n is not None]
+
+    ratios = []
+    hooks = [n.register_forward_hook(lambda m, i, o: ratios.append((o / i[0]).detach())) for n in norms]
+    attn(x0, position_embeddings=pos, attention_mask=None)
+    for h in hooks:
+        h.remove()
+
+    hooks = [n.register_forward_hook(lambda m, i, o: i[0]) for n in norms]
+    try:
+        def states(x):
+            attn(x.view(1, 1, D), position_embeddings=pos, attention_mask=None)
+            return tuple(captured[n][0, :, 0] for n in "qkv")     # [H, d] each
+
+        jac = torch.func.jacrev(states)(x0.view(D))
+    finally:
+        for h in hooks:
+            h.remove()
+    return jac[0].detach(), jac[1].detach(), jac[2].detach(), ratios
+
+
+def _orthonormal_rows(m: torch.Tensor) -> float:
+    """max |M M^T - I| of a ``[d, D]`` map."""
+    return float((m @ m.t() - torch.eye(m.shape[0], dtype=m.dtype)).abs().max())
+
+
+def _check_maps(attn, cfg, mod, monkeypatch, *, qk_gain=1.0, v_gain=1.0, v_mode="identity"):
+    q, k, v, ratios = _read(attn, cfg, mod, monkeypatch)
+    H, dn, dr, dv, r = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    D = cfg.hidden_size
+    for ratio in ratios:     # the latent norm scales each token by one number (its weight is ones)
+        assert float((ratio - ratio.mean()).abs().max() / ratio.mean()) < 1e-6
+    for h in range(H):
+        assert _orthonormal_rows(q[h] / qk_gain) < TOL, h                   # the whole query head
+        assert _orthonormal_rows(k[h, :dn] / qk_gain) < TOL, h              # its no-RoPE key
+        assert torch.equal(k[h, dn:], k[0, dn:])                            # one RoPE key for all heads
+    assert _orthonormal_rows(k[0, dn:] / qk_gain) < TOL                     # the RoPE key, a head of its own
+    eye = torch.eye(r, D, dtype=torch.float64)
+    rows = torch.arange(H * dv) % r if v_mode == "identity" else torch.arange(H * dv) % dv
+    assert torch.allclose(v.reshape(H * dv, D), v_gain * eye[rows], atol=TOL, rtol=0)
+    if v_mode == "identity" and H * dv <= r:
+        assert torch.allclose(v.reshape(H * dv, D), v_gain * torch.eye(H * dv, D, dtype=torch.float64), atol=TOL)
+    for h in range(H):
+        assert _orthonormal_rows(v[h] / v_gain) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_each_heads_map_read_from_the_forward_is_semi_orthogonal(version, q_lora_rank, monkeypatch):
+    attn, cfg, mod = _attention(version, q_lora_rank=q_lora_rank)
+    _condition(attn)
+    _check_maps(attn, cfg, mod, monkeypatch)
+
+
+def test_v_is_the_rectangular_identity_where_the_latent_holds_every_head(monkeypatch):
+    attn, cfg, mod = _attention(3, kv_lora_rank=24, heads=3, v=8, nope=5)   # H d_v = 24 = r_kv
+    _condition(attn)
+    _check_maps(attn, cfg, mod, monkeypatch)
+
+
+def test_gains_and_per_head_identity(monkeypatch):
+    attn, cfg, mod = _attention(3)
+    _condition(attn, qk_gain=0.5, v_gain=2.0, v_mode="identity_per_head")
+    _check_maps(attn, cfg, mod, monkeypatch, qk_gain=0.5, v_gain=2.0, v_mode="identity_per_head")
+
+
+def test_blocks_are_the_documented_streams_and_biases_zero():
+    attn, cfg, _ = _attention(3)
+    attn.q_a_proj.bias = torch.nn.Parameter(torch.randn(24, dtype=torch.float64))
+    attn.kv_a_proj_with_mqa.bias = torch.nn.Parameter(torch.randn(16, dtype=torch.float64))
+    norms = [attn.q_a_layernorm.weight.clone(), attn.kv_a_layernorm.weight.clone(), attn.o_proj.weight.clone()]
+    _condition(attn, layer=7)
+    L, H = 7 << 32, 4
+    q = attn.q_b_proj.weight.detach().view(H, 10, 24)
+    assert torch.equal(q.float(), conditioned_blocks(SEED, "q", torch.arange(L, L + H), (10, 24)))
+    assert torch.equal(attn.q_a_proj.weight.detach().float(), conditioned_blocks(SEED, "q_latent", [L], (24, 40))[0])
+    kv_b = attn.kv_b_proj.weight.detach().view(H, 11, 12)
+    assert torch.equal(kv_b[:, :6].float(), conditioned_blocks(SEED, "k", torch.arange(L, L + H), (6, 12)))
+    kv_a = attn.kv_a_proj_with_mqa.weight.detach()
+    assert torch.equal(kv_a[12:].float(), conditioned_blocks(SEED, "k", [L + H], (4, 40))[0])
+    assert torch.equal(kv_a[:12], torch.eye(12, 40, dtype=torch.float64))
+    assert not attn.q_a_proj.bias.any() and not attn.kv_a_proj_with_mqa.bias.any()
+    after = [attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight, attn.o_proj.weight]
+    assert all(torch.equal(a, b) for a, b in zip(norms, after))
+
+
+def test_the_public_function_writes_what_the_adapter_writes():
+    a, _, _ = _attention(3)
+    b, _, _ = _attention(3)
+    _condition(a, layer=2)
+    latent_attention_init_(b.q_b_proj.weight, b.kv_a_proj_with_mqa.weight, b.kv_b_proj.weight, q_a=b.q_a_proj.weight,
+                           num_heads=4, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, seed=SEED,
+                           layer_index=2)
+    for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        assert torch.equal(getattr(a, n).weight, getattr(b, n).weight), n
+
+
+def test_opt_in_only():
+    attn, _, _ = _attention(3)
+    assert mla_mode() == "refuse"
+    with pytest.raises(UnsupportedAttention, match="multi-head latent attention"):
+        describe(attn)                      # default: structural discovery refuses it
+    with latent_attention("factors"):
+        assert mla_mode() == "factors"
+        assert describe(attn).spec.layout == "latent"
+    assert mla_mode() == "refuse"
+    with pytest.raises(ValueError, match="mla must be one of"):
+        with latent_attention("yes"):
+            pass
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(kv_lora_rank=5), "no-RoPE key head dim 6 exceeds kv_lora_rank 5"),
+    (dict(kv_lora_rank=7, v=8), "value head dim 8 exceeds kv_lora_rank 7"),
+    (dict(q_lora_rank=8), "query head dim 10 exceeds q_lora_rank 8"),
+    (dict(q_lora_rank=48), "q_lora_rank 48 exceeds the input width 40"),
+])
+def test_shapes_whose_factors_cannot_be_semi_orthogonal_are_refused(kw, why):
+    attn, _, _ = _attention(3, **kw)
+    with latent_attention("factors"), pytest.raises(UnsupportedAttention, match=why):
+        describe(attn)
+
+
+def test_a_norm_weight_that_is_not_constant_is_refused():
+    attn, _, _ = _attention(3)
+    with torch.no_grad():
+        attn.kv_a_layernorm.weight[0] = 2.0
+    with latent_attention("factors"), pytest.raises(UnsupportedAttention, match="RMSNorm weight is not constant"):
+        describe(attn)
+
+
+def test_bad_arguments_name_the_argument_before_any_write():
+    attn, _, _ = _attention(3)
+    w = {n: getattr(attn, n).weight for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")}
+    before = {n: t.detach().clone() for n, t in w.items()}
+    args = dict(q_a=w["q_a_proj"], num_heads=4, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, seed=0)
+    cases = [(dict(num_heads=3), "q_b has 40 rows"), (dict(v_head_dim=6), "kv_b has shape"),
+             (dict(q_a=None), "q_b reads 24 features, expected 40"), (dict(qk_gain=0.0), "qk_gain"),
+             (dict(v_mode="x"), "v_mode"), (dict(kv_a_bias=torch.zeros(3, dtype=torch.float64)), "kv_a_bias has 3")]
+    for change, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            latent_attention_init_(w["q_b_proj"], w["kv_a_proj_with_mqa"], w["kv_b_proj"], **dict(args, **change))
+    assert all(torch.equal(w[n], before[n]) for n in w)
