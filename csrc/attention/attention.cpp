@@ -17,11 +17,18 @@ using at::Tensor;
 // Shapes only, for torch.compile / FakeTensor tracing.
 using OptT = std::optional<Tensor>;
 
+// The lse the kernels return: float32, float64 for float64 inputs (the CPU kernel computes those in
+// float64; the CUDA kernels refuse them).
+Tensor lse_like(const Tensor& q) {
+  return at::empty({q.size(0), q.size(1), q.size(2)},
+                   q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+}
+
 std::tuple<Tensor, Tensor> attention_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, bool, double,
                                               int64_t wl, int64_t wr, const OptT& ql, const OptT& kl) {
   attention_checks::check_fwd_args(q, k, v, "attention_fwd");
   attention_checks::check_mask_args(q, ql, kl, wl, wr, "attention_fwd");
-  return {at::empty_like(q), at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+  return {at::empty_like(q), lse_like(q)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_jvp_meta(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -30,8 +37,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_jvp_meta(const Tensor& q, const Ten
                                                       const OptT& kl) {
   attention_checks::check_jvp_args(q, k, v, tq, tk, tv, "attention_jvp");
   attention_checks::check_mask_args(q, ql, kl, wl, wr, "attention_jvp");
-  return {at::empty_like(q), at::empty_like(tq),
-          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+  return {at::empty_like(q), at::empty_like(tq), lse_like(q)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd_meta(const Tensor& dout, const Tensor& q, const Tensor& k,

@@ -94,7 +94,10 @@ inline void check_bwd_args(const Tensor& dout, const Tensor& q, const Tensor& k,
               " and ", out.scalar_type());
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), op, ": dout and out must have the shape of q ",
               q.sizes(), ", got ", dout.sizes(), " and ", out.sizes());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  // float32, or float64 for float64 inputs (the CPU kernel's and the reference's lse for them)
+  TORCH_CHECK(lse.scalar_type() == at::kFloat || (lse.scalar_type() == at::kDouble && q.scalar_type() == at::kDouble),
+              op, ": lse must be float32 (or float64 for float64 inputs), got ", lse.scalar_type(), " for ",
+              q.scalar_type(), " inputs");
   TORCH_CHECK(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3), op, ": lse must have shape [B, H, Nq] = ",
               q.sizes().slice(0, 3), ", got ", lse.sizes());
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), op,

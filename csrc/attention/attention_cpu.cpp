@@ -35,7 +35,8 @@ namespace attention_cpu {
 namespace {
 
 // Forward (P == 0) or forward + JVP for P probes. out/tout/lse written for every row.
-// lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact).
+// lse is written in the compute type (fp64 for fp64 inputs, so that the fp64 backward is exact)
+// and returned in it.
 // The primal and the probes are stacked row-wise so that shared operands go through one product:
 // [S; Q'_p K^T] = s [Q; Q'_p] K^T, then S'_p += s Q K'_p^T, and [acc; accT_p] += [P~; P~ o S'_p] V,
 // then accT_p += P~ V'_p: 2 + 2P products per tile instead of 2 + 4P. The keys come transposed
@@ -476,8 +477,7 @@ at::ScalarType compute_type(at::ScalarType dt) { return dt == at::kDouble ? at::
 
 std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                                const Tensor* tq_, const Tensor* tk_, const Tensor* tv_,
-                                               int64_t P, const MaskArgs& mask, double scale,
-                                               bool lse_in_compute_type = false) {
+                                               int64_t P, const MaskArgs& mask, double scale) {
   const auto dt = q_.scalar_type(), ct = compute_type(dt);
   const Dims D = dims_of(q_, k_, mask, P);
   // Keys transposed by blocks (one O(N d) copy; see fwd_jvp_kernel).
@@ -502,7 +502,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_jvp_cpu(const Tensor& q_, const Tensor& k
                                lse.data_ptr<scalar_t>());
     });
   }
-  return {out.to(dt), tout.to(dt), lse_in_compute_type ? lse : lse.to(at::kFloat)};
+  return {out.to(dt), tout.to(dt), lse};  // lse in the compute type: float32, or float64 for float64
 }
 
 // Checks of the mask arguments, values included (the CPU kernels read the lens on the host).
@@ -546,11 +546,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(const Tensor& dout_, const 
   Tensor q = q_.to(ct).contiguous(), k = k_.to(ct).contiguous(), v = v_.to(ct).contiguous();
   Tensor dout = dout_.to(ct).contiguous();
   Tensor Dvec = (dout * out_.to(ct)).sum(-1).contiguous();  // D = rowsum(dO o O)
-  // fp32 compute reads the saved lse; fp64 recomputes it in fp64 (one more pass, S and exp only),
-  // since an fp32 lse would limit the fp64 gradients to ~1e-7 relative accuracy.
-  Tensor lse = ct == at::kDouble ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale,
-                                                           /*lse_in_compute_type=*/true))
-                                 : lse_.contiguous();
+  // fp64 with an fp32 lse (saved by another backend) recomputes it in fp64 (one more pass, S and exp
+  // only): an fp32 lse would cap the fp64 gradients at ~1e-7 relative accuracy.
+  const bool recompute_lse = ct == at::kDouble && lse_.scalar_type() != at::kDouble;
+  Tensor lse = recompute_lse ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale))
+                             : lse_.contiguous();
   const int64_t nworkers = std::max<int64_t>(1, at::get_num_threads());
   Tensor dq_parts = at::zeros({nworkers, D.B, D.H, D.Nq, D.d}, q.options());
   Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
@@ -588,9 +588,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_jvp_bwd_cpu
   Tensor Dvec = ((gout * out).sum(-1) + (gtout * c(tout_)).sum(-1).sum(0)).contiguous();
   // fp64 with an fp32 lse recomputes it in fp64 (an fp32 lse would cap the accuracy at ~1e-7).
   const bool recompute_lse = ct == at::kDouble && lse_.scalar_type() != at::kDouble;
-  Tensor lse = recompute_lse ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale,
-                                                       /*lse_in_compute_type=*/true))
-                             : c(lse_);
+  Tensor lse = recompute_lse ? std::get<2>(fwd_jvp_cpu(q, k, v, nullptr, nullptr, nullptr, 0, M, scale)) : c(lse_);
   Tensor rvec = at::empty({P, D.B, D.H, D.Nq}, q.options());
   Tensor dq = at::empty(q.sizes(), q.options()), dtq = at::empty(tq.sizes(), tq.options());
   // Key-side gradients per query head (the outputs themselves without GQA), summed over the group.

@@ -10,13 +10,15 @@ from typing import Optional
 from condinit import _backends
 from condinit.ops.attention import reference
 
-__all__ = ["KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "MASK_KINDS", "ATTENTION_FWD", "ATTENTION_BWD", "ATTENTION_JVP",
+__all__ = ["KERNEL_HEAD_DIMS", "KERNEL_DTYPES", "CPU_DTYPES", "MASK_KINDS", "ATTENTION_FWD", "ATTENTION_BWD", "ATTENTION_JVP",
            "ATTENTION_JVP_BWD", "choose", "mask_kinds"]
 
 # Head dims the Triton and CUDA launch configurations are tuned for (and the test grids walk).
 # The kernels run any head dim up to 256 by padding to the next tuned tile width.
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The C++ CPU kernels also take float64 (computed and accumulated in float64, lse in float64).
+CPU_DTYPES = KERNEL_DTYPES + (torch.float64,)
 # Mask kinds a call can need (the "masks" limit of a row: the kinds it runs).
 MASK_KINDS = ("causal", "window", "lens")
 _GPU_LIMITS = {"dtype": KERNEL_DTYPES, "head_dim": range(1, 257), "masks": MASK_KINDS}
@@ -67,8 +69,8 @@ def _jvp_triton(q, k, v, tq, tk, tv, *mask):
     return _triton().attention_jvp(q, k, v, *_zeros_tangents(q, k, v, tq, tk, tv), *mask)
 
 
-# native: one condinit_C schema with a CPU kernel (cpp-cpu, any head dim) and a CUDA kernel. The
-# kernels return a float32 lse; float64 inputs therefore run on the reference (float64 lse).
+# native: one condinit_C schema with a CPU kernel (cpp-cpu, any head dim, float64 too) and a CUDA
+# kernel. The lse is float32, float64 for float64 inputs (as the reference's).
 def _fwd_native(q, k, v, *mask):
     return tuple(torch.ops.condinit_C.attention_fwd(q, k, v, *mask))
 
@@ -83,15 +85,15 @@ def _jvp_native(q, k, v, tq, tk, tv, *mask):
 
 
 for _op, _fn in ((ATTENTION_FWD, _fwd_native), (ATTENTION_BWD, _bwd_native), (ATTENTION_JVP, _jvp_native)):
-    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": KERNEL_DTYPES, **_ALL_MASKS},
+    _op.register("cpp-cpu", devices=("cpu",), limits={"dtype": CPU_DTYPES, **_ALL_MASKS},
                  native_op=_op.name)(_fn)
     # CUDA: bf16/fp16 on tensor cores need sm_80+ (the kernel refuses older GPUs by name); the
     # backward runs separate dQ and dK/dV kernels, no atomics, so its bits are deterministic.
     _op.register("cuda", devices=("cuda",), limits=_GPU_LIMITS, native_op=_op.name)(_fn)
 
 
-# The tangent backward's C++ kernel takes float64 too: it computes in float64 and recomputes a
-# float32 lse in float64 (the forward on float64 runs on the reference, which saves a float64 lse).
+# The tangent backward's C++ CPU kernel takes float64 too (a float32 lse given with float64 inputs
+# is recomputed in float64).
 def _given_tangents(gtout, q, k, v, tq, tk, tv):
     """The tangent backward kernels take every tangent: None becomes zeros ``[P, ...]``."""
     z = lambda x: x.new_zeros((gtout.shape[0],) + tuple(x.shape))  # noqa: E731
@@ -112,7 +114,7 @@ def _jvp_bwd_cuda(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask):
 
 
 @ATTENTION_JVP_BWD.register("cpp-cpu", devices=("cpu",),
-                            limits={"dtype": KERNEL_DTYPES + (torch.float64,), **_ALL_MASKS},
+                            limits={"dtype": CPU_DTYPES, **_ALL_MASKS},
                             native_op="attention_jvp_bwd")
 def _jvp_bwd_native(gout, gtout, q, k, v, tq, tk, tv, out, tout, lse, *mask):
     tq, tk, tv = _given_tangents(gtout, q, k, v, tq, tk, tv)
