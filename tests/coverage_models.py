@@ -1311,3 +1311,99 @@ def _verify(arch: Arch, apply, out: Outcome) -> None:
         out.details += check_conditioned(model, reading, before)
     if not out.details:
         out.status = "conditioned"
+
+
+# ------------------------------------------------------------------------------------------------
+# multi-head latent attention (DeepSeek MLA), conditioned by its factors: each head read through its input
+
+LATENT_TOL = 1e-6          # float64 reading of fp32-accurate factors: max |M M^T - I| of a head's map
+
+
+@dataclass
+class LatentMaps:
+    """One token's query, key and value states ``[H, d]`` differentiated with respect to its input
+    ``[D]`` (``q``, ``k``, ``v``: ``[H, d, D]``), every norm inside the module passing its input
+    through, and each norm's output / input per channel in a plain forward (``ratios``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    ratios: list
+
+
+def latent_maps(attn: nn.Module, position_embeddings, hidden: int) -> LatentMaps:
+    """Run ``attn`` (a transformers attention module calling its modeling file's
+    ``eager_attention_forward``) on one random token in float64 and read :class:`LatentMaps` where
+    the module hands its states to the attention function (``torch.func.jacrev``)."""
+    import sys
+
+    mod = sys.modules[type(attn).__module__]
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        captured.update(q=query, k=key, v=value)
+        b, h, n, _ = value.shape
+        return value.new_zeros(b, n, h, value.shape[-1]), None
+
+    norms = [m for m in attn.modules() if m is not attn and type(m).__name__.endswith("RMSNorm")]
+    x0 = torch.randn(1, 1, hidden, dtype=torch.float64)
+    saved = (mod.eager_attention_forward, attn.config._attn_implementation)
+    mod.eager_attention_forward, attn.config._attn_implementation = capture, "eager"
+    try:
+        ratios = []
+        hooks = [n.register_forward_hook(lambda m, i, o: ratios.append((o / i[0]).detach())) for n in norms]
+        attn(x0, position_embeddings=position_embeddings, attention_mask=None)
+        for h in hooks:
+            h.remove()
+        hooks = [n.register_forward_hook(lambda m, i, o: i[0]) for n in norms]
+        try:
+            def states(x):
+                attn(x.view(1, 1, hidden), position_embeddings=position_embeddings, attention_mask=None)
+                return tuple(captured[n][0, :, 0] for n in "qkv")     # [H, d] each
+
+            jac = torch.func.jacrev(states)(x0.view(hidden))
+        finally:
+            for h in hooks:
+                h.remove()
+    finally:
+        mod.eager_attention_forward, attn.config._attn_implementation = saved
+    return LatentMaps(*(j.detach() for j in jac), ratios)
+
+
+def _off_orthonormal(m: torch.Tensor) -> float:
+    """max |M M^T - I| of a ``[d, D]`` map."""
+    return float((m @ m.t() - torch.eye(m.shape[0], dtype=m.dtype)).abs().max())
+
+
+def latent_problems(maps: LatentMaps, *, nope_dim: int, kv_rank: int, qk_gain: float = 1.0, v_gain: float = 1.0,
+                    per_head_v: bool = False) -> list:
+    """What keeps ``maps`` from the factor reading (``docs/design.md``, "Multi-head latent
+    attention"), empty when nothing does: each norm scales a token by one number; per head the
+    query map and the no-RoPE key map are ``qk_gain`` times orthonormal rows; the RoPE key is one
+    map shared by all heads, ``qk_gain`` times orthonormal rows; the stacked value map is ``v_gain``
+    times ``I_{kv_rank x D}`` with row ``i`` reading coordinate ``i mod kv_rank`` (``i mod d_v``
+    with ``per_head_v``), the rectangular identity when every head fits in the latent."""
+    out = []
+    q, k, v = maps.q, maps.k, maps.v
+    H, dv, D = v.shape
+    for i, ratio in enumerate(maps.ratios):
+        spread = float((ratio - ratio.mean()).abs().max() / ratio.mean().abs())
+        if spread > 1e-6:
+            out.append(f"norm {i}: output / input varies by {spread:.2e} across channels (not one scale)")
+    for h in range(H):
+        for name, m, gain in (("q", q[h], qk_gain), ("k no-RoPE", k[h, :nope_dim], qk_gain), ("v", v[h], v_gain)):
+            err = _off_orthonormal(m / gain)
+            if err > LATENT_TOL:
+                out.append(f"head {h}: {name} map off orthonormal rows by {err:.2e}")
+        if not torch.equal(k[h, nope_dim:], k[0, nope_dim:]):
+            out.append(f"head {h}: its RoPE key differs from head 0's")
+    err = _off_orthonormal(k[0, nope_dim:] / qk_gain)
+    if err > LATENT_TOL:
+        out.append(f"RoPE key off orthonormal rows by {err:.2e}")
+    rows = torch.arange(H * dv) % (dv if per_head_v else kv_rank)
+    want = v_gain * torch.eye(kv_rank, D, dtype=v.dtype)[rows]
+    err = float((v.reshape(H * dv, D) - want).abs().max())
+    if err > LATENT_TOL:
+        out.append(f"V off the coordinate selection (row i reads coordinate i mod "
+                   f"{dv if per_head_v else kv_rank}) by {err:.2e}")
+    return out

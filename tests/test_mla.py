@@ -1,12 +1,12 @@
 """Multi-head latent attention (DeepSeek-V2/V3) conditioned through its factors: ``condinit.init.factors``
 and the opt-in adapter ``condinit.models.families.mla``.
 
-The reader is independent of condinit: it runs the module's own ``forward`` in float64, captures the
-query, key and value states where the module hands them to its attention function, and takes their
-Jacobian with respect to the input (``torch.func.jacrev``) with each latent RMSNorm passing its
-input through (a forward hook); a plain forward checks that the norm multiplies each token by one
-scalar. So each head's effective map is the product of the factors as the forward applies them, in
-the head split the forward makes.
+The reader is independent of condinit (``coverage_models.latent_maps``): it runs the module's own
+``forward`` in float64, captures the query, key and value states where the module hands them to its
+attention function, and takes their Jacobian with respect to the input (``torch.func.jacrev``) with
+each latent RMSNorm passing its input through (a forward hook); a plain forward checks that the norm
+multiplies each token by one scalar. So each head's effective map is the product of the factors as
+the forward applies them, in the head split the forward makes.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from coverage_models import latent_maps, latent_problems  # noqa: E402
 
 from condinit.init.factors import latent_attention_init_  # noqa: E402
 from condinit.init.functional import conditioned_blocks  # noqa: E402
@@ -23,7 +25,6 @@ from condinit.models.families.mla import LatentAttentionSpec, latent_attention, 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOL = 1e-6
 SEED = 0x5EED
 
 
@@ -56,88 +57,41 @@ def _condition(attn, *, layer=3, v_mode="identity", qk_gain=1.0, v_gain=1.0, see
     return found.spec
 
 
-def _read(attn, cfg, mod, monkeypatch, *, position=5):
-    """``(q, k, v, ratios)``: the Jacobians ``[H, d, D]`` of the query, key and value states of one
-    token at ``position`` with respect to its input, norms passing their input through, and the
-    per-channel output/input ratios of each latent norm in a plain forward."""
-    captured = {}
-
-    def capture(module, query, key, value, attention_mask, **kwargs):
-        captured.update(q=query, k=key, v=value)
-        b, h, n, _ = value.shape
-        return value.new_zeros(b, n, h, value.shape[-1]), None
-
-    monkeypatch.setattr(mod, "eager_attention_forward", capture)
-    D = cfg.hidden_size
+def _check_maps(attn, cfg, mod, *, qk_gain=1.0, v_gain=1.0, v_mode="identity", position=5):
+    """Each head's map read from the forward (``coverage_models.latent_maps``) as the factor reading says."""
     rotary = (mod.DeepseekV2RotaryEmbedding if "v2" in mod.__name__ else mod.DeepseekV3RotaryEmbedding)(cfg)
-    x0 = torch.randn(1, 1, D, dtype=torch.float64)
-    pos = rotary(x0, torch.tensor([[position]]))
+    pos = rotary(torch.zeros(1, 1, cfg.hidden_size, dtype=torch.float64), torch.tensor([[position]]))
     pos = pos if isinstance(pos, torch.Tensor) else tuple(p.double() for p in pos)
-    norms = [n for n in (attn.q_a_layernorm, attn.kv_a_layernorm) if n is not None]
-
-    ratios = []
-    hooks = [n.register_forward_hook(lambda m, i, o: ratios.append((o / i[0]).detach())) for n in norms]
-    attn(x0, position_embeddings=pos, attention_mask=None)
-    for h in hooks:
-        h.remove()
-
-    hooks = [n.register_forward_hook(lambda m, i, o: i[0]) for n in norms]
-    try:
-        def states(x):
-            attn(x.view(1, 1, D), position_embeddings=pos, attention_mask=None)
-            return tuple(captured[n][0, :, 0] for n in "qkv")     # [H, d] each
-
-        jac = torch.func.jacrev(states)(x0.view(D))
-    finally:
-        for h in hooks:
-            h.remove()
-    return jac[0].detach(), jac[1].detach(), jac[2].detach(), ratios
-
-
-def _orthonormal_rows(m: torch.Tensor) -> float:
-    """max |M M^T - I| of a ``[d, D]`` map."""
-    return float((m @ m.t() - torch.eye(m.shape[0], dtype=m.dtype)).abs().max())
-
-
-def _check_maps(attn, cfg, mod, monkeypatch, *, qk_gain=1.0, v_gain=1.0, v_mode="identity"):
-    q, k, v, ratios = _read(attn, cfg, mod, monkeypatch)
-    H, dn, dr, dv, r = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
-    D = cfg.hidden_size
-    for ratio in ratios:     # the latent norm scales each token by one number (its weight is ones)
-        assert float((ratio - ratio.mean()).abs().max() / ratio.mean()) < 1e-6
-    for h in range(H):
-        assert _orthonormal_rows(q[h] / qk_gain) < TOL, h                   # the whole query head
-        assert _orthonormal_rows(k[h, :dn] / qk_gain) < TOL, h              # its no-RoPE key
-        assert torch.equal(k[h, dn:], k[0, dn:])                            # one RoPE key for all heads
-    assert _orthonormal_rows(k[0, dn:] / qk_gain) < TOL                     # the RoPE key, a head of its own
-    eye = torch.eye(r, D, dtype=torch.float64)
-    rows = torch.arange(H * dv) % r if v_mode == "identity" else torch.arange(H * dv) % dv
-    assert torch.allclose(v.reshape(H * dv, D), v_gain * eye[rows], atol=TOL, rtol=0)
-    if v_mode == "identity" and H * dv <= r:
-        assert torch.allclose(v.reshape(H * dv, D), v_gain * torch.eye(H * dv, D, dtype=torch.float64), atol=TOL)
-    for h in range(H):
-        assert _orthonormal_rows(v[h] / v_gain) < TOL
+    maps = latent_maps(attn, pos, cfg.hidden_size)
+    assert len(maps.ratios) == (2 if attn.q_lora_rank is not None else 1)
+    problems = latent_problems(maps, nope_dim=attn.qk_nope_head_dim, kv_rank=attn.kv_lora_rank, qk_gain=qk_gain,
+                               v_gain=v_gain, per_head_v=v_mode == "identity_per_head")
+    assert not problems, problems
+    H, dv, r, D = attn.num_heads, attn.v_head_dim, attn.kv_lora_rank, cfg.hidden_size
+    if v_mode == "identity" and H * dv <= r:    # every head fits in the latent: the rectangular identity
+        assert torch.allclose(maps.v.reshape(H * dv, D), v_gain * torch.eye(H * dv, D, dtype=torch.float64),
+                              atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("q_lora_rank", [24, None])
-def test_each_heads_map_read_from_the_forward_is_semi_orthogonal(version, q_lora_rank, monkeypatch):
+def test_each_heads_map_read_from_the_forward_is_semi_orthogonal(version, q_lora_rank):
     attn, cfg, mod = _attention(version, q_lora_rank=q_lora_rank)
     _condition(attn)
-    _check_maps(attn, cfg, mod, monkeypatch)
+    _check_maps(attn, cfg, mod)
 
 
-def test_v_is_the_rectangular_identity_where_the_latent_holds_every_head(monkeypatch):
+def test_v_is_the_rectangular_identity_where_the_latent_holds_every_head():
     attn, cfg, mod = _attention(3, kv_lora_rank=24, heads=3, v=8, nope=5)   # H d_v = 24 = r_kv
     _condition(attn)
-    _check_maps(attn, cfg, mod, monkeypatch)
+    _check_maps(attn, cfg, mod)
 
 
-def test_gains_and_per_head_identity(monkeypatch):
+def test_gains_and_per_head_identity():
     attn, cfg, mod = _attention(3)
     _condition(attn, qk_gain=0.5, v_gain=2.0, v_mode="identity_per_head")
-    _check_maps(attn, cfg, mod, monkeypatch, qk_gain=0.5, v_gain=2.0, v_mode="identity_per_head")
+    _check_maps(attn, cfg, mod, qk_gain=0.5, v_gain=2.0, v_mode="identity_per_head")
 
 
 def test_blocks_are_the_documented_streams_and_biases_zero():
@@ -217,3 +171,22 @@ def test_bad_arguments_name_the_argument_before_any_write():
         with pytest.raises(ValueError, match=msg):
             latent_attention_init_(w["q_b_proj"], w["kv_a_proj_with_mqa"], w["kv_b_proj"], **dict(args, **change))
     assert all(torch.equal(w[n], before[n]) for n in w)
+
+
+@pytest.mark.slow
+def test_the_registered_classes_compute_what_deepseek_v3_computes():
+    """Every class the adapter describes has DeepseekV3Attention's code (up to class names), or is
+    DeepseekV2Attention, whose forward the test above reads."""
+    import importlib
+    import inspect
+    import re
+
+    from condinit.models.families.mla import MLA_CLASSES
+
+    def code(path):
+        mod, name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(mod), name)
+        return re.sub(r"\b\w*(Attention|Config|RMSNorm)\b", "X", inspect.getsource(cls))
+
+    v3 = code(MLA_CLASSES[1])
+    assert [code(p) == v3 for p in MLA_CLASSES[2:]] == [True] * (len(MLA_CLASSES) - 2)

@@ -47,9 +47,12 @@ __all__ = ["MLA_MODES", "MLA_CLASSES", "LatentAttentionSpec", "latent_attention"
 MLA_MODES = ("refuse", "factors")
 _MODE: contextvars.ContextVar = contextvars.ContextVar("condinit_mla", default="refuse")
 
-# Classes whose forward reads the factors as the module doc says (transformers' DeepseekV2/V3Attention).
+# Classes whose forward reads the factors as the module doc says: transformers' DeepseekV2/V3Attention
+# and the copies of DeepseekV3Attention (GLM-4-MoE-Lite, Youtu).
 MLA_CLASSES = ("transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention",
-               "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention")
+               "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
+               "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
+               "transformers.models.youtu.modeling_youtu.YoutuAttention")
 
 
 
@@ -186,7 +189,7 @@ def _stats(up: torch.Tensor, gram: Optional[torch.Tensor]):
 
 
 def _spec(m: nn.Module) -> LatentAttentionSpec:
-    """transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention`` (their ``forward`` and
+    """transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention`` and its copies (their ``forward`` and
     ``expand_kv``): ``q_b_proj(q_a_layernorm(q_a_proj(x))).view(..., H, d_n + d_r)`` split
     ``[d_n, d_r]``; ``kv_a_proj_with_mqa(x)`` split ``[r_kv, d_r]``, the first part through
     ``kv_a_layernorm``, then ``kv_b_proj(...).view(..., H, d_n + d_v)`` split ``[d_n, d_v]``; the
