@@ -272,3 +272,12 @@ def test_planned_rows_counts_what_run_measures(monkeypatch):
         calls = []
         bench.run(cfg, progress=calls.append)
         assert len(calls) == bench.planned_rows(cfg), (sections, calls)
+
+
+@pytest.mark.parametrize("rate, unit, shown", [(153.5e9, "FLOP/s", "154 GFLOP/s"), (15.94e9, "FLOP/s", "15.9 GFLOP/s"),
+                                               (5e9, "FLOP/s", "5.00 GFLOP/s"), (989e12, "FLOP/s", "989 TFLOP/s"),
+                                               (4.8e12, "B/s", "4800 GB/s")])
+def test_a_rate_fits_its_column(rate, unit, shown):
+    row = bench.Row("attention", "attention.fwd", "fwd", "cuda", seconds=1.0, rate=rate, rate_unit=unit)
+    line = _row_line(bench.format_table([row]), "fwd")
+    assert f"  {shown}  " in line

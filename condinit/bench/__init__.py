@@ -7,7 +7,7 @@ Sections (each a list of :class:`Row`), one module each:
 ``ceilings`` (:mod:`condinit.bench.ceilings`)
     The machine's GEMM rates for the dtype (each library condinit's kernels use, a large and a
     cache-resident size) and its memory copy bandwidth, measured in the same run; every other
-    row's rate is a fraction of the fastest GEMM of its dtypes, an upper bound for it.
+    row's rate is a fraction of the fastest GEMM of its dtypes, a measured upper bound for it.
 ``init`` (:mod:`condinit.bench.init_rows`)
     Conditioned initialization of an attention stack: the batched ``conditioned_init_layers_``,
     ``semi_orthogonal_`` per weight, the floor of any exact method, and the torch baselines.

@@ -30,11 +30,15 @@ NOISE = ("* above its ceiling: timing noise (the ceiling is the fastest GEMM of 
 
 
 def _fmt_rate(r: Row) -> str:
+    """``r``'s rate in three significant digits (four from 1000 on): 12 characters at most."""
     if r.rate is None:
         return ""
     if r.rate_unit == "FLOP/s":
-        return f"{r.rate / 1e12:.2f} TFLOP/s" if r.rate >= 1e12 else f"{r.rate / 1e9:.1f} GFLOP/s"
-    return f"{r.rate / 1e9:.1f} GB/s"
+        value, unit = (r.rate / 1e12, "TFLOP/s") if r.rate >= 1e12 else (r.rate / 1e9, "GFLOP/s")
+    else:
+        value, unit = r.rate / 1e9, "GB/s"
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+    return f"{value:.{digits}f} {unit}"
 
 
 def _fmt_ceiling(r: Row) -> str:
@@ -103,7 +107,7 @@ def format_table(rows: Sequence[Row], header: str = "", titles: Optional[dict] =
     return "\n".join(out)
 
 
-def section_titles(rows: Sequence[Row], cfg: BenchConfig, ceilings: dict) -> dict:
+def section_titles(cfg: BenchConfig, ceilings: dict) -> dict:
     """The line above each section's table: what it measures, its FLOP convention and the ceiling
     its rates are a percentage of (``ceilings``: section -> ceiling row, from
     :func:`condinit.bench.section_ceilings`)."""

@@ -135,7 +135,7 @@ def run(args) -> int:
     header = (f"condinit bench on {cfg.device} ({where}{load}); torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads; {bench.dtype_name(cfg.dtype)}; each time the median of "
               f"{cfg.repeats} calls after a warm-up call")
-    titles = bench.section_titles(rows, cfg, bench.section_ceilings(rows, cfg))
+    titles = bench.section_titles(cfg, bench.section_ceilings(rows, cfg))
     table = bench.format_table(rows, header, titles)
     if to_stdout:
         print(table, file=sys.stderr)
