@@ -194,6 +194,16 @@ def test_timer_takes_the_median_and_scales():
     assert t.best <= t.seconds and t.seconds == sorted(t.all)[1]
 
 
+def test_timer_keeps_calling_until_its_minimum_time():
+    """A ceiling's timer: at least ``repeats`` calls, and more while their total is under
+    ``min_seconds``; the best is the fastest call."""
+    import time
+    calls = []
+    t = bench.Timer("cpu", repeats=2, warmup=1, min_seconds=0.05)(lambda: calls.append(time.sleep(0.01)))
+    assert len(t.all) >= 5 and len(calls) == len(t.all) + 1 and sum(t.all) >= 0.05
+    assert t.best == min(t.all) >= 0.01
+
+
 def test_table_shows_errors_and_ratios():
     ok = bench.Row("init", "init.batched", "batched", "torch", seconds=0.5, ratios={"init.floor": 1.25})
     bad = bench.Row("init", "init.floor", "floor", "torch", error="RuntimeError: boom")
