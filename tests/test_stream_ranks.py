@@ -44,8 +44,9 @@ def reference(tmp_path_factory):
 
 def _torchrun(nproc: int, argv: list, script=None, env=None, timeout: float = 300) -> subprocess.CompletedProcess:
     target = ["-m", "condinit"] if script is None else [script]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] + target + argv
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([_TESTS, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target, *argv]
+    path = os.pathsep.join([_TESTS, os.environ.get("PYTHONPATH", "")])
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     run_env.update(env or {})
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=_TESTS)
 

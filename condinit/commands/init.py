@@ -7,6 +7,9 @@
     condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --max-shard-size 5GB
     condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --resume      # after an interruption
     condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --dry-run     # the plan, nothing written
+    condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --nproc 2     # two processes on this machine
+    torchrun --nproc-per-node 8 -m condinit init --config llama-70b.json --dtype bf16 --out llama-70b/
+    condinit init --config llama-405b.json --dtype bf16 --out llama-405b/ --dry-run --nproc 512 --rank-rate 800MB
 
 The model (a preset of :mod:`condinit.models.presets`, or a Hugging Face ``config.json`` of any
 ``model_type`` that ``transformers.AutoConfig`` knows; decoder language models are built as
@@ -26,7 +29,18 @@ every random draw, so the whole checkpoint is reproducible.
 A directory that holds another model is refused unless ``--overwrite``; ``--resume`` keeps the
 shards of an interrupted run that are complete and writes the rest; the free disk space is checked
 first. ``--dry-run`` prints the plan (files, sizes, peak memory, the generation time estimated from
-a short measurement on this machine) and writes nothing. A progress bar (bytes written, rate, ETA)
+a short measurement on this machine) and writes nothing; it plans even where the write would be
+refused for lack of disk space or because the directory's parent does not exist yet, and prints the
+refusal the write would give (the same message, the same numbers).
+
+**Ranks.** Started by ``torchrun`` among several processes (``WORLD_SIZE`` > 1), every rank writes
+its own shards of the directory and rank 0 the configs and, once every rank's shards are durable,
+the index (:mod:`condinit.models.stream.ranks`: gloo on the CPU, NCCL with ``--device cuda``, each
+rank on its ``LOCAL_RANK``'s GPU); the directory has the bytes one process writes, and ``--resume``
+finishes an interrupted run with any number of ranks. ``--nproc N`` launches the N processes itself
+(torch.distributed's launcher, as ``torchrun --standalone``); with ``--dry-run`` it plans for N ranks
+instead: the shards and bytes each rank writes and each rank's expected time (from the rates
+measured now, or from ``--rank-rate``, the bytes per second one rank writes). A progress bar (bytes written, rate, ETA)
 is shown on a terminal, never with ``--quiet`` or when stderr is not a terminal.
 
 Attention-like modules that nothing covers are printed after the table (and warned about);

@@ -52,4 +52,5 @@ from .write import PretrainedWriteReport, write_checkpoint, write_pretrained
 
 __all__ = ["write_pretrained", "write_checkpoint", "plan_shards", "parse_shard_size", "own_init_stream",
            "own_normal_", "own_init_", "OWN_INIT_BLOCK", "PretrainedWriteReport", "WritePlan", "PlannedFile",
-           "LargestUnit", "Rates", "RankShare", "RankWritten", "RankFailed", "assign", "Tuning", "tuning", "tuned", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
+           "LargestUnit", "Rates", "RankShare", "RankWritten", "RankFailed", "assign", "Tuning", "tuning", "tuned",
+           "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]

@@ -350,20 +350,16 @@ def write_pretrained(model_or_config, out_dir, *, seed: int = 0, method: str = "
 
     with contextlib.ExitStack() as held:
         held.enter_context(removing_temps_on_sigterm())
-        created: list = []
-        if ranks.rank == 0:
+        created, found = [], None
+        if ranks.rank == 0:   # the lock, the checks and the configs are rank 0's
             try:
                 found = _begin_directory(out_dir, todo, resume, overwrite, held, created)
             except BaseException as exc:
                 _remove(created)
                 decided(ranks, error=exc)   # every rank raises it
                 raise
-            keep = decided(ranks, (found.keep, found.free, found.need))
-        else:
-            keep, free, need = decided(ranks)
-            found = _Destination(keep, free, need)
-        keep = found.keep
-        plan = make_plan(job, files, sizes, keep, found.free, found.need, measure=False, world=world)
+        keep, free, need = decided(ranks, None if found is None else (found.keep, found.free, found.need))
+        plan = make_plan(job, files, sizes, keep, free, need, measure=False, world=world)
         mine = plan.ranks[ranks.rank].files
         started: list = []
         error, t0 = None, time.perf_counter()
