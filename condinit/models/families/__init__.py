@@ -11,7 +11,8 @@ separate ``q_bias`` / ``v_bias``), CodeGen (``qkv_proj`` in 4 groups ordered Q, 
 (``[D, H, d]`` parameters, ``matrix_shape``), JetMoE (query experts ``[E, H_kv d, D]`` plus
 ``kv_proj``), SqueezeBERT (grouped kernel-size-1 ``Conv1d``, ``in_groups``; a grouped convolution
 whose heads span several groups is refused), AIMv2's attention-pooling head (a learned query,
-``fixed``). See ``docs/design.md``, "Model layouts".
+``fixed``). Multi-head latent attention (DeepSeek-V2/V3 and its copies) by its factors, on request
+(:mod:`condinit.models.families.mla`). See ``docs/design.md``, "Model layouts".
 """
 # registration order: torch, then transformers, then timm, then multi-head latent attention (mla)
 from . import torch_nn  # noqa: F401
