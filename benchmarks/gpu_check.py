@@ -65,7 +65,7 @@ SECTIONS = (
     ("init", 20),
 )
 SANITIZER_TOOLS = (("memcheck", 0.6), ("racecheck", 0.4))   # share of the sanitize section's time
-RACECHECK_KERNELS = "attention_"   # substring of every attention kernel of the extension
+RACECHECK_KERNELS = "attention_cuda"   # the namespace of the extension's attention kernels
 CUDA_ERROR_EXIT = 86               # a child's status after a CUDA error: relaunch, skipping what is done
 MAX_LAUNCHES = 4                   # per section (each relaunch must have made progress)
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
@@ -110,6 +110,9 @@ DTYPE_CASES = {
     "cuda": {"bfloat16": None, "float16": ("causal", "key padding", "d80 ragged", "varlen causal"),
              "float32": ("causal", "sliding window", "key padding", "varlen causal", "gqa ragged")},
 }
+# The orthogonalization checks of the init section (the dry run: the first four), and the tiny one.
+INIT_SHAPES = [(64, 1, 1), (96, 64, 2048), (2, 17, 123), (2, 300, 40), (8, 128, 8192), (4, 256, 16384)]
+TINY_ORTH = (3, 16, 96)
 # Under compute-sanitizer: one tiny case with every mask kind.
 TINY = Case("tiny", 2, 2, 1, 33, 40, 64, True, (7, -1), q_lens=[33, 20], kv_lens=[40, 21])
 
@@ -425,11 +428,11 @@ class Parent:
                     time.monotonic() - t0)
 
     def sanitize(self, timeout):
-        tool = shutil.which("compute-sanitizer") or next(
+        tool = self.args.sanitizer or (None if self.args.cpu_dry_run else shutil.which("compute-sanitizer") or next(
             (p for p in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "compute-sanitizer"),
-                         "/usr/local/cuda/bin/compute-sanitizer") if os.path.isfile(p)), None)
+                         "/usr/local/cuda/bin/compute-sanitizer") if os.path.isfile(p)), None))
         env = self.env(CONDINIT_ATTN_AUTOTUNE="0")
-        if tool is None or self.args.cpu_dry_run:
+        if tool is None:
             self.record("sanitize", "compute-sanitizer", "SKIP", "CPU dry run" if self.args.cpu_dry_run
                         else "compute-sanitizer not found")
             self.log("--- the tiny shapes without compute-sanitizer")
@@ -810,13 +813,13 @@ def section_tiny(ch, only):
             backend = gpu_backend("triton", ch.dry)
             ch.check(case_label(backend, str(dtype)[6:], TINY, 1), attention_case, ch.dev, backend, dtype, TINY, 1)
         if not ch.dry:
-            x = torch.randn(3, 16, 96, device=ch.dev)
+            x = torch.randn(TINY_ORTH, device=ch.dev)
 
             def orth():
                 qm = orthogonalize(x, "polar", backend="triton")
-                err = (qm @ qm.mT - torch.eye(16, device=ch.dev)).abs().max().item()
+                err = (qm @ qm.mT - torch.eye(TINY_ORTH[1], device=ch.dev)).abs().max().item()
                 return err <= 1e-5, f"max|QQ^T-I|={err:.1e}"
-            ch.check("orthogonalize polar [triton] (3, 16, 96)", orth)
+            ch.check(f"orthogonalize polar [triton] {TINY_ORTH}", orth)
 
 
 def section_init(ch):
@@ -832,8 +835,7 @@ def section_init(ch):
         return torch.equal(gpu, cpu), f"max|diff|={(gpu - cpu).abs().max().item():.2e}"
     ch.check(f"randn [{randn_backend}] == cpu bit for bit", randn)
     g = torch.Generator(device=ch.dev).manual_seed(0)
-    shapes = [(64, 1, 1), (96, 64, 2048), (2, 17, 123), (2, 300, 40), (8, 128, 8192), (4, 256, 16384)]
-    for shape in (shapes[:4] if ch.dry else shapes):
+    for shape in (INIT_SHAPES[:4] if ch.dry else INIT_SHAPES):
         x = torch.randn(shape, device=ch.dev, generator=g)
         for method, backend in (("householder", "torch"), ("cholqr2", "torch"), ("polar", "torch"),
                                 ("polar", "triton"), ("svd", "torch")):
@@ -957,7 +959,8 @@ def section_timing(ch, what, quick):
 
 def warm_jobs(dry, quick):
     """Jobs of the warm section: (label, op, Case, dtype name, probes), one per host function and
-    specialization the later sections launch, the timing section's first."""
+    specialization the later sections launch, the timing section's first; on a GPU also the Triton
+    polar orthogonalization of the init shapes (op "polar", the shape in the Case's place)."""
     from condinit import bench
     shape = timing_config("cpu" if dry else "cuda", "triton", quick, dry).attention_shape
     # the timing shape at a short length: the same specializations (every length and stride a
@@ -969,6 +972,8 @@ def warm_jobs(dry, quick):
         jobs += [("tiny", op, TINY, dt, 1) for op in ("fwd", "jvp", "bwd", "jvp_bwd")]
     for dt, case in attention_plan("triton", dry):
         jobs += [("check", op, case, dt, 2 if op.startswith("jvp") else 1) for op in ("fwd", "jvp", "bwd", "jvp_bwd")]
+    if not dry:
+        jobs += [("init", "polar", shape, "float32", 1) for shape in [TINY_ORTH] + INIT_SHAPES]
     return jobs
 
 
@@ -980,6 +985,11 @@ def run_warm_job(dev, backend, op, case, dtype, probes):
     from condinit.ops.attention.checks import check_mask
     from condinit.ops.attention.library import (attention_bwd_op, attention_fwd_op, attention_jvp_bwd_op,
                                                 attention_jvp_op)
+    if op == "polar":
+        from condinit.init import orthogonalize
+        orthogonalize(torch.randn(case, device=dev), "polar", backend="triton")
+        torch.cuda.synchronize()
+        return
     _ext.load()   # the native backends' ops (the public functions load it when they choose a backend)
     dense = case._replace(varlen=False)
     q, k, v, tq, tk, tv = make_inputs(dense, dev, probes, getattr(torch, dtype))
@@ -1010,7 +1020,7 @@ def warm_worker(args):
         print(f"[warm] jobs {len(jobs)}", flush=True)
     for label, op, case, dtype, probes in jobs[i::n]:
         t0 = time.perf_counter()
-        what = f"{label} {case.name} {dtype} {op} P={probes}"
+        what = f"{label} {getattr(case, 'name', case)} {dtype} {op} P={probes}"
         try:
             run_warm_job(dev, backend, op, case, dtype, probes)
             print(f"[warm] done {what} {time.perf_counter() - t0:.1f} s", flush=True)
@@ -1084,6 +1094,8 @@ def main(argv=None):
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the script's logic on the CPU at toy sizes with the CPU backends (no build, "
                              "no sanitizer)")
+    parser.add_argument("--sanitizer", default=None,
+                        help="compute-sanitizer to run (default: on PATH or in CUDA_HOME; none in the dry run)")
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)

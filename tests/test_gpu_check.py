@@ -133,7 +133,8 @@ def test_the_case_list_covers_every_mask_kind_on_both_backends():
         assert any(c.varlen for c in cases) and {"float16", "float32"} <= {dt for dt, _ in plan}
     for dry in (False, True):
         jobs = gpu_check.warm_jobs(dry, False)
-        assert {op for _, op, _, _, _ in jobs} == {"fwd", "jvp", "bwd", "jvp_bwd"} and jobs[0][0] == "timing"
+        ops = {"fwd", "jvp", "bwd", "jvp_bwd"} | ({"polar"} if not dry else set())
+        assert {op for _, op, _, _, _ in jobs} == ops and jobs[0][0] == "timing"
         assert len({repr((op, c, dt, p)) for _, op, c, dt, p in jobs}) == len(jobs)
 
 
@@ -184,3 +185,50 @@ def test_run_limited_returns_when_an_escaped_grandchild_keeps_the_pipe_open():
                                    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(40)'], "
                                    "start_new_session=True); time.sleep(60)"], timeout=2)
     assert rc is None and time.monotonic() - t0 < 30
+
+
+FAKE_SANITIZER = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+if args == ["--help"]:
+    print("  --kernel-name arg   Filter the kernels to check")
+    sys.exit(0)
+with open(os.environ["FAKE_SANITIZER_LOG"], "a") as f:
+    f.write(" ".join(args) + "\\n")
+i = args.index("--target-processes") + 2
+if args[i] == "--kernel-name":
+    i += 2
+rc = subprocess.call(args[i:])
+print("========= ERROR SUMMARY: 0 errors")
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_sanitize_section_runs_cuda_first_and_racechecks_the_extension_only(tmp_path):
+    """The sanitize section under a stand-in for compute-sanitizer (it logs its arguments and runs
+    the program): memcheck on every tiny check, the CUDA backend's first; racecheck on the CUDA
+    backend's only, filtered to the extension's kernels; autotuning off; both recorded."""
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text(FAKE_SANITIZER.format(python=sys.executable))
+    tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FAKE_SANITIZER_LOG"] = str(tmp_path / "argv.txt")
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-dry-run", "--out", str(tmp_path / "o"),
+                          "--sections", "sanitize", "--sanitizer", str(tool)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    argv = (tmp_path / "argv.txt").read_text().splitlines()
+    assert len(argv) == 2 and argv[0].startswith("--tool memcheck") and argv[1].startswith("--tool racecheck")
+    assert f"--kernel-name kns={gpu_check.RACECHECK_KERNELS}" in argv[1] and "--kernel-name" not in argv[0]
+    assert "--only all" in argv[0] and "--only cuda" in argv[1]
+    checks = [r for r in map(json.loads, (tmp_path / "o" / "gpu_check.jsonl").read_text().splitlines())
+              if r.get("kind") is None]
+    mem = [r["name"] for r in checks if r["section"] == "tiny-memcheck"]
+    race = [r["name"] for r in checks if r["section"] == "tiny-racecheck"]
+    cuda, triton = gpu_check.DRY_BACKEND["cuda"], gpu_check.DRY_BACKEND["triton"]
+    assert [n.split()[0] for n in mem] == [cuda, cuda, "randn", triton, triton], mem
+    assert race == mem[:3]
+    tools = {r["name"].split()[1]: r for r in checks if r["section"] == "sanitize"}
+    assert tools["memcheck"]["status"] == tools["racecheck"]["status"] == "PASS", tools
+    assert all(r["status"] == "PASS" for r in checks if r["section"].startswith("tiny-"))
