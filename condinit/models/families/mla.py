@@ -10,7 +10,7 @@ the query LoRA (``q_lora_rank=None``) the query is ``q_proj(x)``.
 With ``mla="factors"`` the factors are written so that each head's map from the input is a
 per-token scalar times a semi-orthogonal matrix (:mod:`condinit.init.factors` says what is written;
 ``docs/design.md``, "Multi-head latent attention", the math): the down projections orthonormal rows
-(the KV latent's the rectangular identity), each head's up blocks orthonormal rows, the RoPE key a
+(the KV latent's: the rectangular identity), each head's up blocks orthonormal rows, the RoPE key a
 key head of its own, V a coordinate selection (the rectangular identity where ``H d_v <= r_kv``).
 It is an extension of the method, not the method: the latent RMSNorm makes each map semi-orthogonal
 only up to a per-token scale (``1 / rms`` of the latent), V cannot be the rectangular identity over
@@ -53,7 +53,6 @@ MLA_CLASSES = ("transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2A
                "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
                "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
                "transformers.models.youtu.modeling_youtu.YoutuAttention")
-
 
 
 @contextlib.contextmanager
