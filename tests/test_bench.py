@@ -291,3 +291,16 @@ def test_a_rate_fits_its_column(rate, unit, shown):
     row = bench.Row("attention", "attention.fwd", "fwd", "cuda", seconds=1.0, rate=rate, rate_unit=unit)
     line = _row_line(bench.format_table([row]), "fwd")
     assert f"  {shown}  " in line
+
+
+def test_ceiling_plan_per_device():
+    """The GEMM ceilings each run measures: on the CPU MKL at the run's size and cache-resident at
+    512, oneDNN at 512 for fp32; on GPUs cuBLAS in the dtype and in fp32 (planned without a GPU)."""
+    onednn = [("matmul_fp32_onednn", torch.float32, 512, "oneDNN")] if torch.backends.mkldnn.is_available() else []
+    mkl = "MKL" if torch.backends.mkl.is_available() else "torch CPU BLAS"
+    assert bench.ceiling_plan(bench.default_config("cpu", quick=True)) == \
+        [("matmul_fp32", torch.float32, 512, mkl)] + onednn
+    assert bench.ceiling_plan(bench.default_config("cpu")) == \
+        [("matmul_fp32", torch.float32, 2048, mkl), ("matmul_fp32_512", torch.float32, 512, mkl)] + onednn
+    assert bench.ceiling_plan(bench.default_config("cuda")) == \
+        [("matmul_bf16", torch.bfloat16, 8192, "cuBLAS"), ("matmul_fp32", torch.float32, 8192, "cuBLAS")]
