@@ -115,7 +115,7 @@ def run(args) -> int:
     table.add_column("backend", no_wrap=True)
     table.add_column("compiled in", no_wrap=True)
     table.add_column("usable", no_wrap=True)
-    table.add_column("why not usable / what it supports", ratio=1)
+    table.add_column("why not usable / what it supports")
     yes_no = lambda ok: Text("yes", "green") if ok else Text("no", "red")  # noqa: E731
     for row in data["backends"]:
         table.add_row(row["op"], row["device"], row["backend"], yes_no(row["compiled_in"]), yes_no(row["usable"]),
