@@ -317,10 +317,12 @@ def test_init_config_model_classes(tmp_path, capsys):
 
 
 def test_init_unsupported_config_lists_modules_and_strict_writes_nothing(tmp_path, capsys):
-    cfg = _config_file(tmp_path, dict(DEEPSEEK_CONFIG, qk_nope_head_dim=4), "ds.json")
+    cfg = _config_file(tmp_path, dict(DEEPSEEK_CONFIG, qk_nope_head_dim=4, num_hidden_layers=4), "ds.json")
     out = tmp_path / "ds.safetensors"
     rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(out))
-    assert rc == 2 and "model.layers.0.self_attn (DeepseekV3Attention): multi-head latent attention" in err
+    assert rc == 2 and ("4 x DeepseekV3Attention (model.layers.0.self_attn, model.layers.1.self_attn, "
+                        "model.layers.2.self_attn, ...): multi-head latent attention") in err, err
+    assert err.count("multi-head latent attention") == 1            # one line per reason, not per layer
     assert "--adapter" in err and not out.exists()
     # a model with an uncovered module: --strict refuses before writing, the default lists it
     mixed = _config_file(tmp_path, LONGFORMER_CONFIG, "mixed.json")

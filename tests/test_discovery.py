@@ -621,6 +621,35 @@ def test_custom_module_without_adapter_is_warned_listed_and_refused_by_strict():
         unregister_adapter(NoHeadsAttention)
 
 
+def test_refusals_read_one_line_per_distinct_reason():
+    torch.manual_seed(0)
+    n_bad = int(torch.randint(5, 30, ()))
+    model = nn.ModuleDict({"ok": nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+                           "bad": nn.ModuleList(NoHeadsAttention() for _ in range(n_bad)),
+                           "mix": GlobalLocalAttention()})
+    found = discover(model)
+    assert len(found.uncovered) == n_bad + 1
+    no_heads = found.uncovered[0].reason
+    with pytest.raises(UncoveredAttentionError) as err:
+        apply(model, seed=1, strict=True)
+    lines = str(err.value).split("\n")
+    assert len(lines) == 3 and lines[0].startswith(f"strict: {n_bad + 1} attention-like module(s)")
+    assert lines[1] == f"  {n_bad} x NoHeadsAttention (bad.0, bad.1, bad.2, ...): {no_heads}"
+    assert lines[2].startswith("  mix (GlobalLocalAttention): also holds query_global")
+    with pytest.warns(UncoveredAttentionWarning) as seen:
+        rep = apply(model, seed=1)
+    (msg,) = [str(w.message) for w in seen if issubclass(w.category, UncoveredAttentionWarning)]
+    assert msg.count(no_heads) == 1 and len(msg.split("\n")) == 3
+    table = rep.uncovered_table()
+    assert table.row_count == 2 and [c._cells for c in table.columns][0] == [str(n_bad), "1"]
+    # one reason: the listing stays on one line
+    one = discover(model["bad"])
+    with pytest.raises(UncoveredAttentionError) as err:
+        apply(model["bad"], seed=1)
+    assert "\n" not in str(err.value) and str(err.value).endswith(f"{n_bad} x NoHeadsAttention (0, 1, 2, ...): {no_heads}")
+    assert len(one.uncovered) == n_bad
+
+
 def test_second_projection_set_and_attention_named_modules_are_listed():
     class SpatialAttention(nn.Module):     # CBAM-style spatial gating: named attention, no Q/K/V
         def __init__(self):
@@ -658,9 +687,10 @@ def test_mla_is_refused_with_a_reason_naming_the_layer():
     assert found.layers == [] and [u.name for u in found.uncovered] == [f"model.layers.{i}.self_attn" for i in range(2)]
     assert all("multi-head latent attention" in u.reason and "does not guess" in u.reason for u in found.uncovered)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(UncoveredAttentionError, match=r"model\.layers\.0\.self_attn \(DeepseekV3Attention\): "
-                                                      r"multi-head latent attention"):
+    with pytest.raises(UncoveredAttentionError, match=r"2 x DeepseekV3Attention \(model\.layers\.0\.self_attn, "
+                                                      r"model\.layers\.1\.self_attn\): multi-head latent attention") as err:
         apply(model, seed=0)
+    assert str(err.value).count("multi-head latent attention") == 1     # the reason once, not once per layer
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 

@@ -97,7 +97,8 @@ def _validate(args):
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
-            raise ValueError("plots need matplotlib (pip install 'condinit[demo]'), or pass --no-plots") from exc
+            raise ValueError("condinit demo's plots need matplotlib: pip install 'condinit[demo]', or pass "
+                             "--no-plots") from exc
     if "vision" in tasks:
         from condinit.demo.tasks import _require_sklearn
         _require_sklearn()

@@ -67,28 +67,33 @@ def analyze(path, *, num_heads=None, num_kv_heads=None, head_dim=None, layout=No
     for name, val in (("--num-heads", num_heads), ("--num-kv-heads", num_kv_heads), ("--head-dim", head_dim)):
         check_int(name, val, min=1, allow_none=True)
     check_choice("--layout", layout, ("contiguous", "per_head", "per_group"), allow_none=True)
-    with open_checkpoint(path) as fh:
+    with open_checkpoint(path) as fh:        # the headers only: metadata, names and shapes
         meta = read_metadata(fh)
         if meta is not None and layout is not None:
             raise ValueError(f"{path}: --layout is for files without condinit metadata; this file's metadata gives "
                              f"every projection's rows")
         shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
-        layers = locate_attention(shapes, meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        if meta is None:
-            layers = [_relayout(loc, shapes, layout, path) for loc in layers]
-        if not layers:
-            raise ValueError(f"{path}: no attention weights found (looked for q_proj/k_proj/v_proj, query/key/value, "
-                             f"c_attn, qkv, in_proj_weight, wq/wk/wv)")
-        rows, cache = [], {}
-        for i, loc in enumerate(layers):
-            row = {"layer": loc.get("index", i), "name": loc["name"], "num_heads": loc["num_heads"],
-                   "num_kv_heads": loc["num_kv_heads"], "head_dim": loc["head_dim"],
-                   "layout": loc.get("layout") or _layout_of(loc)}
+    layers = locate_attention(shapes, meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if meta is None:
+        layers = [_relayout(loc, shapes, layout, path) for loc in layers]
+    if not layers:
+        raise ValueError(f"{path}: no attention weights found (looked for q_proj/k_proj/v_proj, query/key/value, "
+                         f"c_attn, qkv, in_proj_weight, wq/wk/wv)")
+    rows = []
+    for i, loc in enumerate(layers):
+        row = {"layer": loc.get("index", i), "name": loc["name"], "num_heads": loc["num_heads"],
+               "num_kv_heads": loc["num_kv_heads"], "head_dim": loc["head_dim"],
+               "layout": loc.get("layout") or _layout_of(loc)}
+        # one layer's tensors mapped at a time, in file order (a shard after the other): closing the
+        # file unmaps what was read, so memory stays at one layer whatever the model's size
+        with open_checkpoint(path) as fh:
+            cache: dict = {}
             for p in ("q", "k", "v"):
                 smax, smin, cond = spectrum(projection_blocks(fh, loc, p, cache))
                 row[p] = {"cond_per_head": cond.tolist(), "sigma_max": float(smax.max()),
                           "sigma_min": float(smin.min())}
-            rows.append(row)
+            cache.clear()
+        rows.append(row)
     return meta, rows
 
 
@@ -211,9 +216,9 @@ def locate_attention(shapes: dict, metadata: Optional[dict] = None, *, num_heads
 
 
 def projection_blocks(fh, loc: dict, p: str, cache: dict) -> torch.Tensor:
-    """Per-head blocks ``[heads, head_dim, in]`` (float32, nn.Linear layout) of projection ``p`` of layer
-    ``loc`` (from :func:`locate_attention`) from an open checkpoint; ``cache`` keeps the last tensor
-    read (fused layers read it once). A tensor that is not a 2-D weight with those rows is a
+    """Per-head blocks ``[heads, head_dim, in]`` (nn.Linear layout; in the stored floating dtype, other
+    dtypes as float32) of projection ``p`` of layer ``loc`` (from :func:`locate_attention`) from an
+    open checkpoint; ``cache`` keeps the last tensor read (fused layers read it once). A tensor that is not a 2-D weight with those rows is a
     ValueError naming the file and the tensor.
 
     Examples:
@@ -247,7 +252,9 @@ def projection_blocks(fh, loc: dict, p: str, cache: dict) -> torch.Tensor:
     d = loc["head_dim"]
     if w.shape[0] != heads * d:
         raise ValueError(f"{where}: {what} has {w.shape[0]} rows, expected {heads} heads x {d}")
-    return w.float().reshape(heads, d, w.shape[1])
+    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        w = w.float()          # spectrum() reads the others as they are stored, in float64
+    return w.reshape(heads, d, w.shape[1])
 
 
 def _layout_of(loc) -> str:
@@ -332,7 +339,7 @@ def run(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+            raise ValueError("--plot needs matplotlib: pip install 'condinit[plot]'") from None
     if args.file.lower().endswith(PICKLE_SUFFIXES) and not os.path.isdir(args.file):
         raise ValueError(f"{args.file}: pickle-based checkpoints ({', '.join(PICKLE_SUFFIXES)}) are refused; condinit "
                          f"reads only safetensors files and never unpickles (convert with safetensors first)")

@@ -128,7 +128,7 @@ def run(args) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CLIError("plots need matplotlib: pip install 'condinit[demo]'") from None
+        raise CLIError("condinit plot needs matplotlib: pip install 'condinit[plot]'") from None
     os.makedirs(out, exist_ok=True)
     names = {r["layer"]: r.get("name") or "" for r in records}
     written = []

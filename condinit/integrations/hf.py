@@ -126,8 +126,12 @@ def register_hf_attention() -> str:
     global _registered
     with _REGISTER_LOCK:
         if not _registered:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            try:
+                from transformers import AttentionInterface
+                from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            except ImportError as exc:
+                raise ImportError(f"attn_implementation=\"condinit\" needs transformers: pip install 'condinit[hf]' "
+                                  f"({exc})") from exc
             AttentionInterface.register(HF_ATTENTION_NAME, hf_attention_forward)
             AttentionMaskInterface.register(HF_ATTENTION_NAME, sdpa_mask)
             _registered = True

@@ -6,7 +6,7 @@
 
 ``lightning`` (or the older ``pytorch_lightning``) is imported when :class:`JacobianMonitorCallback`
 is first looked up, not when this module (or ``condinit``) is imported; without either package the
-lookup raises an ImportError that names it.
+lookup raises an ImportError naming the extra that installs it (``pip install 'condinit[lightning]'``).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def _callback_base():
         except ModuleNotFoundError as exc:
             if exc.name not in (name, name.split(".")[0]):   # installed but broken: say so
                 raise
-    raise ImportError("condinit.integrations.lightning.JacobianMonitorCallback needs Lightning: "
-                      "pip install lightning (or pytorch_lightning); neither is installed")
+    raise ImportError("the Lightning callback (condinit.integrations.lightning.JacobianMonitorCallback) needs "
+                      "lightning or pytorch_lightning, and neither is installed: pip install 'condinit[lightning]'")
 
 
 def _build():

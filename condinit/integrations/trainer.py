@@ -6,13 +6,19 @@
                       callbacks=[JacobianMonitorCallback(every=100, alerts={"max_logit": 50.0})])
     trainer.train()        # records in args.output_dir/jacobian/jacobian.jsonl (and .csv)
 
-This module imports ``transformers``; ``import condinit`` does not import it.
+This module imports ``transformers`` and ``accelerate`` (``pip install 'condinit[hf]'``; without them
+the import is an ImportError saying so); ``import condinit`` imports neither.
 """
 from __future__ import annotations
 
 import os
 
-from transformers import TrainerCallback
+try:
+    import accelerate  # noqa: F401  (transformers.Trainer needs it)
+    from transformers import TrainerCallback
+except ImportError as exc:
+    raise ImportError(f"the HF Trainer callback (condinit.integrations.trainer) needs transformers and accelerate: "
+                      f"pip install 'condinit[hf]' ({exc})") from exc
 
 from condinit._validate import check_bool, check_int
 from condinit.integrations.trainer_common import fsdp2_sharded

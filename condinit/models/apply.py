@@ -65,7 +65,7 @@ from .discovery import looks_like_attention, why_not_recognised
 from .registry import describe
 from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
-from .report import ApplyReport, BlockStats, LayerReport
+from .report import ApplyReport, BlockStats, LayerReport, uncovered_listing
 from .sharded import is_dtensor, local_part, overlap
 
 __all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery",
@@ -200,7 +200,7 @@ def discover_for_writing(model: nn.Module, layer_offset: int, inc, exc, include,
     if found.uncovered and strict:
         raise UncoveredAttentionError(
             f"strict: {len(found.uncovered)} attention-like module(s) of {type(model).__name__} cannot be "
-            f"conditioned, nothing was written: {uncovered_listing(found.uncovered)}. {_WHAT_TO_DO[0].upper()}{_WHAT_TO_DO[1:]}")
+            f"conditioned, nothing was written ({_WHAT_TO_DO}): {uncovered_listing(found.uncovered)}")
     for l in found.layers:
         for p, proj in l.spec.projections():
             if not proj.weight.is_floating_point():
@@ -268,14 +268,6 @@ def check_patterns(pats, what):
     return pats
 
 
-def uncovered_listing(uncovered: Sequence[Uncovered], limit: Optional[int] = None) -> str:
-    shown = list(uncovered) if limit is None else list(uncovered)[:limit]
-    text = "; ".join(str(u) for u in shown)
-    if limit is not None and len(uncovered) > limit:
-        text += f"; ... {len(uncovered) - limit} more"
-    return text
-
-
 _WHAT_TO_DO = ("describe them with condinit.models.register_adapter(TheirClass, lambda m: AttentionSpec.from_linears"
                "(...) or AttentionSpec.from_fused(..., layout=...)) (condinit init: --adapter module:function), or "
                "acknowledge them with exclude=[...]")
@@ -286,9 +278,9 @@ def no_attention_error(model, include, exclude, uncovered: Sequence[Uncovered] =
         return ValueError(f"no attention layer of {type(model).__name__} matches include={include!r} "
                           f"exclude={exclude!r}")
     if uncovered:
-        return UncoveredAttentionError(f"no attention layer of {type(model).__name__} can be conditioned; attention-"
-                                       f"like modules found: {uncovered_listing(uncovered, 20)}. To condition them, "
-                                       f"{_WHAT_TO_DO}")
+        return UncoveredAttentionError(f"no attention layer of {type(model).__name__} can be conditioned (to condition "
+                                       f"them, {_WHAT_TO_DO}); attention-like modules found: "
+                                       f"{uncovered_listing(uncovered, 20)}")
     return ValueError(f"no attention layer found in {type(model).__name__}: no submodule has a registered adapter or "
                       f"the projections condinit reads (q_proj/k_proj/v_proj, query/key/value, qkv, ...); add one with "
                       f"condinit.models.register_adapter(YourAttention, lambda m: AttentionSpec.from_linears(...))")

@@ -13,7 +13,10 @@ from condinit.init.spectrum import spectrum
 if TYPE_CHECKING:
     from .apply import AttentionLayer, Uncovered
 
-__all__ = ["BlockStats", "LayerReport", "ApplyReport", "uncovered_table", "wide_console"]
+__all__ = ["BlockStats", "LayerReport", "ApplyReport", "uncovered_groups", "uncovered_listing", "uncovered_table",
+           "wide_console"]
+
+NAMES_SHOWN = 3     # module names shown per distinct reason
 
 
 @dataclass
@@ -120,16 +123,21 @@ class ApplyReport:
                 "uncovered": [{"name": u.name, "class": u.cls, "reason": u.reason} for u in self.uncovered]}
 
     def table(self, max_rows: Optional[int] = None):
-        """A ``rich.table.Table`` with one row per (layer, projection)."""
+        """A ``rich.table.Table`` with one row per (layer, projection). Only what was measured has a
+        column: the singular values before (not on a meta model) and after (not in a streamed
+        write, whose files ``condinit inspect`` reads), the time per layer."""
         from rich.table import Table
 
+        sigma = [(when, f"{when} σmax/σmin/κ") for when in ("before", "after")
+                 if any(s is not None for l in self.layers for s in getattr(l, when).values())]
+        timed = any(l.time_s > 0 for l in self.layers)
         t = Table(title=f"condinit.apply: {len(self.layers)} attention layers, seed {self.seed}, method "
                         f"{self.method}, V {self.v_mode}, gains Q/K {self.qk_gain:g} V {self.v_gain:g}, "
-                        f"{self.launches} launches, {self.total_time_s:.3f} s"
+                        + (f"{self.launches} launches, " if self.launches else "") + f"{self.total_time_s:.3f} s"
                         + (" (materialized from meta)" if self.materialized else "")
                         + (" (local shards)" if self.sharded else ""))
-        for col in ("layer", "name", "adapter", "heads", "layout", "proj", "shape", "before σmax/σmin/κ",
-                    "after σmax/σmin/κ", "ms"):
+        cols = ["layer", "name", "adapter", "heads", "layout", "proj", "shape"] + [c for _, c in sigma]
+        for col in cols + (["ms"] if timed else []):
             t.add_column(col, justify="right" if col in ("layer", "ms") else "left")
         layers = self.layers if max_rows is None else self.layers[:max_rows]
         for l in layers:
@@ -138,10 +146,14 @@ class ApplyReport:
                 t.add_row(str(l.index) if first else "", l.name if first else "", l.adapter if first else "",
                           f"{l.num_heads}/{l.num_kv_heads}x{l.head_dim}" if first else "",
                           (l.layout + (" (cross)" if l.cross else "")) if first else "", p,
-                          "x".join(str(s) for s in l.shapes[p]), _fmt(l.before.get(p)), _fmt(l.after.get(p)),
-                          f"{1e3 * l.time_s:.1f}" if first else "")
+                          "x".join(str(s) for s in l.shapes[p]), *(_fmt(getattr(l, when).get(p)) for when, _ in sigma),
+                          *([f"{1e3 * l.time_s:.1f}" if first else ""] if timed else []))
+        notes = []
         if max_rows is not None and len(self.layers) > max_rows:
-            t.caption = f"... {len(self.layers) - max_rows} more layers"
+            notes.append(f"... {len(self.layers) - max_rows} more layers")
+        if not sigma and self.layers:
+            notes.append("singular values not measured here: condinit inspect reads them from the written files")
+        t.caption = "; ".join(notes) or None
         return t
 
     def uncovered_table(self):
@@ -161,17 +173,51 @@ class ApplyReport:
         return cap.get()
 
 
+def uncovered_groups(uncovered: Sequence[Uncovered]) -> list:
+    """``[(class, reason, names)]``: the uncovered modules grouped by class and reason, each group
+    in the order its first module appears, its names in module order."""
+    groups: dict = {}
+    for u in uncovered:
+        groups.setdefault((u.cls, u.reason), []).append(u.name or "(root)")
+    return [(cls, reason, names) for (cls, reason), names in groups.items()]
+
+
+def _first_names(names: Sequence[str]) -> str:
+    return ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
+
+
+def uncovered_listing(uncovered: Sequence[Uncovered], limit: Optional[int] = None) -> str:
+    """The uncovered modules in one line per distinct class and reason: ``"NAME (Class): reason"``
+    for one module, ``"N x Class (first, second, third, ...): reason"`` for several. One group
+    reads inline; several start on a new line each. ``limit``: at most that many lines, then how
+    many modules and reasons are left out.
+
+    Examples:
+        >>> uncovered_listing([Uncovered(f"layers.{i}.attn", "MLA", "low-rank factors") for i in range(24)])
+        '24 x MLA (layers.0.attn, layers.1.attn, layers.2.attn, ...): low-rank factors'
+    """
+    groups = uncovered_groups(uncovered)
+    shown = groups if limit is None else groups[:limit]
+    lines = [f"{names[0]} ({cls}): {reason}" if len(names) == 1 else
+             f"{len(names)} x {cls} ({_first_names(names)}): {reason}" for cls, reason, names in shown]
+    rest = groups[len(shown):]
+    if rest:
+        lines.append(f"... {sum(len(g[2]) for g in rest)} more module(s) for {len(rest)} other reason(s)")
+    return lines[0] if len(lines) == 1 else "".join("\n  " + line for line in lines)
+
+
 def uncovered_table(uncovered: Sequence[Uncovered], title: Optional[str] = None):
-    """A ``rich.table.Table`` listing attention-like modules that were not conditioned, or None."""
+    """A ``rich.table.Table`` of the attention-like modules that were not conditioned, one row per
+    distinct class and reason (how many, the first names), or None when there are none."""
     if not uncovered:
         return None
     from rich.table import Table
 
     t = Table(title=title or f"not conditioned: {len(uncovered)} attention-like module(s), left as the model made them")
-    for col in ("name", "class", "reason"):
-        t.add_column(col, overflow="fold")
-    for u in uncovered:
-        t.add_row(u.name or "(root)", u.cls, u.reason)
+    for col in ("modules", "class", "names", "reason"):
+        t.add_column(col, justify="right" if col == "modules" else "left", overflow="fold")
+    for cls, reason, names in uncovered_groups(uncovered):
+        t.add_row(str(len(names)), cls, _first_names(names), reason)
     return t
 
 
