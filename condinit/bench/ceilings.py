@@ -47,7 +47,8 @@ def ceiling_plan(cfg: BenchConfig) -> list[tuple[str, torch.dtype, int, str]]:
 
 def ceiling_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list[Row]:
     dev = torch.device(cfg.device)
-    sec = Section("ceilings", Timer(dev, max(cfg.repeats, CEILING_REPEATS), min_seconds=CEILING_SECONDS), progress, on_row)
+    timer = Timer(dev, max(cfg.repeats, CEILING_REPEATS), min_seconds=CEILING_SECONDS)
+    sec = Section("ceilings", timer, progress, on_row)
     for key, dtype, n, library in ceiling_plan(cfg):
         def setup(dtype=dtype, n=n, library=library):
             a = torch.randn(n, n, device=dev).to(dtype)

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FLOP_CONVENTIONS", "ATTENTION_FLOP_FACTOR", "jvp_flop_factor", "InitShape", "AttentionShape", "INIT_PRESETS",
-           "ATTENTION_PRESETS", "parse_shape", "BenchConfig", "default_config", "dtype_name"]
+__all__ = ["FLOP_CONVENTIONS", "ATTENTION_FLOP_FACTOR", "jvp_flop_factor", "InitShape", "AttentionShape",
+           "INIT_PRESETS", "ATTENTION_PRESETS", "parse_shape", "BenchConfig", "default_config", "dtype_name"]
 
 
 FLOP_CONVENTIONS = {

@@ -118,11 +118,13 @@ def section_titles(cfg: BenchConfig, ceilings: dict) -> dict:
         if c is None:
             return "% ceil: no GEMM ceiling in this run (add ceilings to --sections)"
         dtypes = "fp32" if section == "init" else " or ".join(dict.fromkeys((dt, "fp32")))
-        return f"% ceil: of {_short(c.key)} ({c.name}, {c.backend}, {_fmt_rate(c)}), the fastest {dtypes} GEMM of this run"
+        return (f"% ceil: of {_short(c.key)} ({c.name}, {c.backend}, {_fmt_rate(c)}), the fastest {dtypes} GEMM "
+                "of this run")
     return {
         "ceilings": (f"ceilings: the machine's best rates in this run, each from its fastest of at least "
-                     f"{max(cfg.repeats, CEILING_REPEATS)} calls and {CEILING_SECONDS:g} s; a row below is rated against the fastest GEMM of "
-                     "the dtypes its products run in (its % ceil), or against the copy for bytes"),
+                     f"{max(cfg.repeats, CEILING_REPEATS)} calls and {CEILING_SECONDS:g} s; a row below is rated "
+                     "against the fastest GEMM of the dtypes its products run in (its % ceil), or against the copy "
+                     "for bytes"),
         "init": (f"init: {cfg.init_shape.label()}, {dt} weights. FLOPs: CholeskyQR2's 4 GEMMs of 2 d^2 D per "
                  f"d x D block (floor: 3 d^2 D), in fp32. {rated('init')}"),
         "attention": (f"attention: {cfg.attention_shape.label()} {dt}{' causal' if cfg.causal else ''}. FLOPs: "
