@@ -269,6 +269,9 @@ class Parent:
                 self.env_info["nvidia-smi"] = out.strip().splitlines()[0]
             if label == "nvcc --version" and rc == 0:
                 self.env_info["nvcc"] = next((ln.strip() for ln in out.splitlines() if "release" in ln), "?")
+        path = os.path.join(self.args.out, "environment.txt")
+        with open(path, "w") as f:   # written before torch is imported (in case that fails), then again
+            f.write("\n".join(lines) + "\n")
         try:
             from importlib.metadata import version
             triton_version = version("triton")
@@ -281,12 +284,16 @@ class Parent:
                   f"triton: {triton_version}"]
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            self.env_info["gpu"] = (f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
-                                    f"{props.multi_processor_count} SMs)")
+            self.env_info["gpu"] = (f"{props.name} (sm_{props.major}{props.minor}, "
+                                    f"{props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)")
             lines.append(f"torch sees {torch.cuda.device_count()} GPU(s); device 0: {self.env_info['gpu']}")
         else:
             lines.append("torch sees no CUDA GPU")
-        with open(os.path.join(self.args.out, "environment.txt"), "w") as f:
+        nvcc_release = re.search(r"release (\d+)\.", self.env_info.get("nvcc", ""))
+        if nvcc_release and torch.version.cuda and nvcc_release.group(1) != torch.version.cuda.split(".")[0]:
+            lines.append(f"note: nvcc is CUDA {nvcc_release.group(1)}, torch was built with CUDA {torch.version.cuda}: "
+                         "the extension build is likely to fail (then retried without it)")
+        with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
         for ln in lines:
             self.log(ln)
@@ -347,17 +354,20 @@ class Parent:
         CUDA error or a crash when it made progress; all launches within ``timeout``. Returns the
         launches' (status, output)."""
         deadline = time.monotonic() + timeout
-        runs, seen = [], 0
+        runs = []
+        count = lambda: sum(r.get("section") == label and r.get("kind") in (None, "row")  # noqa: E731
+                            for r in read_records(self.results))
         while True:
+            before = count()   # the records this launch adds are its progress
             t0 = time.monotonic()
             rc, out = run_limited(cmd, deadline - t0, env)
             seconds = time.monotonic() - t0
             runs.append((rc, out))
             self.log(out.rstrip()[-20000:])
             recs = [r for r in read_records(self.results) if r.get("section") == label]
-            finished = {r["name"] for r in recs if r.get("kind") is None}
+            finished = {r["name"] for r in recs if r.get("kind") is None and r["status"] != "INFO"}
             dangling = [r["name"] for r in recs if r.get("kind") == "start" and r["name"] not in finished]
-            progress = sum(r.get("kind") in (None, "row") for r in recs)
+            made_progress = count() > before or bool(dangling)
             if rc is None:
                 for name in dangling:
                     self.record(label, name, "ERROR", f"timed out in this check (the section's {timeout:.0f} s)")
@@ -373,8 +383,6 @@ class Parent:
             if rc != CUDA_ERROR_EXIT and not dangling:
                 self.record(label, f"launch {len(runs)}", "ERROR", f"exit status {rc} after {seconds:.0f} s outside "
                             f"any check; last output: {tail(out)}", seconds)
-            made_progress = progress > seen or dangling
-            seen = progress
             if not made_progress or len(runs) >= MAX_LAUNCHES or deadline - time.monotonic() < 5:
                 why = ("no progress" if not made_progress else f"{len(runs)} launches" if len(runs) >= MAX_LAUNCHES
                        else "no time left")
@@ -453,7 +461,8 @@ class Parent:
             self.log(f"--- sanitize: {tool_name} on tiny shapes, {note} (timeout {cap:.0f} s)")
             label = f"tiny-{tool_name}"
             runs = self.launches(label, cmd + self.child_cmd("tiny", "--tag", tool_name, "--only", only), cap, env)
-            summary = " | ".join(ln.strip("= ").strip() for _, out in runs for ln in out.splitlines() if "SUMMARY" in ln)
+            summary = " | ".join(ln.strip("= ").strip() for _, out in runs for ln in out.splitlines()
+                                 if "SUMMARY" in ln)
             errors = any(rc not in (0, CUDA_ERROR_EXIT) for rc, _ in runs) or bool(
                 re.search(r"ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9]", summary))
             status = "ERROR" if runs[-1][0] is None else ("FAIL" if errors else "PASS")
@@ -557,7 +566,8 @@ class Parent:
             mine = [r for r in checks if r["section"] == section]
             lines.append(f"| {section} | {sum(r['status'] == 'PASS' for r in mine)} | "
                          f"{sum(r['status'] in ('FAIL', 'ERROR') for r in mine)} | "
-                         f"{sum(r['status'] == 'SKIP' for r in mine)} | {sum(r.get('seconds') or 0 for r in mine):.0f} |")
+                         f"{sum(r['status'] == 'SKIP' for r in mine)} | "
+                         f"{sum(r.get('seconds') or 0 for r in mine):.0f} |")
         return "\n".join(lines)
 
 
