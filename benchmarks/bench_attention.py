@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py            # CPU, B=1, H=8, N=4096, d=64, causal, fp32
     python benchmarks/bench_attention.py --quick    # N=1024
     python benchmarks/bench_attention.py --vs-sdpa -N 2048 4096   # against torch's fused CPU SDPA
+    python benchmarks/bench_attention.py -N 512 --dtype float64 --skip-math   # the probes' dtype
     python -m pytest benchmarks/bench_attention.py --benchmark-enable   # small pytest-benchmark cases
 
 Side by side, in one run: ``condinit.attention_jvp`` on the automatic backend (the C++ CPU kernel
@@ -227,8 +228,9 @@ def child(cfg: dict) -> dict:
     name, causal = cfg["method"], cfg["causal"]
     fn, label = _method(name, causal)
     # warm up on a small problem (lazy imports, kernel selection) without touching the peak
-    fn(*_inputs(1, 2, 64, cfg["d"], cfg["P"]))
-    q, k, v, tq, tk, tv = _inputs(cfg["B"], cfg["H"], cfg["N"], cfg["d"], cfg["P"])
+    dtype = getattr(torch, cfg.get("dtype", "float32"))
+    fn(*_inputs(1, 2, 64, cfg["d"], cfg["P"], dtype))
+    q, k, v, tq, tk, tv = _inputs(cfg["B"], cfg["H"], cfg["N"], cfg["d"], cfg["P"], dtype)
     if name != "math":
         label = _chosen_backend(q, None if name in ("auto", "separate") else name)
     times = []
@@ -271,6 +273,8 @@ def main(argv=None):
     ap.add_argument("-d", type=int, default=64)
     ap.add_argument("--probes", type=int, default=8, help="P for the multi-probe comparison")
     ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                    help="input dtype of the JVP comparison (float64: what the probes and the monitor use)")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per condinit method (median)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip-math", action="store_true", help="skip the (slow, O(N^2) memory) MATH baseline")
@@ -303,9 +307,9 @@ def main(argv=None):
     N = args.N[0] if args.N else (1024 if args.quick else 4096)
     causal = not args.non_causal
     base = {"B": args.B, "H": args.H, "N": N, "d": args.d, "causal": causal, "threads": args.threads,
-            "native_lib": os.path.abspath(args.native_lib) if args.native_lib else None}
+            "native_lib": os.path.abspath(args.native_lib) if args.native_lib else None, "dtype": args.dtype}
     print(f"attention JVP, CPU, B={args.B} H={args.H} N={N} d={args.d} {'causal' if causal else 'non-causal'} "
-          f"fp32; torch {torch.__version__}; torch threads {args.threads or torch.get_num_threads()}; "
+          f"{args.dtype}; torch {torch.__version__}; torch threads {args.threads or torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if os.getloadavg()[0] > (os.cpu_count() or 1):
         print(f"warning: load average {os.getloadavg()[0]:.1f} > {os.cpu_count()} CPUs: timings are "
