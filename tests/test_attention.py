@@ -398,13 +398,13 @@ def test_a_kernel_error_reaches_the_caller(stage, rng, monkeypatch):
 
 
 def test_automatic_choice_on_cpu():
-    """cpp-cpu when built (any head dim; not float64, whose lse it would round to float32), else
-    the torch reference; Triton on the CPU (the interpreter) only when forced."""
+    """cpp-cpu when built (any head dim and dtype, float64 included), else the torch reference;
+    Triton on the CPU (the interpreter) only when forced."""
     expected = "cpp-cpu" if _backends.available("cpp-cpu", "cpu", "attention_fwd")[0] else "torch"
     for table in (attention_op.ATTENTION_FWD, attention_op.ATTENTION_BWD, attention_op.ATTENTION_JVP):
         for dtype, head_dim in ((FP32, 64), (torch.bfloat16, 128), (FP32, 24)):
             assert table.choose("cpu", None, dtype=dtype, head_dim=head_dim) == expected
-        assert table.choose("cpu", None, dtype=F64, head_dim=16) == "torch"
+        assert table.choose("cpu", None, dtype=F64, head_dim=16) == expected
         assert table.choose("cpu", "auto", dtype=FP32, head_dim=64) == expected
 
 
