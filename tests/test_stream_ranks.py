@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from condinit.cli import main  # noqa: E402
 from condinit.io.dirlock import directory_lock  # noqa: E402
-from condinit.models.stream import WEIGHTS_INDEX_NAME, assign, write_pretrained  # noqa: E402
+from condinit.models.stream import WEIGHTS_INDEX_NAME, assign, write_checkpoint, write_pretrained  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _SHARD = "40KB"
@@ -122,6 +122,12 @@ def test_dry_run_plans_past_too_little_disk_and_a_missing_parent(tmp_path, monke
     assert os.listdir(out.parent) == []
     with pytest.raises(ValueError, match="world_size=2: .* dry_run=True only"):
         write_pretrained(tiny_config(), out, max_shard_size=_SHARD, world_size=2)
+    one = tmp_path / "one.safetensors"     # one file: the same for the disk space
+    refusals = write_checkpoint(tiny_config(), one, dry_run=True).plan.refusals
+    assert len(refusals) == 1 and refusals[0].startswith(f"not enough disk space for {one}")
+    with pytest.raises(ValueError) as err:
+        write_checkpoint(tiny_config(), one)
+    assert str(err.value) == refusals[0] and not one.exists()
     # the command line prints the refusal and each rank's share
     tiny_config().save_pretrained(tmp_path / "cfg")
     argv = ["init", "--config", str(tmp_path / "cfg" / "config.json"), "--out", f"{tmp_path}/a/b/", "--dry-run",
