@@ -189,3 +189,6 @@ def spec_of(module: nn.Module) -> AttentionSpec:
                          f"adapter is registered for it and it has none of the projection names condinit reads; "
                          f"register one with condinit.models.register_adapter")
     return found.spec
+
+
+from . import engines  # noqa: E402,F401  (registers the engines' adapters by dotted class name)
