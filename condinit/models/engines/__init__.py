@@ -1,12 +1,10 @@
-"""Training engines: torchtitan, Megatron-Core, DeepSpeed ZeRO-3, and torch.distributed.checkpoint output.
+"""Training engines: torchtitan, and torch.distributed.checkpoint output.
 
 Importing this package registers the engines' attention adapters by dotted class name
 (:func:`condinit.models.register_adapter`), so no engine is imported until a model of it is seen.
 
 * :mod:`.torchtitan`: ``GQAttention`` (fused ``wqkv`` per key/value group, or ``wq/wk/wv``);
   FSDP2 and tensor-parallel DTensors are written shard by shard by :func:`condinit.apply`.
-* :mod:`.megatron`: Megatron-Core's ``SelfAttention`` (fused ``linear_qkv`` per query group),
-  each tensor-parallel rank writing its own partition (:func:`.megatron.apply_megatron`).
 * :mod:`.dcp`: a model-only torch.distributed.checkpoint directory (:func:`.dcp.write_dcp`),
   torchtitan's seed checkpoint.
 """
