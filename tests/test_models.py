@@ -466,7 +466,7 @@ class ToyAttention(nn.Module):
 
 def test_register_custom_adapter():
     model = nn.Sequential(ToyAttention(), nn.ReLU(), ToyAttention())
-    with pytest.raises(ValueError, match=r"0 \(ToyAttention\): cannot find the number of heads"):
+    with pytest.raises(ValueError, match=r"2 x ToyAttention \(0, 2\): cannot find the number of heads"):
         apply(model)
     register_adapter(ToyAttention, lambda m: AttentionSpec.from_linears(m.wq, m.wk, m.wv, num_heads=m.n_q))
     try:

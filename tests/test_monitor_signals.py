@@ -432,7 +432,7 @@ def test_plot_command_without_matplotlib_names_the_extra(tmp_path, rng, capsys, 
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib -> ImportError
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "pip install 'condinit[demo]'" in err
+    assert err.count("\n") == 0 and "pip install 'condinit[plot]'" in err
     (tmp_path / "jacobian.jsonl").write_text('{"step": 0}\n')
     assert main(["plot", str(tmp_path)]) == 2
     assert "jacobian.jsonl:1: not a JacobianMonitor record" in capsys.readouterr().err

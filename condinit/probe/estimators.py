@@ -207,6 +207,18 @@ def _nonfinite_estimate(op: JacobianOperator, method: str, reason: str, *, itera
         notes=f"not estimated: {reason}")
 
 
+def _vanished_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int) -> "SpectrumEstimate":
+    """``J^T J e = 0`` for a random start ``e`` although ``r > 0`` directions lie outside the known nulls.
+
+    Exact arithmetic gives that only for ``J = 0``; in floating point it is what the products return
+    when rounding cancels them (attention scores so large that ``|S'| |V|`` swamps the result, e.g.
+    huge Q/K weights), so no spectrum is claimed: NaN values and the reason."""
+    reason = (f"J^T J e = 0 for a random e although {eff.r} directions lie outside the known nulls: the "
+              f"products cancel to rounding in {op.dtype} (attention scores too large?), so they are not "
+              f"reliable here")
+    return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
+
+
 def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int,
                    found: bool = False) -> "SpectrumEstimate":
     """The exact result ``J = 0``: every direction is a known null (r = 0), or (``found``) ``J^T J e = 0``
@@ -429,7 +441,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         return _nonfinite_estimate(op, method, f"J^T J e is not finite in {op.dtype} (overflow)", iterations=0,
                                    seed=seed, subspace=eff.subspace())
     if nrm == 0.0:
-        return _zero_estimate(op, eff, method, seed, found=True)
+        return _vanished_estimate(op, eff, method, seed)
     v, y = v / nrm, y / nrm
     k_max = min(steps, eff.r)
     V, U = _Basis(k_max + 1), _Basis(k_max)
@@ -452,7 +464,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
             # A v_k lies in span(U_{k-1}) to rounding: v_k adds no direction of range(A^T); B_{k-1} stands
             exhausted, stop = True, "noise"
             if it == 1:
-                return _zero_estimate(op, eff, method, seed, found=True)
+                return _vanished_estimate(op, eff, method, seed)
             break
         u = u / alpha
         U.append(u)
