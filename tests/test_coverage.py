@@ -35,6 +35,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # attention (latent attention), or their "attention" is not a softmax over keys.
 MLA = ("multi-head latent attention (DeepSeek MLA): Q, K and V are products of low-rank factors, so the"
        " method's per-head W_Q, W_K, W_V have no direct reading")
+# Latent attention whose factors condinit conditions on request (mla="factors"): refused by default,
+# read through each head's map by test_latent_attention_by_factors.
+MLA_FACTORS = ("multi-head latent attention: refused by default; with mla=\"factors\" each head's map is read "
+               "by test_latent_attention_by_factors")
 
 REFUSED = {
     "timm:xcit": "XCiT's cross-covariance attention is a softmax over channels (k^T q), not over tokens",
@@ -46,13 +50,13 @@ REFUSED = {
     "transformers:dab-detr":
         "DAB-DETR's decoder query and key are sums of content and positional projections: no single W_Q, "
         "W_K",
-    "transformers:deepseek_v2": MLA,
-    "transformers:deepseek_v3": MLA,
+    "transformers:deepseek_v2": MLA_FACTORS,
+    "transformers:deepseek_v3": MLA_FACTORS,
     "transformers:deepseek_v32": MLA,
     "transformers:deepseek_v4": MLA,
     "transformers:dots3_note": MLA,
     "transformers:dots3_note_text": MLA,
-    "transformers:glm4_moe_lite": MLA,
+    "transformers:glm4_moe_lite": MLA_FACTORS,
     "transformers:glm_moe_dsa": MLA,
     "transformers:groupvit":
         "GroupViT's assignment attention is a hard Gumbel-softmax over the group (query) axis, not a "
@@ -79,7 +83,7 @@ REFUSED = {
         "SwiftFormer's efficient additive attention has a learned global query and no value projection",
     "transformers:yoso":
         "YOSO approximates attention by LSH-based Bernoulli sampling: there is no softmax over the keys",
-    "transformers:youtu": MLA,
+    "transformers:youtu": MLA_FACTORS,
     "transformers:zaya":
         "Zaya's compressed convolutional attention passes Q and K through a grouped convolution: no "
         "single W_Q, W_K",
@@ -854,6 +858,32 @@ def test_architecture(name):
         cls = PARTLY_REFUSED[name][0]
         assert any(issubclass(w.category, UncoveredAttentionWarning) and cls in str(w.message) for w in seen), \
             f"{name}: its {cls} layers were not reported"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(n for n, why in REFUSED.items() if why == MLA_FACTORS))
+def test_latent_attention_by_factors(name):
+    """The sweep's model of each architecture whose latent attention is conditioned by factors:
+    ``condinit.apply(mla="factors")``, then every layer's per-head maps read from its forward
+    (``coverage_models.latent_maps``), every parameter but the factors and their biases unchanged."""
+    from coverage_models import latent_maps, latent_problems
+
+    model = build_hf(name.split(":", 1)[1]).double()
+    factors = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    attns = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+    written = {id(p) for a in attns for n in factors if getattr(a, n, None) is not None
+               for p in getattr(a, n).parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in written}
+    condinit.apply(model, seed=0, mla="factors", strict=True)
+    assert attns and all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+    rotary = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
+    x = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.float64)
+    pos = rotary(x, torch.tensor([[3]]))
+    pos = pos if isinstance(pos, torch.Tensor) else tuple(p.double() for p in pos)
+    for a in attns:
+        problems = latent_problems(latent_maps(a, pos, model.config.hidden_size), nope_dim=a.qk_nope_head_dim,
+                                   kv_rank=a.kv_lora_rank)
+        assert not problems, problems
 
 
 def test_lists_name_real_architectures_with_reasons():

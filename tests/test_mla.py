@@ -190,3 +190,84 @@ def test_the_registered_classes_compute_what_deepseek_v3_computes():
 
     v3 = code(MLA_CLASSES[1])
     assert [code(p) == v3 for p in MLA_CLASSES[2:]] == [True] * (len(MLA_CLASSES) - 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# condinit.apply(mla="factors") and condinit init --mla factors
+
+def _model_config(q_lora_rank=24, layers=2):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(hidden_size=40, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+                            kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+                            num_hidden_layers=layers, intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4,
+                            first_k_dense_replace=1, vocab_size=32, attn_implementation="eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_apply_conditions_every_layer_by_its_factors(q_lora_rank):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mod
+
+    import condinit
+
+    cfg = _model_config(q_lora_rank)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).double()
+    written = {"q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[-2] not in written}
+    report = condinit.apply(model, seed=SEED, mla="factors", strict=True)
+    assert [l.layout for l in report.layers] == ["latent", "latent"]
+    for rep in report.layers:
+        for p in "qkv":
+            assert abs(rep.after[p].cond - 1) < 1e-5 and rep.before[p].cond > 1.5
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+    for layer in model.model.layers:
+        _check_maps(layer.self_attn, cfg, mod)
+
+
+def test_apply_refuses_latent_attention_by_default_saying_how_to_opt_in():
+    from transformers import AutoModelForCausalLM
+
+    import condinit
+    from condinit.models import UncoveredAttentionError
+
+    model = AutoModelForCausalLM.from_config(_model_config(layers=1))
+    with pytest.raises(UncoveredAttentionError, match=r'opt in to conditioning the factors with mla="factors"'):
+        condinit.apply(model, seed=0)
+    with pytest.raises(ValueError, match="mla must be one of"):
+        condinit.apply(model, seed=0, mla="yes")
+
+
+@pytest.mark.slow
+def test_meta_apply_and_the_streamed_write_give_the_same_tensors(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import condinit
+    from helpers import run_cli
+
+    cfg = _model_config()
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string())
+    rc, _, err = run_cli(capsys, "init", "--config", str(path), "--seed", "5", "--out", str(tmp_path / "no"))
+    assert rc == 2 and "--mla factors" in err
+    rc, text, err = run_cli(capsys, "init", "--config", str(path), "--seed", "5", "--mla", "factors", "--strict",
+                            "--out", str(tmp_path / "out") + "/")
+    assert rc == 0, err
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    written = {k: v for f in files for k, v in load_file(str(f)).items()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    condinit.apply(model, seed=5, mla="factors", strict=True, report=False)
+    state = model.state_dict()
+    attn = "model.layers.1.self_attn."
+    for name in ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight"):
+        assert torch.equal(written[attn + name], state[attn + name]), name
+    assert torch.equal(written[attn + "kv_a_proj_with_mqa.weight"][:12], torch.eye(12, 40))
+    assert all(torch.equal(written[k], state[k]) for k in written)
+    rc, text, err = run_cli(capsys, "inspect", str(tmp_path / "out"))     # the up blocks per head
+    assert rc == 0 and "latent" in text, err

@@ -95,6 +95,9 @@ def add_arguments(p):
     p.add_argument("--rank-rate", default=None, metavar="RATE",
                    help="with --dry-run: the bytes per second one rank writes (e.g. 800MB, measured by a real "
                         "write), for the expected time per rank instead of the generation rates measured now")
+    p.add_argument("--mla", choices=("refuse", "factors"), default="refuse",
+                   help="multi-head latent attention (DeepSeek-V2/V3): refuse it (default) or condition its "
+                        "low-rank factors, each head's map semi-orthogonal up to the latent norm's per-token scale")
     p.add_argument("--strict", action="store_true",
                    help="fail (and write nothing) if any attention-like module cannot be conditioned")
     p.add_argument("--adapter", action="append", default=[], metavar="MODULE:FUNCTION",
@@ -270,7 +273,9 @@ def _write(args, preset, config, adapters, out, to_directory: bool, shard: int, 
     common = dict(seed=args.seed, method=args.method, v_mode=args.v_mode, qk_gain=args.qk_gain, v_gain=args.v_gain,
                   strict=args.strict, family=family, extra_metadata={"preset": preset, "dtype": args.dtype},
                   progress=not args.quiet and sys.stderr.isatty(), device=device, dry_run=args.dry_run)
-    with _adapters_registered(adapters):
+    from condinit.models.families.mla import latent_attention
+
+    with _adapters_registered(adapters), latent_attention(args.mla):
         if to_directory:
             rep = write_pretrained(model, out, max_shard_size=shard, resume=args.resume, overwrite=args.overwrite,
                                    world_size=world, **common)

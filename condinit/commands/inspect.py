@@ -249,7 +249,7 @@ def projection_blocks(fh, loc: dict, p: str, cache: dict) -> torch.Tensor:
     parts = [w[:, lo:hi].t() if ent["transposed"] else w[lo:hi] for lo, hi in entry_rows(ent)]
     w = parts[0] if len(parts) == 1 else torch.cat(parts)
     heads = loc["num_heads"] if p == "q" else loc["num_kv_heads"]
-    d = loc["head_dim"]
+    d = ent.get("head_dim", loc["head_dim"])     # latent attention: its K and V heads have their own width
     if w.shape[0] != heads * d:
         raise ValueError(f"{where}: {what} has {w.shape[0]} rows, expected {heads} heads x {d}")
     if w.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

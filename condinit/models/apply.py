@@ -62,6 +62,7 @@ from condinit.ops.random.op import stream_id
 from condinit.init.spectrum import spectrum
 
 from .discovery import looks_like_attention, why_not_recognised
+from .families.mla import MLA_MODES, latent_attention
 from .registry import describe
 from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
@@ -383,7 +384,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
           include: Union[str, Sequence[str], None] = None,
           exclude: Union[str, Sequence[str], None] = None, report: bool = True, layer_offset: int = 0,
           device=None, memory_budget: Optional[int] = None, init_fn: Optional[Callable[[nn.Module], None]] = None,
-          check_init: bool = True, progress: bool = False, strict: bool = False) -> ApplyReport:
+          check_init: bool = True, progress: bool = False, strict: bool = False, mla: str = "refuse") -> ApplyReport:
     """Conditioned initialization of every attention layer of ``model``, in place (see module doc).
 
     Per layer: every head's ``W_Q`` and ``W_K`` block gets Haar-random orthonormal rows, ``W_V`` the
@@ -429,6 +430,10 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         check_init: for meta models, check that the own init left no parameter uninitialized.
         progress: show a tqdm progress bar over the generated blocks.
         strict: raise when any attention-like module is left uncovered.
+        mla: multi-head latent attention (DeepSeek-V2/V3): ``"refuse"`` (default: listed as
+            uncovered) or ``"factors"``: its low-rank factors conditioned so that each head's map
+            is semi-orthogonal up to the latent norm's per-token scale
+            (:mod:`condinit.models.families.mla`).
 
     Returns:
         :class:`ApplyReport`.
@@ -465,8 +470,10 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     check_init = check_bool("check_init", check_init)
     progress = check_bool("progress", progress)
     strict = check_bool("strict", strict)
+    mla = check_choice("mla", mla, MLA_MODES)
 
-    found = discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
+    with latent_attention(mla):
+        found = discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered
     # checked against the projections' dtypes (known on meta models too), before anything is written
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [p.weight.dtype for l in layers for p in (l.spec.q, l.spec.k)],
@@ -525,11 +532,16 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     if report:
         projection = {stream_id(Q_STREAM): "q", stream_id(K_STREAM): "k"}
         for (i, stream), parts in after.items():
+            if layers[i].spec.layout == "latent":     # reported below, from the factors' products
+                continue
             parts.sort(key=lambda part: part[0])
             smax, smin, cond = (torch.cat([part[1][j].reshape(-1) for part in parts]) for j in range(3))
             reports[i].after[projection[stream]] = BlockStats.from_heads(smax, smin, cond)
         v_stats: dict = {}
         for rep, l in zip(reports, layers):
+            if l.spec.layout == "latent":     # each head's map from the input, the factors' products
+                rep.after.update(l.spec.effective_stats())
+                continue
             key = (l.spec.num_kv_heads, l.spec.head_dim, l.spec.v.in_features, l.spec.v.weight.dtype)
             if key not in v_stats:
                 v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key, v_gain))
@@ -552,6 +564,10 @@ def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before
         s = l.spec
         rep = LayerReport.of(l)
         reports.append(rep)
+        if s.layout == "latent":     # multi-head latent attention: its factors (condinit.init.factors)
+            rep.before.update(s.effective_stats() if measure_before else dict.fromkeys("qkv"))
+            s.plan_into(plan, l.index, i, v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain)
+            continue
         for p, proj in s.projections():
             heads = s.num_heads if p == "q" else s.num_kv_heads
             rep.before[p] = BlockStats.of(proj.view().reshape(heads, s.head_dim, proj.in_features)) \

@@ -114,6 +114,9 @@ def condinit_metadata(model: nn.Module, layers: Sequence[AttentionLayer], report
                 ent[p]["in_groups"] = proj.in_groups
             if proj.fixed:                      # a learned query: left as the model made it
                 ent[p]["fixed"] = True
+            heads = l.spec.num_heads if p == "q" else l.spec.num_kv_heads
+            if p in ("q", "k", "v") and proj.rows != heads * l.spec.head_dim:   # latent attention's K / V rows
+                ent[p]["head_dim"] = proj.rows // heads
         entries.append(ent)
     first = entries[0] if entries else {}
     meta = {"format": METADATA_FORMAT, "family": family, "seed": report.seed, "method": report.method,
@@ -385,6 +388,8 @@ def check_metadata(meta, where: str) -> dict:
                 fail(f"{at}.{p}.stride", f"an integer >= stop - start ({proj['stop'] - proj['start']})", proj["stride"])
             if proj.get("groups", 1) > 1 and "stride" not in proj:
                 fail(f"{at}.{p}.stride", "present with groups > 1", None)
+            if "head_dim" in proj and not (is_int(proj["head_dim"]) and proj["head_dim"] >= 1):
+                fail(f"{at}.{p}.head_dim", "an integer >= 1", proj["head_dim"])
             shape = proj.get("matrix_shape")
             if shape is not None and not (isinstance(shape, list) and len(shape) == 2
                                           and all(is_int(n) and n >= 1 for n in shape)):

@@ -63,9 +63,9 @@ FUSED_NAMES = ("qkv", "Wqkv", "qkv_proj", "c_attn", "query_key_value", "to_qkv",
 _AMBIGUOUS_FUSED = {"in_proj"}   # also the input projection of Mamba-style mixers: needs an attention class name
 
 _MLA_REASON = ("multi-head latent attention (q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj): Q, K and V are "
-               "products of low-rank factors and part of every key is a rope key shared by all heads, so the "
-               "method's per-head W_Q, W_K, W_V are not parameters of this module; condinit does not guess which "
-               "factors to condition (register an adapter for the factors you choose)")
+               "products of low-rank factors behind a latent RMSNorm, so condinit does not guess per-head W_Q, W_K, "
+               "W_V; for DeepseekV2/V3Attention opt in to conditioning the factors with mla=\"factors\" "
+               "(condinit init --mla factors)")
 
 _ATTENTION_NAME = re.compile(r"attention|attn", re.I)
 # attention without a softmax over scores: the method conditions softmax attention
