@@ -12,11 +12,13 @@ Switches (environment variables):
   CONDINIT_NO_CUDA=1       build only the CPU part even when nvcc is present
   CONDINIT_FORCE_CUDA=1    build the CUDA part even without a visible GPU (needs nvcc / CUDA_HOME)
   CONDINIT_STRICT_BUILD=1  a failed extension build fails the install (CI uses this)
-  TORCH_CUDA_ARCH_LIST     CUDA archs, default "8.0;9.0"
+  TORCH_CUDA_ARCH_LIST     CUDA archs, default "8.0;9.0"; the newest plain arch also gets PTX
+                           ("+PTX"), which GPUs newer than every listed arch JIT-compile
   MAX_JOBS                 parallel compile jobs (ninja)
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +65,19 @@ def _cxx_standard():
             with open(header) as f:
                 return "c++20" if "C++20 or later" in f.read() else "c++17"
     return "c++17"
+
+
+def _arch_list(text):
+    """``TORCH_CUDA_ARCH_LIST`` with PTX for its newest plain arch (``8.0;9.0`` -> ``8.0;9.0+PTX``),
+    unless an entry already carries PTX: the fatbin then holds SASS for every listed arch and the
+    PTX a newer GPU compiles at load time. Arch-specific entries (``9.0a``) are left alone (their
+    PTX runs on that arch only)."""
+    archs = [a for a in text.replace(" ", ";").split(";") if a]
+    plain = [i for i, a in enumerate(archs) if re.fullmatch(r"\d+\.\d+", a)]
+    if plain and not any(a.endswith("+PTX") for a in archs):
+        newest = max(plain, key=lambda i: tuple(int(x) for x in archs[i].split(".")))
+        archs[newest] += "+PTX"
+    return ";".join(archs)
 
 
 def _nvidia_wheel_includes():
@@ -113,7 +128,7 @@ def _extensions():
         extra_link_args=["-fopenmp"],
     )
     if with_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = _arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0"))
         os.environ["CUDA_HOME"] = cuda_home
         import torch.utils.cpp_extension as cpp_extension
         cpp_extension.CUDA_HOME = cuda_home  # what BuildExtension uses to find nvcc and headers
