@@ -1,5 +1,6 @@
 """Trainer callbacks around JacobianMonitor: Hugging Face Trainer (records written, training unchanged)
 and Lightning (skipped when it is not installed)."""
+import csv
 import json
 import os
 
@@ -51,6 +52,50 @@ def test_lightning_callback_records(tmp_path):
     assert [r["step"] for r in recs] == [0, 2]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _lightning_installed(), reason="neither lightning nor pytorch_lightning is installed")
+def test_lightning_logs_records_at_the_step_they_were_measured(tmp_path):
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.loggers import CSVLogger
+    except ImportError:
+        import pytorch_lightning as pl
+        from pytorch_lightning.loggers import CSVLogger
+    from condinit.integrations.lightning import JacobianMonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=24, batch_first=True)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).square().mean()
+            self.log("loss", loss, on_step=True, on_epoch=False)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    steps_seen = []
+
+    class Steps(pl.Callback):        # the trainer's own count when each batch starts: the step measured
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            steps_seen.append(trainer.global_step)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16))
+    cb = JacobianMonitorCallback(every=2, steps=4, frobenius_samples=0, log_dir=tmp_path / "jac")
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = pl.Trainer(max_steps=4, callbacks=[Steps(), cb], logger=logger, log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu")
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=2))
+    assert steps_seen == [0, 1, 2, 3]
+    rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
+    kappa_steps = [int(r["step"]) for r in rows if r.get("jacobian/00/kappa")]
+    assert kappa_steps == [steps_seen[0], steps_seen[2]] == [0, 2]
+    recs = [json.loads(l) for l in open(tmp_path / "jac" / "jacobian.jsonl")]
+    assert [r["step"] for r in recs if "alert" not in r] == kappa_steps
+
+
 # -- Hugging Face Trainer --------------------------------------------------------------------------
 
 def _hf_run(tmp_path, name, callbacks, steps=4):
@@ -93,9 +138,12 @@ def test_hf_trainer_callback_writes_records_and_leaves_training_unchanged(tmp_pa
     assert {(a["layer"], a["alert"]) for a in lines if "alert" in a} == {(0, "max_logit"), (1, "max_logit")}
     assert os.path.getsize(path.with_suffix(".csv")) > 0
     assert cb.monitor._capture is None                      # closed on train end
-    # the latest values reached the Trainer's log history, on the logging step after each sampled step
+    # each sampled step's values reached the Trainer's log history at the step they were measured:
+    # the Trainer's own count of optimizer steps done before it (its losses are logged at 1, 2, ...)
     logged = [h for h in trainer.state.log_history if "jacobian/00/kappa" in h]
-    assert [h["step"] for h in logged] == [1, 3]
+    losses = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == [1, 2, 3, 4]                                 # logging_steps=1: the count after each step
+    assert [h["step"] for h in logged] == [losses[0] - 1, losses[2] - 1] == [0, 2]
     assert logged[-1]["jacobian/01/max_logit"] == recs[-1]["max_logit"]
 
 

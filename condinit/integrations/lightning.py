@@ -46,13 +46,14 @@ def _build():
         micro-batch of a sampled step; validation forwards are never taken);
         ``on_train_batch_end`` runs :meth:`~condinit.JacobianMonitor.step` once
         ``trainer.global_step`` has advanced, and with ``log_signals`` logs the latest values as
-        ``jacobian/LAYER/KEY`` through ``pl_module.log_dict``; ``on_fit_end`` / ``on_exception``
+        ``jacobian/LAYER/KEY`` to every logger of the trainer at the step they were measured (and
+        into ``callback_metrics`` through ``pl_module.log_dict``); ``on_fit_end`` / ``on_exception``
         close it. Only global rank 0 monitors.
 
         Args:
             every: sample every ``every``-th optimizer step.
             log_dir: the monitor's directory.
-            log_signals: log the latest values through ``pl_module.log_dict``.
+            log_signals: log each sampled step's values to the trainer's loggers at that step.
             **monitor_kwargs: further :class:`~condinit.JacobianMonitor` arguments.
 
         Examples:
@@ -103,7 +104,11 @@ def _build():
             self._done_step = trainer.global_step
             metrics = logged_metrics(records) if self.log_signals else {}
             if metrics:
-                pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+                # to the loggers at the step the records were measured (``self.log`` would stamp them
+                # with the count after the optimizer step); callback_metrics get them as well
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step - 1)
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=False)
 
         def on_fit_end(self, trainer, pl_module):
             if self.monitor is not None:

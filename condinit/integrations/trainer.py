@@ -36,11 +36,12 @@ class JacobianMonitorCallback(TrainerCallback):
     on from its checkpoint's step). Inputs are captured only between ``on_step_begin`` and
     ``on_step_end`` (the first micro-batch of a sampled optimizer step; evaluation forwards are
     never taken); ``on_step_end`` runs :meth:`~condinit.JacobianMonitor.step`; ``on_train_end``
-    closes the monitor. With ``log_signals``, ``on_log`` adds the latest records' values (kappa,
-    ``||J||_F``, max logit, entropy, ``qk_norm`` as ``jacobian/LAYER/KEY``) to the Trainer's
-    ``logs`` and its last ``log_history`` entry (``trainer_state.json``); the reporting
-    integrations (``report_to``) run before user callbacks and do not see them: the monitor's own
-    JSONL / CSV / TensorBoard files hold every record. Only the main process (``state.is_world_process_zero``)
+    closes the monitor. With ``log_signals``, each sampled step's values (kappa, ``||J||_F``, max
+    logit, entropy, ``qk_norm`` as ``jacobian/LAYER/KEY``) become an entry of the Trainer's
+    ``log_history`` (``trainer_state.json``) whose ``step`` is the step they were measured at, the
+    monitor's own numbering (the Trainer's ``global_step`` before that step); the reporting
+    integrations (``report_to``) do not see them: the monitor's own JSONL / CSV / TensorBoard files
+    hold every record. Only the main process (``state.is_world_process_zero``)
     monitors, except for an FSDP2-sharded model, where every rank does (each on its own input, the
     weights gathered one layer at a time; rank 0 writes all records).
 
@@ -50,7 +51,7 @@ class JacobianMonitorCallback(TrainerCallback):
     Args:
         every: sample every ``every``-th optimizer step (steps ``0, every, ...``).
         log_dir: the monitor's directory (default ``args.output_dir/jacobian``).
-        log_signals: add the latest values to the Trainer's logs in ``on_log``.
+        log_signals: add each sampled step's values to the Trainer's ``log_history``.
         **monitor_kwargs: further :class:`~condinit.JacobianMonitor` arguments (``alerts``,
             ``budget``, ``steps``, ``max_layers``, ``signals``, ...), checked by it on ``on_train_begin``.
 
@@ -72,7 +73,6 @@ class JacobianMonitorCallback(TrainerCallback):
         self.log_dir = log_dir
         self.monitor_kwargs = monitor_kwargs
         self.monitor = None
-        self._pending: dict = {}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
@@ -96,17 +96,13 @@ class JacobianMonitorCallback(TrainerCallback):
             return
         self.monitor.capturing = False
         # global_step was advanced before on_step_end: the step that just ran is global_step - 1
-        records = self.monitor.step(step=state.global_step - 1)
-        if self.log_signals:
-            self._pending.update(logged_metrics(records))
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._pending or logs is None:
-            return
-        logs.update(self._pending)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(self._pending)
-        self._pending = {}
+        step = state.global_step - 1
+        records = self.monitor.step(step=step)
+        metrics = logged_metrics(records) if self.log_signals else {}
+        if metrics and state.is_world_process_zero:
+            # an entry of its own, at the step the records were measured (a logging step's entry
+            # carries the Trainer's count after that step, which is one more)
+            state.log_history.append({**metrics, "step": step})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:
