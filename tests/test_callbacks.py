@@ -3,6 +3,7 @@ and Lightning (skipped when it is not installed)."""
 import csv
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ def _lightning_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("lightning", "pytorch_lightning"))
 
 
-@pytest.mark.skipif(_lightning_installed(), reason="Lightning is installed: the missing-package error cannot occur")
-def test_lightning_callback_without_lightning_names_the_package():
+def test_lightning_callback_without_lightning_names_the_package(monkeypatch):
     import condinit.integrations.lightning as lmod
-    with pytest.raises(ImportError, match="pip install lightning"):
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):     # as if neither were installed
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(lmod, "_cls", None)
+    with pytest.raises(ImportError, match=r"pip install 'condinit\[lightning\]'"):
         lmod.JacobianMonitorCallback
-    with pytest.raises(ImportError, match="pip install lightning"):
+    with pytest.raises(ImportError, match=r"pip install 'condinit\[lightning\]'"):
         from condinit.integrations.lightning import JacobianMonitorCallback  # noqa: F401
 
 
