@@ -236,7 +236,10 @@ class KnownNulls:
         F = torch.zeros(Hkv, nc, d, d, dtype=f64, device=self.device)
         for g, c in enumerate(coords):
             F[g, :c.shape[1]] = torch.einsum("ac,aij->cij", c, basis)
-        gram = (torch.einsum("gaij,gbik,gkj->gab", F, F, A) + torch.einsum("gaij,gbkj,gki->gab", F, F, C))
+        # gram[g, a, b] = <F_a, F_b A> + <F_a, C^T F_b> (Frobenius, per group), as batched matmuls: the
+        # three-operand einsum would form a [Hkv, nc, d, d, d]-sized intermediate
+        Ff = F.flatten(2)
+        gram = Ff @ (F @ A.unsqueeze(1)).flatten(2).mT + Ff @ (C.mT.unsqueeze(1) @ F).flatten(2).mT
         lam, U = torch.linalg.eigh(gram)
         keep = lam > 1e-12 * max(float(lam.max()) if lam.numel() else 0.0, 1.0)
         inv = torch.where(keep, 1.0 / torch.where(keep, lam, torch.ones_like(lam)), torch.zeros_like(lam))
