@@ -27,45 +27,15 @@ def test_lightning_callback_without_lightning_names_the_package(monkeypatch):
         from condinit.integrations.lightning import JacobianMonitorCallback  # noqa: F401
 
 
-@pytest.mark.skipif(not _lightning_installed(), reason="neither lightning nor pytorch_lightning is installed")
-def test_lightning_callback_records(tmp_path):
+def _lightning():
     try:
         import lightning.pytorch as pl
     except ImportError:
         import pytorch_lightning as pl
-    from condinit.integrations.lightning import JacobianMonitorCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=24, batch_first=True)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16))
-    cb = JacobianMonitorCallback(every=2, steps=4, frobenius_samples=0, log_dir=tmp_path, log_signals=False)
-    trainer = pl.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, accelerator="cpu")
-    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=2))
-    recs = [json.loads(l) for l in open(tmp_path / "jacobian.jsonl")]
-    assert [r["step"] for r in recs] == [0, 2]
+    return pl
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not _lightning_installed(), reason="neither lightning nor pytorch_lightning is installed")
-def test_lightning_logs_records_at_the_step_they_were_measured(tmp_path):
-    try:
-        import lightning.pytorch as pl
-        from lightning.pytorch.loggers import CSVLogger
-    except ImportError:
-        import pytorch_lightning as pl
-        from pytorch_lightning.loggers import CSVLogger
-    from condinit.integrations.lightning import JacobianMonitorCallback
-
+def _lightning_module(pl, log_loss: bool):
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -73,11 +43,35 @@ def test_lightning_logs_records_at_the_step_they_were_measured(tmp_path):
 
         def training_step(self, batch, batch_idx):
             loss = self.layer(batch[0]).square().mean()
-            self.log("loss", loss, on_step=True, on_epoch=False)
+            if log_loss:
+                self.log("loss", loss, on_step=True, on_epoch=False)
             return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
+    return Module()
+
+
+@pytest.mark.skipif(not _lightning_installed(), reason="neither lightning nor pytorch_lightning is installed")
+def test_lightning_callback_records(tmp_path):
+    pl = _lightning()
+    from condinit.integrations.lightning import JacobianMonitorCallback
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16))
+    cb = JacobianMonitorCallback(every=2, steps=4, frobenius_samples=0, log_dir=tmp_path, log_signals=False)
+    trainer = pl.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, accelerator="cpu")
+    trainer.fit(_lightning_module(pl, log_loss=False), torch.utils.data.DataLoader(data, batch_size=2))
+    recs = [json.loads(l) for l in open(tmp_path / "jacobian.jsonl")]
+    assert [r["step"] for r in recs] == [0, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _lightning_installed(), reason="neither lightning nor pytorch_lightning is installed")
+def test_lightning_logs_records_at_the_step_they_were_measured(tmp_path):
+    pl = _lightning()
+    CSVLogger = pl.loggers.CSVLogger
+    from condinit.integrations.lightning import JacobianMonitorCallback
 
     steps_seen = []
 
@@ -90,7 +84,7 @@ def test_lightning_logs_records_at_the_step_they_were_measured(tmp_path):
     logger = CSVLogger(tmp_path, name="csv")
     trainer = pl.Trainer(max_steps=4, callbacks=[Steps(), cb], logger=logger, log_every_n_steps=1,
                          enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu")
-    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=2))
+    trainer.fit(_lightning_module(pl, log_loss=True), torch.utils.data.DataLoader(data, batch_size=2))
     assert steps_seen == [0, 1, 2, 3]
     rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
     kappa_steps = [int(r["step"]) for r in rows if r.get("jacobian/00/kappa")]
