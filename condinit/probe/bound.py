@@ -165,9 +165,9 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
     f64 = torch.float64
     with torch.no_grad(), autocast_disabled(op.device):
         X = op.X.to(f64)
-        kX = _kappa(_svdvals(X))                                  # [B]
+        kX = _kappa(_svdvals(X))                                              # [B]
         blocks = lambda w, h: w.to(f64).reshape(h, d, -1)                     # noqa: E731
-        kQ = _kappa(_svdvals(blocks(op.Wq, H)))                  # [H]
+        kQ = _kappa(_svdvals(blocks(op.Wq, H)))                               # [H]
         kK = _kappa(_svdvals(blocks(op.Wk, Hkv))).repeat_interleave(G)
         kV = _kappa(_svdvals(blocks(op.Wv, Hkv))).repeat_interleave(G)
         q, k, _, _, _ = op._primal()
@@ -178,7 +178,7 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
         P = torch.softmax(S, dim=-1)
         scores_finite = bool(torch.isfinite(P).all())
         if scores_finite:
-            kP = _kappa(_svdvals(P))                              # [B, H]
+            kP = _kappa(_svdvals(P))                                          # [B, H]
             kL = softmax_jacobian_kappa(P)                                    # [B, H]
         else:   # scores overflow float64: P (and every term built on it) is undefined
             kP = kL = torch.full((B, H), math.nan, dtype=f64, device=P.device)

@@ -207,25 +207,23 @@ def _nonfinite_estimate(op: JacobianOperator, method: str, reason: str, *, itera
         notes=f"not estimated: {reason}")
 
 
-def _vanished_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int) -> "SpectrumEstimate":
-    """``J^T J e = 0`` for a random start ``e`` although ``r > 0`` directions lie outside the known nulls.
+def _vanished_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int,
+                       what: str = "J^T J e = 0 for a random e") -> "SpectrumEstimate":
+    """The products vanish (``J^T J e = 0`` for a random start ``e``, or the dense ``J`` is 0) although
+    ``r > 0`` directions lie outside the known nulls.
 
     Exact arithmetic gives that only for ``J = 0``; in floating point it is what the products return
     when rounding cancels them (attention scores so large that ``|S'| |V|`` swamps the result, e.g.
     huge Q/K weights), so no spectrum is claimed: NaN values and the reason."""
-    reason = (f"J^T J e = 0 for a random e although {eff.r} directions lie outside the known nulls: the "
-              f"products cancel to rounding in {op.dtype} (attention scores too large?), so they are not "
-              f"reliable here")
+    reason = (f"{what} although {eff.r} directions lie outside the known nulls: the products cancel to "
+              f"rounding in {op.dtype} (attention scores too large?), so they are not reliable here")
     return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
 
 
-def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int,
-                   found: bool = False) -> "SpectrumEstimate":
-    """The exact result ``J = 0``: every direction is a known null (r = 0), or (``found``) ``J^T J e = 0``
-    for the random start ``e``, which holds with probability 1 only when ``J = 0``."""
+def _zero_estimate(op: JacobianOperator, eff: "_Effective", method: str, seed: int) -> "SpectrumEstimate":
+    """The exact result ``J = 0``: every direction is a known null (r = 0)."""
     side = "input" if eff.n_c == 0 else "output"
-    why = ("J^T J e = 0 for a random e, so J = 0 (with probability 1)" if found else
-           f"every {side} direction is a known null direction (r = 0; e.g. x = 0 for wrt='weights')")
+    why = f"every {side} direction is a known null direction (r = 0; e.g. x = 0 for wrt='weights')"
     return SpectrumEstimate(
         method=method, sigma_max=0.0, sigma_min=0.0, kappa=None, iterations=0, residual_max=0.0, residual_min=0.0,
         converged=True, rank_deficient=True, subspace=eff.subspace(), null_dims=tuple(op.null_dims),
@@ -617,7 +615,7 @@ def _dense_one(op: JacobianOperator, *, rank_rtol):
     floor = max(op.m, op.n) * torch.finfo(op.dtype).eps * float(s[0])
     rank = int((s > floor).sum())
     if rank == 0:
-        return _zero_estimate(op, eff, "dense-svd", 0, found=True)
+        return _vanished_estimate(op, eff, "dense-svd", 0, what="the dense J is 0")
     smax, smin = float(s[0]), float(s[rank - 1])
     rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
     rank_def = smin <= rtol * smax
