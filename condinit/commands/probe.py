@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 
 NAME = "probe"
 HELP = "attention-Jacobian conditioning per layer of a .safetensors checkpoint (sigma, kappa and its bound)"
@@ -61,17 +60,6 @@ def add_arguments(p):
 
 def _fmt(v, spec=".3e"):
     return "-" if v is None else format(v, spec)
-
-
-def _finite_or_none(v):
-    """``v`` with every NaN / inf float replaced by None (JSON has no NaN)."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _finite_or_none(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite_or_none(x) for x in v]
-    return v
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,6 +478,7 @@ def run(args) -> int:
     from condinit.io.atomic import atomic_output, check_output_path
     from condinit.models.checkpoint import open_checkpoint
     from condinit.models.presets import PRESETS
+    from condinit.probe.records import finite_or_none
 
     # every check before any work or write
     if args.preset not in PRESETS:
@@ -515,7 +504,7 @@ def run(args) -> int:
     if out_json:
         with atomic_output(out_json) as tmp:
             with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(_finite_or_none({"file": args.file, "preset": args.preset, "wrt": args.wrt,
+                json.dump(finite_or_none({"file": args.file, "preset": args.preset, "wrt": args.wrt,
                                            "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
                                            "time_budget": args.time_budget, "seed": args.seed, "layers": rows}),
                           fh, indent=1, allow_nan=False, default=str)

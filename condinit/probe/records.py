@@ -77,10 +77,13 @@ def logged_metrics(records) -> dict:
 
 
 def finite_or_none(v):
-    """Floats (also inside lists) that are NaN / inf become None: a log line must stay valid JSON."""
+    """Floats (also inside lists, tuples and dicts) that are NaN / inf become None: a log line must stay
+    valid JSON."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
-    if isinstance(v, list):
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
         return [finite_or_none(x) for x in v]
     return v
 
