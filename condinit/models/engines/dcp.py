@@ -15,6 +15,8 @@ import os
 
 from torch import nn
 
+from condinit.io.atomic import check_output_dir
+
 __all__ = ["write_dcp"]
 
 
@@ -23,10 +25,10 @@ def write_dcp(model: nn.Module, out_dir, *, seed: int, **apply_kwargs):
     state dict to the DCP directory ``out_dir``; returns the :class:`~condinit.models.ApplyReport`.
 
     Call it on every rank of an initialized process group (a collective, like
-    ``torch.distributed.checkpoint.save``) or in a single process. ``out_dir`` must be a directory
-    that does not exist yet or is empty (its parent must exist); it is checked before anything is
-    written. The model must hold values (after ``to_empty`` and its own init for a meta-built
-    model, or a meta model that :func:`condinit.apply` materializes).
+    ``torch.distributed.checkpoint.save``) or in a single process. ``out_dir`` must be an empty,
+    writable directory or one that can be created; it is checked before anything is written. The
+    model must hold values (after ``to_empty`` and its own init for a meta-built model, or a meta
+    model that :func:`condinit.apply` materializes).
 
     Examples:
         >>> with torch.device("meta"):
@@ -36,14 +38,12 @@ def write_dcp(model: nn.Module, out_dir, *, seed: int, **apply_kwargs):
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"write_dcp: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(out_dir, (str, os.PathLike)):
-        raise TypeError(f"write_dcp: out_dir must be a path, got {type(out_dir).__name__}")
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    parent = os.path.dirname(out_dir)
-    if not os.path.isdir(parent):
-        raise ValueError(f"write_dcp: out_dir's parent {parent} is not an existing directory")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ValueError(f"write_dcp: out_dir {out_dir} exists and is not an empty directory")
+    try:
+        out_dir = check_output_dir(out_dir)       # a directory, or one that can be created, writable
+    except ValueError as exc:
+        raise ValueError(f"write_dcp: out_dir: {exc}") from None
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"write_dcp: out_dir {out_dir} is not empty (a DCP directory is written whole)")
     import torch.distributed.checkpoint as dcp
 
     from condinit.models.apply import apply
