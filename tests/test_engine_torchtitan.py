@@ -89,6 +89,10 @@ def _worker(rank, world, port, mode, fuse_qkv, out_dir):
         got = {k: _full(params[k]).detach() for k in _qkv_names(fuse_qkv)}
         if rank == 0:
             torch.save(got, os.path.join(out_dir, f"{mode}.pt"))
+        # every rank done with the group before any tears it down: a rank destroying gloo while its
+        # peer still has collectives in flight aborts the peer ("terminate called without an
+        # active exception")
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 

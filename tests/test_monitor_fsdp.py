@@ -92,6 +92,7 @@ def _worker(rank, port, tmp):
         out["reference_sigma"] = _reference_sigma(model_on, inputs, rank)
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
             json.dump(out, fh)
+        dist.barrier()       # no rank tears gloo down while its peer still has collectives in flight
     finally:
         dist.destroy_process_group()
 

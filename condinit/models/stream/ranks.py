@@ -129,6 +129,7 @@ def launched_group(device: str):
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=_TIMEOUT)
     try:
         yield device
+        dist.barrier()      # no rank tears the group down while a peer still has collectives in flight
     finally:
         dist.destroy_process_group()
 
