@@ -12,10 +12,13 @@
 
 ``auto`` takes ``gram`` when the long side is at least twice the short side, ``svd`` otherwise.
 
-Every block is first scaled by a power of two that brings its largest entry into ``[0.5, 1)``, and
-the singular values are scaled back: exact, and it keeps the Gram (and the SVD) in range for any
-finite scale, so ``1e30 W`` and ``1e-30 W`` give ``1e30`` / ``1e-30`` times the singular values of
-``W`` and the same ``cond``. A block holding NaN or Inf gets NaN ``sigma_max``, ``sigma_min`` and
+A float64 block is first scaled by a power of two that brings its largest entry into ``[0.5, 1)``,
+and the singular values are scaled back: exact, and it keeps the Gram (and the SVD) in range for
+any finite scale, so ``1e30 W`` and ``1e-30 W`` give ``1e30`` / ``1e-30`` times the singular values
+of ``W`` and the same ``cond``. Blocks stored in float32, bfloat16 or float16 need no scaling: their
+entries lie within ``[2^-149, 2^128]`` in magnitude, so every product and every sum of ``n < 2^31``
+products in the float64 Gram stays a normal float64 number (within ``[2^-298, 2^287]``), and a
+power-of-two scaling would change no bit; skipping it saves two passes over the float64 copy. A block holding NaN or Inf gets NaN ``sigma_max``, ``sigma_min`` and
 ``cond`` (the other blocks are unaffected); an all-zero block gets 0, 0 and ``inf``.
 
 :func:`recondition_` clamps every block's singular values to ``[sigma_max / max_cond, sigma_max]``
@@ -42,6 +45,8 @@ Spectrum.__doc__ = """Per-block ``sigma_max``, ``sigma_min``, ``cond = sigma_max
 SPECTRUM_METHODS = ("auto", "svd", "gram")
 GRAM_MAX_COND = 1.0e6          # beyond this the Gram route cannot resolve sigma_min: use SVD
 _CHUNK_BYTES = 64 << 20        # float64 working set per chunk
+# storage dtypes whose values' float64 Gram never leaves the normal range (module docstring)
+_NORMAL_GRAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_stack(t, name: str):
@@ -129,8 +134,9 @@ def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
     if stack.device.type != "meta":
         with torch.no_grad():
             for a, b in _chunks(blocks.shape[0], m, n):
-                X = blocks[a:b].double()
-                amax = X.abs().amax(dim=(1, 2))               # NaN where a block holds NaN
+                raw = blocks[a:b]
+                low, high = torch.aminmax(raw.reshape(b - a, -1), dim=1)   # NaN where a block holds NaN
+                amax = torch.maximum(low.abs(), high.abs()).double()
                 good = torch.isfinite(amax) & (amax > 0)
                 # zero blocks: 0, 0, inf; non-finite blocks: NaN (their SVD is undefined)
                 finite = torch.isfinite(amax)
@@ -140,15 +146,19 @@ def spectrum(stack: torch.Tensor, *, method: str = "auto") -> Spectrum:
                 kappa = torch.where(finite, torch.full_like(amax, math.inf), nan)
                 if bool(good.all()):
                     idx = None
-                    Xg = X
+                    Xg = raw.double()
                 else:
                     idx = good.nonzero().flatten()
-                    Xg = X[idx]
+                    Xg = raw[idx].double()
                 if Xg.shape[0]:
-                    e = _unit_exponent(Xg)
-                    s_hi, s_lo = _extremes(_times_pow2(Xg, -e), route)
-                    k = torch.where(s_lo > 0, s_hi / s_lo, torch.full_like(s_hi, math.inf))
-                    s_hi, s_lo = _times_pow2(s_hi, e), _times_pow2(s_lo, e)
+                    if raw.dtype in _NORMAL_GRAM_DTYPES:
+                        s_hi, s_lo = _extremes(Xg, route)
+                        k = torch.where(s_lo > 0, s_hi / s_lo, torch.full_like(s_hi, math.inf))
+                    else:
+                        e = _unit_exponent(Xg)
+                        s_hi, s_lo = _extremes(_times_pow2(Xg, -e), route)
+                        k = torch.where(s_lo > 0, s_hi / s_lo, torch.full_like(s_hi, math.inf))
+                        s_hi, s_lo = _times_pow2(s_hi, e), _times_pow2(s_lo, e)
                     if idx is None:
                         hi, lo, kappa = s_hi, s_lo, k
                     else:
