@@ -19,15 +19,53 @@ What a rank generates, per placement of a ``[rows, in]`` projection:
   projection's row range and orientation.
 
 ``Partial`` placements (pending reductions) hold no well-defined values and are rejected.
+
+**Partitions held as plain tensors.** Engines that shard without DTensors (Megatron-Core's
+tensor-parallel linears) give each rank a plain tensor that is one contiguous slice of the global
+weight along one dimension. A :class:`Partition` says which slice (an adapter reads it from the
+engine's own process group and partition sizes) and :func:`local_part` then treats the tensor like
+a DTensor shard: same intersection, same blocks, same bits as a single process.
 """
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["is_dtensor", "local_part"]
+from condinit._validate import check_int
+
+__all__ = ["is_dtensor", "local_part", "Partition"]
+
+
+class Partition(NamedTuple):
+    """A plain tensor that is indices ``offset : offset + t.shape[dim]`` along ``dim`` of a global
+    tensor whose ``dim`` has ``size`` entries (every other dimension whole): what one rank of a
+    tensor-parallel engine holds. Row-parallel-by-output (column-parallel linear): ``dim=0``.
+
+    Examples:
+        >>> Partition(dim=0, offset=rank * 48, size=96)   # rank's half of a [96, in] fused weight
+    """
+
+    dim: int
+    offset: int
+    size: int
+
+    def check(self, t: torch.Tensor, name: str) -> None:
+        """ValueError unless ``t`` fits: ``dim`` one of its dimensions, the slice inside ``size``."""
+        check_int(f"{name} partition dim", self.dim, min=0, max=t.dim() - 1)
+        check_int(f"{name} partition offset", self.offset, min=0)
+        check_int(f"{name} partition size", self.size, min=1)
+        if is_dtensor(t):
+            raise ValueError(f"{name}: a partition describes a plain tensor; a DTensor carries its own placements")
+        if self.offset + t.shape[self.dim] > self.size:
+            raise ValueError(f"{name}: a partition at offset {self.offset} of {t.shape[self.dim]} entries along dim "
+                             f"{self.dim} runs past the global size {self.size}")
+
+    def global_shape(self, t: torch.Tensor) -> tuple:
+        shape = list(t.shape)
+        shape[self.dim] = self.size
+        return tuple(shape)
 
 
 def _dtensor_cls():
@@ -42,13 +80,20 @@ def is_dtensor(t) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def local_part(t: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_part(t: torch.Tensor, name: str = "tensor", partition: Optional[Partition] = None,
+               ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """``(local, global_offset, global_shape)`` for a plain tensor or a DTensor.
 
     ``local`` is a detached tensor that aliases the storage this rank holds (writes go through),
     covering global indices ``[offset[i], offset[i] + local.shape[i])`` of a tensor of shape
-    ``global_shape``. A plain tensor is its own local part at offset 0.
+    ``global_shape``. A plain tensor is its own local part at offset 0, or where ``partition``
+    (:class:`Partition`, plain tensors only) places it.
     """
+    if partition is not None:
+        partition.check(t, name)
+        offset = [0] * t.dim()
+        offset[partition.dim] = partition.offset
+        return t.detach(), tuple(offset), partition.global_shape(t)
     if not is_dtensor(t):
         return t.detach(), (0,) * t.dim(), tuple(t.shape)
     from torch.distributed.tensor import Replicate, Shard

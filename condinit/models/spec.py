@@ -27,7 +27,7 @@ from torch import nn
 
 from condinit._validate import check_bool, check_choice, check_int, check_tensor
 
-from .sharded import is_dtensor
+from .sharded import Partition, is_dtensor, local_part
 
 __all__ = ["Ref", "Projection", "OutputProjection", "AttentionDetails", "AttentionSpec", "Described",
            "UnsupportedAttention", "LAYOUTS", "fused_layout"]
@@ -109,6 +109,14 @@ class Projection:
     (``bias_start`` defaults to ``start``, ``bias_stride`` to ``stride``: a fused bias follows its
     weight).
 
+    ``partition`` / ``bias_partition`` (optional, :class:`~condinit.models.sharded.Partition`): the
+    plain tensor given is this process's slice of a global weight (bias) held by several, as an
+    engine's tensor-parallel linear holds it (Megatron-Core's ``ColumnParallelLinear``: rows
+    ``rank * n : (rank + 1) * n``). Everything above (rows, groups, ``stride``, ``bias_start``)
+    counts in the global tensor; :func:`condinit.apply` writes the local slice, as for a DTensor
+    shard. Not with ``matrix_shape`` or ``in_groups``; :meth:`view` and :meth:`read_bias` refuse
+    (no process holds the whole matrix).
+
     Examples:
         >>> w = torch.nn.Linear(64, 3 * 64).weight            # 4 heads of 16, rows [H, 3, d]
         >>> q = Projection(w, 0, 16, groups=4, stride=48)
@@ -134,14 +142,18 @@ class Projection:
     matrix_shape: Optional[tuple]
     in_groups: int
     fixed: bool
+    partition: Optional[Partition]
+    bias_partition: Optional[Partition]
 
     def __init__(self, weight, start: int, stop: int, transposed: bool = False, bias=None,
                  bias_start: Optional[int] = None, groups: int = 1, stride: int = 0,
                  bias_stride: Optional[int] = None, matrix_shape: Optional[tuple] = None, in_groups: int = 1,
-                 fixed: bool = False):
+                 fixed: bool = False, partition: Optional[Partition] = None,
+                 bias_partition: Optional[Partition] = None):
         values = dict(weight_source=weight, start=start, stop=stop, transposed=transposed, bias_source=bias,
                       bias_start=bias_start, groups=groups, stride=stride, bias_stride=bias_stride,
-                      matrix_shape=matrix_shape, in_groups=in_groups, fixed=fixed)
+                      matrix_shape=matrix_shape, in_groups=in_groups, fixed=fixed, partition=partition,
+                      bias_partition=bias_partition)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._check()
@@ -161,7 +173,8 @@ class Projection:
         bias = self.bias
         return Projection(places.get(id(self.weight), self.weight_source), self.start, self.stop, self.transposed,
                           None if bias is None else places.get(id(bias), self.bias_source), self.bias_start,
-                          self.groups, self.stride, self.bias_stride, self.matrix_shape, self.in_groups, self.fixed)
+                          self.groups, self.stride, self.bias_stride, self.matrix_shape, self.in_groups, self.fixed,
+                          self.partition, self.bias_partition)
 
     def _check(self):
         if not isinstance(self.weight, torch.Tensor):
@@ -185,6 +198,18 @@ class Projection:
                 except RuntimeError:
                     raise ValueError(f"Projection: a weight of shape {tuple(self.weight.shape)} and strides "
                                      f"{self.weight.stride()} cannot be viewed as matrix_shape {shape}") from None
+        for what, part, t in (("weight", self.partition, self.weight), ("bias", self.bias_partition, self.bias)):
+            if part is None:
+                continue
+            if not isinstance(part, Partition):
+                raise TypeError(f"Projection: {what}_partition must be a condinit.models.sharded.Partition or None, "
+                                f"got {type(part).__name__}")
+            if not isinstance(t, torch.Tensor):
+                raise ValueError("Projection: a bias_partition without a bias")
+            part.check(t, f"Projection {what}")
+        if self.partition is not None and (self.matrix_shape is not None or self.in_groups > 1):
+            raise ValueError("Projection: a partition of a weight read through matrix_shape or in_groups is not "
+                             "supported (a slice of the parameter is no block of the matrix)")
         check_int("Projection start", self.start, min=0)
         check_int("Projection stop", self.stop, min=self.start + 1)
         check_bool("Projection transposed", self.transposed)
@@ -212,13 +237,39 @@ class Projection:
             check_int("Projection bias_start", self.bias_start, min=0, allow_none=True)
             check_int("Projection bias_stride", self.bias_stride, min=0, allow_none=True)
             end = self.bias_offset + (self.groups - 1) * self.bias_step + self.group_rows
-            if end > self.bias.shape[0]:
-                raise ValueError(f"Projection: bias entries up to {end} of a bias with {self.bias.shape[0]}")
+            size = self.bias.shape[0] if self.bias_partition is None else self.bias_partition.size
+            if end > size:
+                raise ValueError(f"Projection: bias entries up to {end} of a bias with {size}")
 
     @property
     def storage_shape(self) -> tuple:
-        """Shape of the matrix the rows are counted in: ``matrix_shape``, or the weight's own."""
-        return tuple(self.matrix_shape) if self.matrix_shape is not None else tuple(self.weight.shape)
+        """Shape of the matrix the rows are counted in: ``matrix_shape``, the global shape of a
+        ``partition``, or the weight's own."""
+        if self.matrix_shape is not None:
+            return tuple(self.matrix_shape)
+        if self.partition is not None:
+            return self.partition.global_shape(self.weight)
+        return tuple(self.weight.shape)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this process holds only part of the weight (a DTensor, or a ``partition``)."""
+        return self.partition is not None or is_dtensor(self.weight)
+
+    def local_weight(self, name: str) -> tuple[torch.Tensor, tuple, tuple]:
+        """``(local, global_offset, global_shape)`` of the weight (:func:`condinit.models.sharded.local_part`)."""
+        return local_part(self.weight, name, self.partition)
+
+    def local_bias(self, name: str) -> tuple[torch.Tensor, tuple, tuple]:
+        """The same for the bias (which must exist)."""
+        return local_part(self.bias, name, self.bias_partition)
+
+    def _whole(self, what: str) -> None:
+        part, t = (self.partition, self.weight) if what == "weight" else (self.bias_partition, self.bias)
+        if part is not None:
+            raise ValueError(f"Projection: this process holds only entries {part.offset}:"
+                             f"{part.offset + t.shape[part.dim]} along dim {part.dim} of the {what} (a partition "
+                             f"of {part.size}); gather it first")
 
     @property
     def storage_rows(self) -> int:
@@ -316,6 +367,7 @@ class Projection:
         """``[rows, in]`` of the (plain, non-DTensor) weight in nn.Linear layout: a view (writes go
         through) for one group, a copy of the groups stacked for several, and a block-diagonal copy
         (zeros where a grouped convolution stores nothing) with ``in_groups``."""
+        self._whole("weight")
         w = self.matrix(t)
         if self.in_groups > 1:
             out = w.new_zeros(self.shape)
@@ -330,6 +382,7 @@ class Projection:
         """This projection's ``[rows]`` bias entries (a view for one group, a copy for several), or None."""
         if self.bias is None:
             return None
+        self._whole("bias")
         b = self.bias.detach()
         parts = [b[lo:hi] for lo, hi in self.bias_segments()]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
