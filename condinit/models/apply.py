@@ -33,6 +33,10 @@ model's own init for everything but the Q/K/V weights and biases being condition
 shard, generating only the blocks its rows touch, with no communication (see
 :mod:`condinit.models.sharded`); the result equals a single-process apply bit for bit.
 
+**ZeRO-3 partitioned models** (built under ``deepspeed.zero.Init``): discovered from the
+parameters' full shapes, then written one gathered attention layer at a time by the first rank,
+which DeepSpeed broadcasts and re-partitions (see :mod:`condinit.models.engines.deepspeed`).
+
 **Nothing is skipped silently.** :func:`discover` also lists the attention-like modules it cannot
 condition (refused with a reason, a class name that says attention without readable projections,
 a second set of Q/K/V the layer leaves out): :func:`apply` warns about them
@@ -47,6 +51,7 @@ from __future__ import annotations
 import fnmatch
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
@@ -66,8 +71,9 @@ from .families.mla import MLA_MODES, latent_attention
 from .registry import describe
 from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
+from .engines.deepspeed import full_shapes, partitioned, write_partitioned
 from .report import ApplyReport, BlockStats, LayerReport, uncovered_listing
-from .sharded import overlap
+from .sharded import is_dtensor, local_part, overlap
 
 __all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery",
            "UncoveredAttentionWarning", "UncoveredAttentionError", "V_MODES"]
@@ -303,7 +309,7 @@ class _Region:
 
 def _local_regions(proj: Projection, name: str) -> list[_Region]:
     """The local part of each group of ``proj`` (rows in the projection's logical coordinates)."""
-    local, off, gshape = proj.local_weight(name)
+    local, off, gshape = local_part(proj.weight, name)
     local, off = proj.local_matrix(local, off, name)
     out = []
     for logical, lo, hi, col in proj.blocks():
@@ -329,7 +335,7 @@ def _local_regions(proj: Projection, name: str) -> list[_Region]:
 def _one_head_groups(proj: Projection, head_dim: int) -> Optional[torch.Tensor]:
     """A ``[groups, head_dim, in]`` strided view of a plain (non-DTensor) projection whose groups
     are one head each (GPT-NeoX's ``[H, 3, d]``), or None."""
-    if proj.groups == 1 or proj.group_rows != head_dim or proj.in_groups > 1 or proj.distributed:
+    if proj.groups == 1 or proj.group_rows != head_dim or proj.in_groups > 1 or is_dtensor(proj.weight):
         return None
     w = proj.matrix()
     row, col = (w.stride(1), w.stride(0)) if proj.transposed else (w.stride(0), w.stride(1))
@@ -341,7 +347,7 @@ def _local_biases(proj: Projection, name: str) -> list[torch.Tensor]:
     """The local part of each group of this projection's bias entries (empty: no bias, or none local)."""
     if proj.bias is None:
         return []
-    local, off, _ = proj.local_bias(name)
+    local, off, _ = local_part(proj.bias, name)
     out = []
     for lo, hi in proj.bias_segments():
         s = overlap(off[0], off[0] + local.shape[0], lo, hi)
@@ -472,7 +478,8 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     strict = check_bool("strict", strict)
     mla = check_choice("mla", mla, MLA_MODES)
 
-    with latent_attention(mla):
+    zero3 = partitioned(model)     # DeepSpeed ZeRO-3: discovery reads the parameters' full shapes
+    with latent_attention(mla), (full_shapes(model) if zero3 else nullcontext()):
         found = discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered
     # checked against the projections' dtypes (known on meta models too), before anything is written
@@ -496,7 +503,12 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
                       f"this an error): {uncovered_listing(uncovered, 10)}", UncoveredAttentionWarning, stacklevel=2)
 
     # drawn before the model's own init below, which draws from torch's generator too
+    seed_drawn = seed is None
     seed = draw_seed(seed, generator)
+    if zero3:
+        return write_partitioned(model, layers, uncovered, seed=seed, seed_drawn=seed_drawn, method=method,
+                                 v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain, report=report,
+                                 memory_budget=memory_budget, progress=progress, mla=mla, t_start=t_start)
     init_time = 0.0
     if meta:
         t0 = time.perf_counter()
@@ -505,7 +517,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         init_time = time.perf_counter() - t0
         layers = [l.live() for l in layers]     # the bound specs read the materialized tensors
 
-    sharded = any(p.distributed for l in layers for _, p in l.spec.projections())
+    sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
         plan, reports = plan_blocks(layers, v_mode, measure_before=report and not meta and not sharded,
                               qk_gain=qk_gain, v_gain=v_gain)

@@ -1,0 +1,162 @@
+"""DeepSpeed ZeRO-3 on CPU (DS_ACCELERATOR=cpu, gloo, 2 ranks): transformers models built under
+deepspeed.zero.Init, their parameters partitioned at construction. condinit.apply on every rank must
+give the Q/K/V of a single-process apply of the same model, leave every other parameter bit for bit,
+gather at most one attention module at a time, and leave every parameter partitioned again."""
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+import condinit  # noqa: E402
+
+SEED = 4321
+WORLD = 2
+DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 8, 2, 2, 128
+DS_CONFIG = {"train_batch_size": WORLD, "zero_optimization": {"stage": 3}}
+
+
+def _classes(family):
+    """The config and model classes (resolved, and their modules imported, before zero.Init: importing
+    under it, while it patches tensor construction, fails)."""
+    import transformers
+    if family == "llama":
+        return transformers.LlamaConfig, transformers.LlamaForCausalLM
+    return transformers.GPT2Config, transformers.GPT2LMHeadModel
+
+
+def _build(family, classes=None):
+    config, model = classes or _classes(family)
+    if family == "llama":
+        return model(config(hidden_size=DIM, intermediate_size=128, num_attention_heads=HEADS,
+                            num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS, vocab_size=VOCAB,
+                            attention_bias=True))
+    return model(config(n_embd=DIM, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB, n_positions=32))
+
+
+def _is_qkv(family, name):
+    if family == "llama":
+        return any(f"self_attn.{p}_proj." in name for p in "qkv")
+    return ".attn.c_attn." in name
+
+
+def _heads(family, sd):
+    """Per layer: Q and K as [heads, d, DIM] blocks and V as a [H_kv d, DIM] matrix, read the way each
+    model's forward reads its projections: Llama views q_proj(x) as (..., -1, head_dim); GPT-2's Conv1D
+    computes x @ W ([DIM, 3 DIM]) and splits the output into Q, K, V thirds, each viewed per head."""
+    d = DIM // HEADS
+    out = []
+    for i in range(LAYERS):
+        if family == "llama":
+            p = f"model.layers.{i}.self_attn."
+            q, k, v = (sd[p + f"{n}_proj.weight"].double() for n in "qkv")
+            out.append((q.reshape(HEADS, d, DIM), k.reshape(KV_HEADS, d, DIM), v,
+                        [sd[p + f"{n}_proj.bias"] for n in "qkv"]))
+        else:
+            w = sd[f"transformer.h.{i}.attn.c_attn.weight"].double()
+            q, k, v = (w[:, j * DIM:(j + 1) * DIM].t() for j in range(3))
+            out.append((q.reshape(HEADS, d, DIM), k.reshape(HEADS, d, DIM), v,
+                        [sd[f"transformer.h.{i}.attn.c_attn.bias"]]))
+    return out
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gathered(model, gather):
+    """Every parameter's full value (a copy), read inside GatheredParameters."""
+    params = dict(model.named_parameters())
+    with gather(list(params.values()), modifier_rank=None):
+        return {k: v.detach().clone() for k, v in params.items()}
+
+
+def _worker(rank, world, port, family, drawn, out_dir):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        classes = _classes(family)
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+            model = _build(family, classes)
+        params = dict(model.named_parameters())
+
+        def all_partitioned():
+            return all(p.ds_status.name == "NOT_AVAILABLE" and p.data.numel() == 0 for p in params.values())
+
+        assert all_partitioned()
+        gather = deepspeed.zero.GatheredParameters
+        before = _gathered(model, gather)
+        peak = [0]
+
+        class Tracking(gather):      # the most elements gathered at once while condinit.apply runs
+            def __enter__(self):
+                out = super().__enter__()
+                peak[0] = max(peak[0], sum(p.ds_numel for p in params.values() if p.ds_status.name == "AVAILABLE"))
+                return out
+
+        deepspeed.zero.GatheredParameters = Tracking
+        try:
+            if drawn:      # each rank's generator differs: the first rank's draw must be used everywhere
+                torch.manual_seed(100 + rank)
+                rep = condinit.apply(model, report=True, strict=True)
+            else:
+                rep = condinit.apply(model, seed=SEED, report=True, strict=True)
+        finally:
+            deepspeed.zero.GatheredParameters = gather
+        assert all_partitioned()
+        after = _gathered(model, gather)
+        for k, v in before.items():
+            if not _is_qkv(family, k):
+                assert torch.equal(after[k], v), k
+        torch.save({"qkv": {k: v for k, v in after.items() if _is_qkv(family, k)}, "report": rep.to_dict(),
+                    "peak": peak[0]}, os.path.join(out_dir, f"{rank}.pt"))
+        # every rank done with the group before any tears it down (a gloo peer destroyed mid-collective
+        # aborts the other rank)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,drawn", [("llama", True), ("gpt2", False)])
+def test_zero3_apply_equals_single_process(tmp_path, family, drawn):
+    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port(), family, drawn, str(tmp_path)), nprocs=WORLD,
+                                join=True)
+    runs = [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
+    seed = runs[0]["report"]["seed"]
+    assert drawn or seed == SEED
+    ref_model = _build(family)
+    ref_rep = condinit.apply(ref_model, seed=seed, report=True, strict=True)
+    ref = dict(ref_model.named_parameters())
+    attn = ref_model.model.layers[0].self_attn if family == "llama" else ref_model.transformer.h[0].attn
+    one_layer = sum(p.numel() for p in attn.parameters())
+    for run in runs:
+        assert run["report"]["seed"] == seed                 # every rank reports the seed written
+        assert 0 < run["peak"] <= one_layer                   # never more than one attention module gathered
+        ref_layers = [l.to_dict() for l in ref_rep.layers]
+        assert len(run["report"]["layers"]) == len(ref_layers) == LAYERS
+        for l, r in zip(run["report"]["layers"], ref_layers):
+            same = ("index", "name", "adapter", "num_heads", "num_kv_heads", "head_dim", "layout", "cross", "shapes")
+            assert {f: l[f] for f in same} == {f: r[f] for f in same}
+            assert l["before"].keys() == r["before"].keys() and all(v is not None for v in l["before"].values())
+            for p in "qkv":
+                for f in ("sigma_max", "sigma_min"):
+                    assert l["after"][p][f] == pytest.approx(r["after"][p][f], abs=1e-6), (l["name"], p, f)
+        for k, v in run["qkv"].items():
+            torch.testing.assert_close(v.double(), ref[k].detach().double(), rtol=0, atol=1e-6, msg=k)
+    # independently of the reference: per-head singular values 1, V the rectangular identity, biases 0
+    for q, k, v, biases in _heads(family, runs[0]["qkv"]):
+        for blocks in (q, k):
+            s = torch.linalg.svdvals(blocks)
+            torch.testing.assert_close(s, torch.ones_like(s), rtol=0, atol=1e-5)
+        torch.testing.assert_close(v, torch.eye(*v.shape, dtype=v.dtype), rtol=0, atol=0)
+        for b in biases:
+            assert torch.equal(b, torch.zeros_like(b))
