@@ -73,7 +73,7 @@ from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
 from .engines.deepspeed import full_shapes, partitioned, write_partitioned
 from .report import ApplyReport, BlockStats, LayerReport, uncovered_listing
-from .sharded import is_dtensor, local_part, overlap
+from .sharded import overlap
 
 __all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery",
            "UncoveredAttentionWarning", "UncoveredAttentionError", "V_MODES"]
@@ -309,7 +309,7 @@ class _Region:
 
 def _local_regions(proj: Projection, name: str) -> list[_Region]:
     """The local part of each group of ``proj`` (rows in the projection's logical coordinates)."""
-    local, off, gshape = local_part(proj.weight, name)
+    local, off, gshape = proj.local_weight(name)
     local, off = proj.local_matrix(local, off, name)
     out = []
     for logical, lo, hi, col in proj.blocks():
@@ -335,7 +335,7 @@ def _local_regions(proj: Projection, name: str) -> list[_Region]:
 def _one_head_groups(proj: Projection, head_dim: int) -> Optional[torch.Tensor]:
     """A ``[groups, head_dim, in]`` strided view of a plain (non-DTensor) projection whose groups
     are one head each (GPT-NeoX's ``[H, 3, d]``), or None."""
-    if proj.groups == 1 or proj.group_rows != head_dim or proj.in_groups > 1 or is_dtensor(proj.weight):
+    if proj.groups == 1 or proj.group_rows != head_dim or proj.in_groups > 1 or proj.distributed:
         return None
     w = proj.matrix()
     row, col = (w.stride(1), w.stride(0)) if proj.transposed else (w.stride(0), w.stride(1))
@@ -347,7 +347,7 @@ def _local_biases(proj: Projection, name: str) -> list[torch.Tensor]:
     """The local part of each group of this projection's bias entries (empty: no bias, or none local)."""
     if proj.bias is None:
         return []
-    local, off, _ = local_part(proj.bias, name)
+    local, off, _ = proj.local_bias(name)
     out = []
     for lo, hi in proj.bias_segments():
         s = overlap(off[0], off[0] + local.shape[0], lo, hi)
@@ -517,7 +517,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
         init_time = time.perf_counter() - t0
         layers = [l.live() for l in layers]     # the bound specs read the materialized tensors
 
-    sharded = any(is_dtensor(p.weight) for l in layers for _, p in l.spec.projections())
+    sharded = any(p.distributed for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
         plan, reports = plan_blocks(layers, v_mode, measure_before=report and not meta and not sharded,
                               qk_gain=qk_gain, v_gain=v_gain)
