@@ -89,8 +89,13 @@ def _worker(rank, world, port, cpu_init, out_dir):
                 gates_before = [_qkv_heads(a, True)[3] for a in attns] if gate else []
             params = dict(model.named_parameters())
             others = {k: v.detach().clone() for k, v in params.items() if k not in QKV}
-            rep = condinit.apply(model, seed=SEED, report=False, strict=True)
-            assert rep.sharded and len(rep.layers) == LAYERS, name
+            rep = condinit.apply(model, seed=SEED, strict=True)    # with the default report
+            assert rep.sharded and len(rep.layers) == LAYERS and "megatron.SelfAttention" in str(rep), name
+            for layer in rep.layers:         # measured on this rank's blocks only; nothing before
+                assert layer.before["q"] is None
+                for p in ("q", "k"):         # with fewer groups than ranks, rank 0 holds no K rows
+                    st = layer.after[p]
+                    assert (st is None and groups < world) or abs(st.sigma_min - 1) + abs(st.sigma_max - 1) < 1e-5
             for k, v in others.items():      # everything else as the model made it, bit for bit
                 assert torch.equal(params[k].detach(), v), (name, k)
             got[name] = {k: params[k].detach().clone() for k in QKV if k in params}
