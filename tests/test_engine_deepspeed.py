@@ -16,7 +16,8 @@ import condinit  # noqa: E402
 SEED = 4321
 WORLD = 2
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 8, 2, 2, 128
-DS_CONFIG = {"train_batch_size": WORLD, "zero_optimization": {"stage": 3}}
+DS_CONFIG = {"train_batch_size": WORLD, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+             "zero_allow_untested_optimizer": True}
 
 
 def _classes(family):
@@ -76,11 +77,16 @@ def _gathered(model, gather):
         return {k: v.detach().clone() for k, v in params.items()}
 
 
-def _worker(rank, world, port, family, drawn, out_dir):
+def _init_distributed(rank, world, port):
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def _worker(rank, world, port, family, drawn, out_dir):
+    deepspeed = _init_distributed(rank, world, port)
     try:
         classes = _classes(family)
         torch.manual_seed(0)
@@ -160,3 +166,32 @@ def test_zero3_apply_equals_single_process(tmp_path, family, drawn):
         torch.testing.assert_close(v, torch.eye(*v.shape, dtype=v.dtype), rtol=0, atol=0)
         for b in biases:
             assert torch.equal(b, torch.zeros_like(b))
+
+
+def _engine_worker(rank, world, port):
+    deepspeed = _init_distributed(rank, world, port)
+    try:
+        classes = _classes("llama")
+        with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+            model = _build("llama", classes)
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=DS_CONFIG)
+        gather = deepspeed.zero.GatheredParameters
+        before = _gathered(model, gather)
+        with pytest.raises(ValueError, match="before deepspeed.initialize"):
+            condinit.apply(model, seed=SEED)
+        with gather(list(model.parameters()), modifier_rank=0):    # gathered by the caller: refused as well
+            with pytest.raises(ValueError, match="before deepspeed.initialize"):
+                condinit.apply(model, seed=SEED)
+        after = _gathered(model, gather)
+        for k, v in before.items():
+            assert torch.equal(after[k], v), k
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero3_model_under_an_engine_is_refused():
+    """After deepspeed.initialize the ZeRO-3 optimizer holds fp32 copies of the partitions that its next
+    step writes back: condinit.apply refuses such a model and writes nothing."""
+    torch.multiprocessing.spawn(_engine_worker, args=(WORLD, _free_port()), nprocs=WORLD, join=True)

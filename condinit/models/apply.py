@@ -71,7 +71,7 @@ from .families.mla import MLA_MODES, latent_attention
 from .registry import describe
 from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
-from .engines.deepspeed import full_shapes, partitioned, write_partitioned
+from .engines.deepspeed import check_partitioned, full_shapes, write_partitioned
 from .report import ApplyReport, BlockStats, LayerReport, uncovered_listing
 from .sharded import overlap
 
@@ -478,7 +478,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     strict = check_bool("strict", strict)
     mla = check_choice("mla", mla, MLA_MODES)
 
-    zero3 = partitioned(model)     # DeepSpeed ZeRO-3: discovery reads the parameters' full shapes
+    zero3 = check_partitioned(model)   # DeepSpeed ZeRO-3: discovery reads the parameters' full shapes
     with latent_attention(mla), (full_shapes(model) if zero3 else nullcontext()):
         found = discover_for_writing(model, layer_offset, inc, exc, include, exclude, strict, v_mode)
     layers, uncovered = found.layers, found.uncovered

@@ -25,8 +25,9 @@ seed; an explicit ``seed`` must be the same on every rank. The report (before/af
 of every head block) is measured by the writing rank and broadcast with the seed, so every rank
 returns the same :class:`condinit.models.report.ApplyReport`.
 
-Call it after building the model under ``deepspeed.zero.Init`` and before ``deepspeed.initialize``
-(which builds the optimizer's copies of the partitions). A model whose parameters are all gathered
+Call it after building the model under ``deepspeed.zero.Init`` and before ``deepspeed.initialize``:
+the engine's optimizer keeps fp32 copies of the partitions, which its next step writes back, so a
+model whose parameters already belong to one is refused (:func:`check_partitioned`). A model whose parameters are all gathered
 (inside the caller's own ``GatheredParameters``) is a plain model to :func:`condinit.apply`.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["is_partitioned", "partitioned", "full_shapes", "write_partitioned"]
+__all__ = ["is_partitioned", "check_partitioned", "full_shapes", "write_partitioned"]
 
 
 def is_partitioned(p: torch.Tensor) -> bool:
@@ -49,9 +50,21 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id") and status is not None and getattr(status, "name", None) != "AVAILABLE"
 
 
-def partitioned(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a partitioned ZeRO-3 parameter."""
-    return any(is_partitioned(p) for p in model.parameters())
+def check_partitioned(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a partitioned ZeRO-3 parameter.
+
+    Raises ValueError when its ZeRO-3 parameters already belong to the optimizer of a DeepSpeed
+    engine (``deepspeed.initialize`` sets ``_z3_optimizer`` on each): the optimizer keeps its own
+    fp32 copy of every partition and its next step would write the old values back, whether or not
+    the parameters are gathered now."""
+    found = False
+    for p in model.parameters():
+        if hasattr(p, "ds_id") and getattr(p, "_z3_optimizer", None) is not None:
+            raise ValueError("the model's ZeRO-3 parameters already belong to a DeepSpeed engine's optimizer, whose "
+                             "fp32 copies condinit.apply does not write: call condinit.apply after building the "
+                             "model under deepspeed.zero.Init and before deepspeed.initialize")
+        found = found or is_partitioned(p)
+    return found
 
 
 @contextmanager
