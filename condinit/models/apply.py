@@ -506,7 +506,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     seed_drawn = seed is None
     seed = draw_seed(seed, generator)
     if zero3:
-        return write_partitioned(model, layers, uncovered, seed=seed, seed_drawn=seed_drawn, method=method,
+        return write_partitioned(layers, uncovered, seed=seed, seed_drawn=seed_drawn, method=method,
                                  v_mode=v_mode, qk_gain=qk_gain, v_gain=v_gain, report=report,
                                  memory_budget=memory_budget, progress=progress, mla=mla, t_start=t_start)
     init_time = 0.0

@@ -105,11 +105,11 @@ def _writer(params: Sequence[nn.Parameter], name: str):
     return dist.get_rank(group=group) == 0, dist.get_global_rank(group, 0), group
 
 
-def write_partitioned(model: nn.Module, layers: Sequence, uncovered: Sequence, *, seed: int, seed_drawn: bool,
-                      method: str, v_mode: str, qk_gain: float, v_gain: float, report: bool, memory_budget,
-                      progress: bool, mla: str, t_start: float):
-    """Condition ``layers`` (found by :func:`condinit.apply` within :func:`full_shapes`) of a ZeRO-3
-    partitioned ``model``, one gathered layer at a time (see module doc). Collective: every rank of
+def write_partitioned(layers: Sequence, uncovered: Sequence, *, seed: int, seed_drawn: bool, method: str,
+                      v_mode: str, qk_gain: float, v_gain: float, report: bool, memory_budget, progress: bool,
+                      mla: str, t_start: float):
+    """Condition ``layers`` of a ZeRO-3 partitioned model (found by :func:`condinit.apply` within
+    :func:`full_shapes`), one gathered layer at a time (see module doc). Collective: every rank of
     the model's process group calls it with the same layers."""
     import deepspeed
     import torch.distributed as dist
@@ -121,6 +121,10 @@ def write_partitioned(model: nn.Module, layers: Sequence, uncovered: Sequence, *
     if not dist.is_initialized():
         raise RuntimeError("the model's parameters are ZeRO-3 partitioned but torch.distributed is not initialized: "
                            "call condinit.apply on every rank, after deepspeed.init_distributed()")
+    todo = []    # every layer's parameters and writer, checked before the first write
+    for l in layers:
+        params = _layer_params(l)
+        todo.append((l, params, *_writer(params, l.name)))
     comm_device = torch.device(get_accelerator().current_device_name())
     if seed_drawn:       # every rank writes and reports the first rank's draw
         box = [seed]
@@ -133,9 +137,7 @@ def write_partitioned(model: nn.Module, layers: Sequence, uncovered: Sequence, *
         bar = tqdm(total=len(layers), unit="layer", desc="condinit", leave=False)
     reports, launches = [], 0
     try:
-        for l in layers:
-            params = _layer_params(l)
-            writes, src, group = _writer(params, l.name)
+        for l, params, writes, src, group in todo:
             box, error = [None], None
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 if writes:
