@@ -29,13 +29,16 @@ def _classes(family):
     return transformers.GPT2Config, transformers.GPT2LMHeadModel
 
 
+def _config(family, config):
+    if family == "llama":
+        return config(hidden_size=DIM, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                      num_hidden_layers=LAYERS, vocab_size=VOCAB, attention_bias=True)
+    return config(n_embd=DIM, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB, n_positions=32)
+
+
 def _build(family, classes=None):
     config, model = classes or _classes(family)
-    if family == "llama":
-        return model(config(hidden_size=DIM, intermediate_size=128, num_attention_heads=HEADS,
-                            num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS, vocab_size=VOCAB,
-                            attention_bias=True))
-    return model(config(n_embd=DIM, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB, n_positions=32))
+    return model(_config(family, config))
 
 
 def _is_qkv(family, name):
@@ -85,13 +88,19 @@ def _init_distributed(rank, world, port):
     return deepspeed
 
 
-def _worker(rank, world, port, family, drawn, out_dir):
+def _worker(rank, world, port, family, build, drawn, out_dir):
     deepspeed = _init_distributed(rank, world, port)
     try:
         classes = _classes(family)
         torch.manual_seed(0)
-        with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
-            model = _build(family, classes)
+        if build == "zero.Init":
+            with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+                model = _build(family, classes)
+        else:      # transformers builds under zero.Init itself while an HfDeepSpeedConfig with stage 3 lives
+            from transformers import AutoModelForCausalLM
+            from transformers.integrations import HfDeepSpeedConfig
+            hf_ds = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (transformers holds a weak reference)
+            model = AutoModelForCausalLM.from_config(_config(family, classes[0]))
         params = dict(model.named_parameters())
 
         def all_partitioned():
@@ -132,10 +141,11 @@ def _worker(rank, world, port, family, drawn, out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,drawn", [("llama", True), ("gpt2", False)])
-def test_zero3_apply_equals_single_process(tmp_path, family, drawn):
-    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port(), family, drawn, str(tmp_path)), nprocs=WORLD,
-                                join=True)
+@pytest.mark.parametrize("family,build,drawn", [("llama", "zero.Init", True), ("gpt2", "zero.Init", False),
+                                               ("llama", "HfDeepSpeedConfig", False)])
+def test_zero3_apply_equals_single_process(tmp_path, family, build, drawn):
+    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port(), family, build, drawn, str(tmp_path)),
+                                nprocs=WORLD, join=True)
     runs = [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
     seed = runs[0]["report"]["seed"]
     assert drawn or seed == SEED
