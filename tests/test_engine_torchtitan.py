@@ -1,6 +1,8 @@
 """torchtitan's Llama 3 (its own model class and config, small dims): condinit.apply on the model built
-on the meta device and sharded with FSDP2 or tensor parallel over 2 gloo ranks equals a single-process
-apply; the model-only DCP directory loads into a freshly built torchtitan model."""
+on the meta device and sharded with FSDP2 or tensor parallel over 2 gloo ranks, or both over 4 (mesh
+(dp=2, tp=2): tensor parallel, then ``fully_shard`` over "dp", which places ``wqkv`` as
+``(_StridedShard(0), Shard(0))``), equals a single-process apply; the model-only DCP directory loads
+into a freshly built torchtitan model."""
 import os
 import socket
 
@@ -65,18 +67,21 @@ def _worker(rank, world, port, mode, fuse_qkv, out_dir):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         with torch.device("meta"):
             model = _config(fuse_qkv).build()
-        if mode == "tp":
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        dims = {"tp": {"tp": world}, "fsdp2": {"dp": world}, "fsdp2_tp": {"dp": 2, "tp": world // 2}}[mode]
+        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+        if "tp" in dims:
             for block in model.layers.values():
                 plan = {"attention.wo": RowwiseParallel()}
                 plan.update({f"attention.qkv_linear.{n}": ColwiseParallel()
                              for n in (("wqkv",) if fuse_qkv else ("wq", "wk", "wv"))})
                 parallelize_module(block, mesh["tp"], plan)
-        else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        if "dp" in dims:
             for block in model.layers.values():
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        if mode == "fsdp2_tp":       # the layout under test: FSDP2's strided rows over the tensor-parallel ones
+            strided = [type(p).__name__ for k in _qkv_names(fuse_qkv) for p in model.get_parameter(k).placements]
+            assert strided.count("_StridedShard") == len(_qkv_names(fuse_qkv)), strided
         model.to_empty(device="cpu")
         torch.manual_seed(0)
         model.init_states()
@@ -98,10 +103,11 @@ def _worker(rank, world, port, mode, fuse_qkv, out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fsdp2", "tp"])
+@pytest.mark.parametrize("mode,world", [("fsdp2", 2), ("tp", 2), ("fsdp2_tp", 4)])
 @pytest.mark.parametrize("fuse_qkv", [True, False])
-def test_sharded_apply_equals_single_process(tmp_path, mode, fuse_qkv):
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), mode, fuse_qkv, str(tmp_path)), nprocs=2, join=True)
+def test_sharded_apply_equals_single_process(tmp_path, mode, world, fuse_qkv):
+    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), mode, fuse_qkv, str(tmp_path)), nprocs=world,
+                                join=True)
     got = torch.load(tmp_path / f"{mode}.pt")
     ref = dict(_reference(fuse_qkv).named_parameters())
     for k, v in got.items():

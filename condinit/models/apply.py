@@ -73,7 +73,7 @@ from .spec import AttentionSpec, Projection, UnsupportedAttention
 from .deferred import has_meta, materialize_
 from .engines.deepspeed import check_partitioned, full_shapes, write_partitioned
 from .report import ApplyReport, BlockStats, LayerReport, uncovered_listing
-from .sharded import overlap
+from .sharded import local_boxes, overlap
 
 __all__ = ["apply", "find_attention", "discover", "AttentionLayer", "Uncovered", "Discovery",
            "UncoveredAttentionWarning", "UncoveredAttentionError", "V_MODES"]
@@ -308,27 +308,29 @@ class _Region:
 
 
 def _local_regions(proj: Projection, name: str) -> list[_Region]:
-    """The local part of each group of ``proj`` (rows in the projection's logical coordinates)."""
-    local, off, gshape = proj.local_weight(name)
-    local, off = proj.local_matrix(local, off, name)
+    """The local part of each group of ``proj`` (rows in the projection's logical coordinates), per
+    contiguous box of the local storage (one box unless a ``_StridedShard`` splits it)."""
+    whole, boxes, _ = local_boxes(proj.weight, name, proj.partition)
     out = []
-    for logical, lo, hi, col in proj.blocks():
-        if proj.in_groups > 1:  # a grouped convolution (held whole): the block reads input columns col:
-            out.append(_Region(logical, logical + hi - lo, col, col + local.shape[1], local[lo:hi]))
-            continue
-        if proj.transposed:  # storage [in, out_total]: logical rows are storage columns
-            r = overlap(off[1], off[1] + local.shape[1], lo, hi)
-            c = (off[0], off[0] + local.shape[0])
-            if r is None or c[0] >= c[1]:
+    for box in boxes:
+        local, off = proj.local_matrix(whole[box.slices()], box.offset, name)
+        for logical, lo, hi, col in proj.blocks():
+            if proj.in_groups > 1:  # a grouped convolution (held whole): the block reads input columns col:
+                out.append(_Region(logical, logical + hi - lo, col, col + local.shape[1], local[lo:hi]))
                 continue
-            view = local[c[0] - off[0]:c[1] - off[0], r[0] - off[1]:r[1] - off[1]].t()
-        else:
-            r = overlap(off[0], off[0] + local.shape[0], lo, hi)
-            c = (off[1], off[1] + local.shape[1])
-            if r is None or c[0] >= c[1]:
-                continue
-            view = local[r[0] - off[0]:r[1] - off[0], c[0] - off[1]:c[1] - off[1]]
-        out.append(_Region(logical + r[0] - lo, logical + r[1] - lo, c[0], c[1], view))
+            if proj.transposed:  # storage [in, out_total]: logical rows are storage columns
+                r = overlap(off[1], off[1] + local.shape[1], lo, hi)
+                c = (off[0], off[0] + local.shape[0])
+                if r is None or c[0] >= c[1]:
+                    continue
+                view = local[c[0] - off[0]:c[1] - off[0], r[0] - off[1]:r[1] - off[1]].t()
+            else:
+                r = overlap(off[0], off[0] + local.shape[0], lo, hi)
+                c = (off[1], off[1] + local.shape[1])
+                if r is None or c[0] >= c[1]:
+                    continue
+                view = local[r[0] - off[0]:r[1] - off[0], c[0] - off[1]:c[1] - off[1]]
+            out.append(_Region(logical + r[0] - lo, logical + r[1] - lo, c[0], c[1], view))
     return out
 
 
@@ -347,12 +349,14 @@ def _local_biases(proj: Projection, name: str) -> list[torch.Tensor]:
     """The local part of each group of this projection's bias entries (empty: no bias, or none local)."""
     if proj.bias is None:
         return []
-    local, off, _ = proj.local_bias(name)
+    whole, boxes, _ = local_boxes(proj.bias, name, proj.bias_partition)
     out = []
-    for lo, hi in proj.bias_segments():
-        s = overlap(off[0], off[0] + local.shape[0], lo, hi)
-        if s is not None:
-            out.append(local[s[0] - off[0]:s[1] - off[0]])
+    for box in boxes:
+        local, off = whole[box.slices()], box.offset
+        for lo, hi in proj.bias_segments():
+            s = overlap(off[0], off[0] + local.shape[0], lo, hi)
+            if s is not None:
+                out.append(local[s[0] - off[0]:s[1] - off[0]])
     return out
 
 
