@@ -37,11 +37,17 @@ backend drives with its own GEMMs). Methods (docs/design.md, "Orthogonalization"
 
 Polar and SVD give the polar factor, QR and CholeskyQR the Q factor: different matrices, the same
 (Haar) distribution for Gaussian input.
+
+CPU threads ("LAPACK on the CPU" below): Householder, SVD and CholeskyQR2 run block by block in
+the native kernels, the chunk in one OpenMP team, each block on single-threaded MKL, so a block's
+bits depend neither on the thread count nor on the batch split. MKL's per-thread setting is never
+trusted blindly and never a reason to raise: a block whose calls MKL reports ran without it is
+recomputed (its bits then are those of one thread again), and where the setting cannot be made at
+all (no extension, no setter) the declared fallback is torch's own batched calls.
 """
 from __future__ import annotations
 
 import math
-import threading
 from typing import Optional
 
 import torch
@@ -97,7 +103,10 @@ def _householder_serial_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return _lapack_per_block(_householder_serial_, A, out)
+    if _per_block_lapack(A):
+        torch.ops.condinit_C.orthonormal_blocks_(A, out, "householder", torch.float32)
+        return out
+    return _householder_serial_(A, out)
 
 
 def _svd_serial_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
@@ -106,121 +115,55 @@ def _svd_serial_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch
 
 
 def _svd_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
-    return _lapack_per_block(lambda a, o: _svd_serial_(a, o, gemm), A, out)
+    if _per_block_lapack(A):
+        torch.ops.condinit_C.orthonormal_blocks_(A, out, "svd", gemm)
+        return out
+    return _svd_serial_(A, out, gemm)
 
 
 # ---------------------------------------------------------------------------------------------------
-# LAPACK on the CPU: one thread per factorization, the batch spread over the caller's threads
+# LAPACK on the CPU: one block per call, single-threaded MKL, the whole batch in one OpenMP team
 #
-# MKL's multithreaded QR and SVD reduce in an order that depends on the number of threads, so the
-# same block gets other bits with 1 and with 2 torch threads. Each factorization therefore runs on
-# one MKL thread (``mkl_set_num_threads_local``: a setting of the calling thread only, restored
-# after; no process-wide setting changes), and a chunk's blocks are split over up to
-# ``torch.get_num_threads()`` worker threads, so a batch still uses the caller's cores. LAPACK
-# factors the matrices of a batch one by one, so a block's bits do not depend on which sub-batch
-# it lands in. Where torch is not built with MKL the LAPACK call runs as torch runs it (the bits
-# may then depend on the thread count).
+# MKL's multithreaded QR, SVD and Cholesky reduce in an order that depends on the number of
+# threads, so the same block would get other bits with 1 and with 2 torch threads; and the batched
+# torch calls open one OpenMP region per matrix (per triangular solve, per QR panel) and per small
+# elementwise step, each of which waits at its barrier for a thread the OS has descheduled: with
+# two busy processes beside it, the Llama-1B stack (CholeskyQR2) took 4-13x its quiet time. On the
+# CPU these methods therefore run in the native kernels of csrc/orthogonalize/lapack_blocks_cpu.cpp:
+# one at::parallel_for per chunk (one team of the caller's torch threads, which take blocks from a
+# shared counter), every block computed alone with single-threaded MKL (MKL_Set_Num_Threads_Local,
+# a setting of each team thread only, restored after; no process setting changes). MKL drops that
+# setting at a thread's first factorization: each team thread first runs a tiny one and sets it
+# again, and a block is written only once MKL reports that the setting held through its calls,
+# else it is recomputed from its input (a warning, never an exception, should MKL drop it three
+# times running). A block's bits thus depend on its data only: not on the thread count, nor on how
+# the batch is split. CholeskyQR2 there is the same algorithm as :func:`_cholqr2_` below (same
+# steps, float64 factors, thresholds and Householder fallback), its GEMMs per block.
+#
+# Not supported, declared: without the native extension (condinit._C not built), on other devices,
+# and where MKL's per-thread setter cannot be found in an MKL build, the factorizations run as torch
+# runs them (the batched torch.linalg calls here); with a torch built without MKL, the native
+# kernels run each LAPACK call nested in the team as that library runs nested calls. Their bits may
+# then depend on the thread count.
 
-class _MKLThreads:
-    """``MKL_Set_Num_Threads_Local`` / ``MKL_Get_Max_Threads`` of the MKL inside torch, or
-    unavailable (``self.set is None``) when torch has no MKL or does not export them."""
-
-    def __init__(self):
-        self.set = self.get = None
-        if not torch.backends.mkl.is_available():
-            return
-        import ctypes
-        import os
-        candidates = [os.path.join(os.path.dirname(torch.__file__), "lib", name)
-                      for name in ("libtorch_cpu.so", "libtorch_cpu.dylib")]
-        for path in [p for p in candidates if os.path.exists(p)] + [None]:
-            try:
-                lib = ctypes.CDLL(path)
-                set_local, get_max = lib.MKL_Set_Num_Threads_Local, lib.MKL_Get_Max_Threads
-            except (OSError, AttributeError):
-                continue
-            set_local.restype, set_local.argtypes = ctypes.c_int, [ctypes.c_int]
-            get_max.restype, get_max.argtypes = ctypes.c_int, []
-            self.set, self.get = set_local, get_max
-            return
+_NATIVE_BLOCKS: Optional[bool] = None
 
 
-_MKL: Optional[_MKLThreads] = None
-_POOL = None
-_POOL_WORKERS = 0
-_POOL_LOCK = threading.Lock()
-# elements of the warm-up fill: above ATen's parallel grain size, so it opens an OpenMP region
-_WARM_NUMEL = 1 << 16
+def _per_block_lapack(t: torch.Tensor) -> bool:
+    """Whether ``t``'s factorizations run in the per-block native kernels (see above)."""
+    global _NATIVE_BLOCKS
+    if t.device.type != "cpu":
+        return False
+    if _NATIVE_BLOCKS is None:
+        from condinit import _ext
+        _NATIVE_BLOCKS = (_ext.has_op("orthonormal_blocks_", "CPU") and _ext.has_op("cholqr2_blocks_", "CPU")
+                          and bool(torch.ops.condinit_C.per_block_single_thread()))
+    return _NATIVE_BLOCKS
 
 
-def _mkl() -> _MKLThreads:
-    global _MKL
-    if _MKL is None:
-        _MKL = _MKLThreads()
-    return _MKL
-
-
-def _one_mkl_thread(fn, A: torch.Tensor, out: torch.Tensor) -> None:
-    """``fn(A, out)`` with MKL on one thread (this thread's setting only, restored after).
-
-    GNU OpenMP drops the thread-local MKL setting when the calling thread's OpenMP team is first
-    created or grows inside the call (torch's own parallel copies before the LAPACK call do
-    that), which MKL reports afterwards: an OpenMP region is opened first (a warm-up fill of the
-    caller's team size), and a call that lost the setting all the same is recomputed."""
-    mkl = _mkl()
-    for _ in range(2):
-        torch.empty(_WARM_NUMEL).fill_(0.0)
-        previous = mkl.set(1)
-        try:
-            fn(A, out)
-            kept = mkl.get() == 1
-        finally:
-            mkl.set(previous)
-        if kept:
-            return
-    raise RuntimeError("MKL did not keep one thread for the LAPACK call (its bits would depend on "
-                       "the thread count)")
-
-
-def _worker_pool(workers: int):
-    """The LAPACK worker threads, at least ``workers`` of them (kept for later calls)."""
-    global _POOL, _POOL_WORKERS
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_WORKERS < workers:
-            from concurrent.futures import ThreadPoolExecutor
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)   # its running tasks finish; new ones go to the new pool
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="condinit-lapack")
-            _POOL_WORKERS = workers
-        return _POOL
-
-
-def _lapack_per_block(fn, A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``fn(A, out)`` (a batched LAPACK factorization, block by block) with bits independent of the
-    thread count on the CPU: single-threaded MKL per factorization, the batch split over the
-    caller's threads (see above). Elsewhere ``fn`` runs as is."""
-    if A.device.type != "cpu" or _mkl().set is None:
-        return fn(A, out)
-    C = A.shape[0]
-    workers = min(C, torch.get_num_threads())
-    if workers <= 1:
-        _one_mkl_thread(fn, A, out)
-        return out
-    cuts = [C * i // workers for i in range(workers + 1)]
-    grad = torch.is_grad_enabled()
-
-    def part(i):
-        with torch.set_grad_enabled(grad):
-            _one_mkl_thread(fn, A[cuts[i]:cuts[i + 1]], out[cuts[i]:cuts[i + 1]])
-
-    pool = _worker_pool(workers - 1)
-    futures = [pool.submit(part, i) for i in range(1, workers)]
-    try:
-        part(0)   # the calling thread takes the first part
-    finally:
-        for f in futures:
-            f.result()   # waits for every part; re-raises a worker's exception here
-    return out
+def _first_order_max(m: int) -> float:
+    """The largest ``max|E|`` of a second-pass Gram ``I + E`` whose first-order inverse factor is used."""
+    return min(1e-5, math.sqrt(1e-9 / m))
 
 
 def _chol_inverse(G: torch.Tensor, *, near_identity: bool):
@@ -251,7 +194,7 @@ def _near_identity_chol_inverse(G: torch.Tensor):
     eye = _eye(m, G.device, G.dtype)
     E = G - eye
     dev = E.abs().flatten(1).amax(1)
-    first_order_ok = dev <= min(1e-5, math.sqrt(1e-9 / m))
+    first_order_ok = dev <= _first_order_max(m)
     F = E.tril(-1)
     F.diagonal(dim1=-2, dim2=-1).copy_(E.diagonal(dim1=-2, dim2=-1) * 0.5)
     Linv = eye - F
@@ -263,6 +206,10 @@ def _near_identity_chol_inverse(G: torch.Tensor):
 
 def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor],
               gemm: torch.dtype) -> torch.Tensor:
+    if _per_block_lapack(A):
+        torch.ops.condinit_C.cholqr2_blocks_(A, out, gemm, CHOLQR_MAX_DIAG_RATIO, CHOLQR_MAX_GRAM2_DEVIATION,
+                                             _first_order_max(A.shape[1]))
+        return out
     B = scratch if scratch is not None else torch.empty_like(A)
     Linv, bad = _chol_inverse(_gram(A, gemm), near_identity=False)
     _bmm(Linv.to(gemm), A, B, gemm)
