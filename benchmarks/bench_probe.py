@@ -3,6 +3,7 @@
     python benchmarks/bench_probe.py            # 12 layers, D=768, 12 heads, batch 8 x 512, 20 Lanczos steps
     python benchmarks/bench_probe.py --quick    # 4 layers, D=256, 4 heads, batch 4 x 128
     python -m pytest benchmarks/bench_probe.py --benchmark-enable   # tiny pytest-benchmark cases
+    python benchmarks/bench_probe.py --convergence  # kappa's bracket per layer at the estimators' defaults
 
 Side by side, in one run on the CPU:
 
@@ -16,6 +17,14 @@ Side by side, in one run on the CPU:
    captured batch and for ``max_batch=1`` (the knob that bounds it).
 2. **Multi-probe JVP.** ``condinit.attention_jvp`` with P = 8 tangents in one launch against 8
    single-probe calls (bar: >= 1.5x), on the automatic backend and on the torch reference.
+
+3. **Convergence** (``--convergence``). At the defaults of :func:`condinit.probe.lanczos_svd` (and of
+   :class:`condinit.JacobianMonitor`): the estimate of every layer of a tiny Llama trained by the
+   Hugging Face ``Trainer`` with :class:`~condinit.integrations.trainer.JacobianMonitorCallback`
+   (hidden 64, 4 heads / 2 key-value heads, 2 layers, 32 tokens; its records: method, steps, kappa's
+   bracket, converged, seconds), and a Llama-1B-shaped layer (hidden 2048, 32 heads / 8 key-value
+   heads of 64, RoPE, causal; a one-layer ``LlamaModel`` with random init, then ``condinit.apply``)
+   at 512 tokens: the bracket reached within each ``--time-budgets`` (default 10, 30, 60 s).
 
 The machine these numbers come from is shared: timings are medians of a few repeats and still noisy.
 """
@@ -140,6 +149,97 @@ def bench_multiprobe(B, H, N, d, P=8, repeats=3, backends=(None, "torch"), log=p
     return rows
 
 
+# ------------------------------------------------------------------------------------------------
+# convergence of the kappa estimates at the defaults
+
+def _fmt_est(e) -> str:
+    kb = "-" if e.kappa_lo is None else f"[{e.kappa_lo:.4g}, {e.kappa_hi:.4g}]"
+    sb = f"[{e.sigma_min_lo:.4g}, {e.sigma_min_hi:.4g}]" if e.sigma_min_lo is not None else "-"
+    return (f"{e.method}, {e.iterations} steps, kappa {e.kappa if e.kappa is None else format(e.kappa, '.4g')} "
+            f"in {kb}, sigma_min in {sb}, converged {e.converged}, exact {e.exact}, {e.wall_s:.2f} s")
+
+
+def bench_trainer_convergence(log=print, output_dir=None):
+    """Every layer's record of the tiny-Llama HF Trainer run at the monitor's defaults (``every=1``)."""
+    import tempfile
+
+    import condinit
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from condinit.integrations.trainer import JacobianMonitorCallback
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg)
+    condinit.apply(model, seed=0, report=False)
+    ids = torch.randint(0, cfg.vocab_size, (16, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=output_dir or tmp, max_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+                                 disable_tqdm=True, seed=3)
+        cb = JacobianMonitorCallback(every=1)
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    rows = []
+    for r in cb.monitor.history:
+        rows.append({k: r.get(k) for k in ("step", "layer", "kappa", "kappa_lo", "kappa_hi", "sigma_min_lo",
+                                           "sigma_min_hi", "converged", "exact", "lanczos_steps", "time_s")}
+                    | {"method": r.get("method"), "dtype": r.get("dtype")})
+        if r["kappa"] is None:
+            kappa = (f"rank-deficient (sigma_min in [{r['sigma_min_lo']:.4g}, {r['sigma_min_hi']:.4g}] "
+                     f"<= rank_rtol sigma_max)")
+        else:
+            kappa = f"kappa {r['kappa']:.5g} in [{r['kappa_lo']:.5g}, {r['kappa_hi']:.5g}]"
+        log(f"  trainer step {r['step']} layer {r['layer']}: {kappa}, converged {r['converged']}, exact "
+            f"{r['exact']}, {r['method']} in {r['dtype']}, {r['lanczos_steps']} Lanczos steps, {r['time_s']:.2f} s")
+    return rows
+
+
+def llama1b_layer_operator(tokens=512, seed=0):
+    """The weight Jacobian of a Llama-1B-shaped attention layer at ``tokens`` tokens (its input and RoPE
+    captured from a one-layer ``LlamaModel`` forward, after ``condinit.apply``)."""
+    import condinit
+    from transformers import LlamaConfig, LlamaModel
+    from condinit.probe import InputCapture
+    from condinit.probe.capture import layer_position_embeddings
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=1, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, vocab_size=1000, max_position_embeddings=2048)
+    model = LlamaModel(cfg).eval()
+    condinit.apply(model, seed=seed, report=False)
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
+    (layer,) = condinit.models.find_attention(model)
+    seen = {}
+
+    def keep(i, module, x, call):
+        seen.setdefault(i, (x.clone(), layer_position_embeddings(module, *call)))
+
+    with InputCapture([layer.module], on_input=keep, call_info=True), torch.no_grad():
+        model(input_ids=ids)
+    x, pe = seen[0]
+    return condinit.JacobianOperator(layer.module, x, wrt="weights", causal=True, position_embeddings=pe,
+                                     spec=layer.spec)
+
+
+def bench_llama1b_convergence(budgets=(10.0, 30.0, 60.0), tokens=512, log=print):
+    """The bracket of kappa reached by ``lanczos_svd`` at its defaults within each time budget."""
+    from condinit.probe import lanczos_svd
+
+    t0 = time.perf_counter()
+    op = llama1b_layer_operator(tokens)
+    log(f"  Llama-1B layer, {tokens} tokens: J is {op.m} x {op.n}, known nulls {op.null_dims} "
+        f"(built in {time.perf_counter() - t0:.1f} s)")
+    rows = []
+    for b in budgets:
+        e = lanczos_svd(op, seed=0, time_budget=b)
+        rows.append(dict(budget=b, steps=e.iterations, kappa=e.kappa, kappa_lo=e.kappa_lo, kappa_hi=e.kappa_hi,
+                         sigma_max=(e.sigma_max_lo, e.sigma_max_hi), sigma_min=(e.sigma_min_lo, e.sigma_min_hi),
+                         converged=e.converged, wall=e.wall_s, method=e.method))
+        log(f"  time_budget {b:g} s: {_fmt_est(e)}")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes (4 layers, D=256, batch 4 x 128)")
@@ -149,9 +249,16 @@ def main(argv=None):
     ap.add_argument("--skip-multiprobe", action="store_true")
     ap.add_argument("--monitor-batches", default="all,1",
                     help="comma list of capture batch sizes for the monitor ('all' = the training batch)")
+    ap.add_argument("--convergence", action="store_true",
+                    help="kappa's bracket per layer at the defaults (tiny-Llama Trainer run, Llama-1B layer)")
+    ap.add_argument("--only", choices=("trainer", "llama1b"), default=None, help="with --convergence: one part")
+    ap.add_argument("--time-budgets", default="10,30,60", help="with --convergence: Llama-1B time budgets [s]")
+    ap.add_argument("--tokens", type=int, default=512, help="with --convergence: Llama-1B layer tokens")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.convergence:
+        return convergence_main(args)
     cfg = QUICK if args.quick else FULL
     print(f"bench_probe ({'quick' if args.quick else 'full'}): {cfg}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; shared machine: timings are noisy")
@@ -178,6 +285,23 @@ def main(argv=None):
         print(f"| attention_jvp P=8 fused vs 8 calls [{r['backend']}] | {r['t_fused']:.3f} s vs "
               f"{r['t_separate']:.3f} s wall: {r['speedup']:.2f}x wall, {r['speedup_cpu']:.2f}x CPU | "
               f">= {BAR_MULTIPROBE}x {ok} |")
+    return 0
+
+
+def convergence_main(args):
+    import os
+    import platform
+
+    print(f"bench_probe --convergence: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.2f}")
+    if args.only in (None, "trainer"):
+        print("Trainer example (tiny Llama, JacobianMonitorCallback(every=1), monitor defaults):")
+        bench_trainer_convergence()
+    if args.only in (None, "llama1b"):
+        budgets = tuple(float(b) for b in args.time_budgets.split(","))
+        print(f"Llama-1B-shaped layer at {args.tokens} tokens, lanczos_svd defaults and time_budget:")
+        bench_llama1b_convergence(budgets, args.tokens)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -51,15 +51,20 @@ from .autocast import autocast_disabled
 from .operator import JacobianOperator
 
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
-           "frobenius_hutchinson", "default_rank_rtol"]
+           "frobenius_hutchinson", "default_rank_rtol", "dense_preferred"]
 
 _STEPS = 300          # default step budget of lanczos_svd / condition_number
 _TOL = 0.1            # converged: kappa's bracket within 10 % (kappa_hi <= (1 + tol) kappa_lo)
 _CONFIDENCE = 0.999   # sigma_max's upper bound holds with this probability over the random start
 _FLOOR = 64           # a new Krylov vector of norm below _FLOOR * eps * ||A|| * ||p|| is rounding
+_DENSE_FLOPS = 1e11   # dense="auto": the dense SVD at most this many flops (seconds on one CPU core) ...
+_DENSE_ENTRIES = 1 << 24   # ... and its matrix at most this many entries (128 MB of float64)
 
 _BRACKET_EXACT = ("exact: the Krylov space is invariant (it is range(J^T)), so the Ritz values are the nonzero "
                   "singular values; each within its residual / sqrt(2) (Bauer-Fike on [[0, J], [J^T, 0]])")
+_BRACKET_DENSE = ("exact: dense SVD in float64 of J assembled from {q} products in {dtype}; each singular value "
+                  "within 64 eps ||J|| + 64 eps_64 ||J|| (assuming the products' rounding moves J by at most 64 eps "
+                  "||J|| in norm: Weyl); the nonzero ones are those above 64 eps s_1 ({rank} of them)")
 _BRACKET_KRYLOV = (
     "sigma_max >= the largest Ritz value and sigma_min <= the smallest (always: the Krylov space lies in "
     "range(J^T)); sigma_max <= s_1 / sqrt(1 - e) with probability >= confidence over the random start "
@@ -419,12 +424,18 @@ def _settled(history: list, tol: float) -> bool:
 
 
 def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Optional[float], tol: float,
-                 time_budget: Optional[float], confidence: float):
+                 time_budget: Optional[float], confidence: float, dense=False):
     t0 = time.perf_counter()
     method = "golub-kahan-lanczos"
     eff = _Effective(op)
     if eff.r == 0:
         return _zero_estimate(op, eff, method, seed)
+    if dense is True:
+        return _dense_one(op, rank_rtol=rank_rtol, tol=tol)
+    if dense == "auto":
+        why = _dense_plan(eff)
+        if why is not None:
+            return _dense_one(op, rank_rtol=rank_rtol, tol=tol, why=why)
     reason = _overflow(op)
     if reason is not None:
         return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
@@ -459,8 +470,10 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
                                        iterations=it, seed=seed, subspace=eff.subspace())
         scale = max(scale, alpha, beta)
         if alpha <= _FLOOR * eps * scale * max(1.0, float(_norm(p))):
-            # A v_k lies in span(U_{k-1}) to rounding: v_k adds no direction of range(A^T); B_{k-1} stands
-            exhausted, stop = True, "noise"
+            # A v_k lies in span(U_{k-1}) to rounding: v_k adds no direction of range(A^T) above the
+            # rounding floor; B_{k-1} stands, bracketed as any Krylov space (its residuals need not be small:
+            # in float32 the floor can lie above J's smallest nonzero singular values)
+            stop = "noise"
             if it == 1:
                 return _vanished_estimate(op, eff, method, seed)
             break
@@ -510,7 +523,8 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
                      f"spectrum (sigma_max >= {smax:.4g}, sigma_min <= {smin:.4g}); raise steps or time_budget")
     if stop == "noise":
         notes.append(f"the Krylov space reached the rounding floor of {op.dtype} at step {k + 1}: J has no "
-                     f"further direction above it")
+                     f"further direction above it that this dtype resolves" + (
+                         "" if converged else "; dtype=torch.float64 resolves smaller singular values"))
     if rank_def and smax > 0:
         notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has a nonzero singular "
                      f"value this small on range(J^T) (a genuine near-degeneracy, not a mask null); kappa not "
@@ -528,6 +542,12 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         bracket=_BRACKET_EXACT if exhausted else _BRACKET_KRYLOV, wall_s=time.perf_counter() - t0)
 
 
+def _check_dense(dense):
+    if dense not in (False, True, "auto") or not isinstance(dense, (bool, str)):
+        raise ValueError(f"dense must be False, True or 'auto', got {dense!r}")
+    return dense
+
+
 def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
     check_int("steps", steps, min=1)
     rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
@@ -541,7 +561,7 @@ def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
 
 def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = _STEPS, seed: int = 0, *,
                 tol: float = _TOL, time_budget: Optional[float] = None, confidence: float = _CONFIDENCE,
-                rank_rtol: Optional[float] = None):
+                rank_rtol: Optional[float] = None, dense: Union[bool, str] = False):
     """sigma_max and the smallest nonzero sigma_min of ``J``, with brackets, by Golub-Kahan-Lanczos.
 
     The bidiagonalization starts from ``J^T J e`` (``e`` random) and forms each new vector as one fresh
@@ -556,8 +576,12 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     Ritz values approximate the smallest two nonzero singular values (docs/design.md, "The attention
     Jacobian"). ``sigma_min <= rank_rtol * sigma_max`` is reported as rank-deficient (default
     :func:`default_rank_rtol` of the operator's dtype). ``seed`` (in ``[0, 2**64)``) seeds the
-    private generator of the start vector. Returns a :class:`SpectrumEstimate` (a list for a
-    sequence of operators).
+    private generator of the start vector. ``dense``: False (the default) always runs Lanczos;
+    ``"auto"`` takes the dense SVD instead (``method`` ``"dense-svd"``, exact, the choice and its
+    cost in ``notes``) when it is cheaper than the ``r`` Lanczos steps exactness would take and small
+    (:func:`dense_preferred`); True always takes it. The dense path is not bounded by ``steps`` or
+    ``time_budget`` (its cost is: about 1e11 flops at most under ``"auto"``). Returns a
+    :class:`SpectrumEstimate` (a list for a sequence of operators).
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
@@ -565,68 +589,169 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
         >>> est = condinit.lanczos_svd(op, seed=0)          # stops when kappa is within 10 %
         >>> est.kappa, (est.kappa_lo, est.kappa_hi), est.converged, est.iterations
         >>> est = condinit.lanczos_svd(op, steps=10_000, tol=0.0)   # to the end: est.exact
+        >>> condinit.lanczos_svd(op, dense="auto").method             # "dense-svd" for a layer this small
     """
     ops = _check_operators(op)
     kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
-    return _many(op, ops, _lanczos_one, seed=seed, **kw)
+    return _many(op, ops, _lanczos_one, seed=seed, dense=_check_dense(dense), **kw)
 
 
 def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = _STEPS, seed: int = 0,
-                     *, method: str = "lanczos", tol: float = _TOL, time_budget: Optional[float] = None,
+                     *, method: str = "auto", tol: float = _TOL, time_budget: Optional[float] = None,
                      confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None):
     """kappa(J) = sigma_max / sigma_min over the nonzero singular values of ``J``, with its bracket.
 
     ``method="lanczos"``: :func:`lanczos_svd` (``steps``, ``seed``, ``tol``, ``time_budget``,
-    ``confidence``); ``"dense"``: exact, from ``op.dense()`` and ``torch.linalg.svdvals`` in float64
-    (tiny layers only; the other arguments unused), with the numerical rank ``#{s_i > max(m, n) eps
-    s_1}`` (``eps`` of the operator's dtype). Returns a :class:`SpectrumEstimate` (a list for a
-    sequence of operators); its ``kappa`` is None when ``J`` is rank-deficient (``sigma_min <=
-    rank_rtol sigma_max``).
+    ``confidence``); ``"dense"``: exact, the singular values (``torch.linalg.svdvals`` in float64) of
+    ``J`` assembled from one product per basis vector of its shorter side (rows in
+    projection-output coordinates for a wide weight Jacobian), the nonzero ones those above
+    ``64 eps s_1`` (``eps`` of the operator's dtype), each bracketed by that rounding; at most
+    2**24 entries. ``"auto"`` (the default): ``"dense"`` where it is cheaper than the Lanczos run
+    to exactness and small (:func:`dense_preferred`), else ``"lanczos"``; the estimate's ``method``
+    and ``notes`` say which. Returns a :class:`SpectrumEstimate` (a list for a sequence of
+    operators); its ``kappa`` is None when ``J`` is rank-deficient (``sigma_min <= rank_rtol
+    sigma_max``).
 
     Examples:
         >>> layer = torch.nn.MultiheadAttention(16, 2, batch_first=True)
         >>> op = condinit.JacobianOperator(layer, torch.randn(1, 12, 16))
-        >>> est = condinit.condition_number(op, seed=0)                  # Lanczos, converged within 10 %
-        >>> est.kappa, est.kappa_lo, est.kappa_hi
-        >>> condinit.condition_number(op, method="dense").kappa          # exact, tiny layers only
+        >>> est = condinit.condition_number(op, seed=0)     # method "auto": a dense SVD for a layer this small
+        >>> est.method, est.kappa, est.kappa_lo, est.kappa_hi, est.converged
+        >>> condinit.condition_number(op, method="lanczos", seed=0)      # Lanczos, stops within 10 %
     """
     ops = _check_operators(op)
     kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
-    check_choice("method", method, ("lanczos", "dense"))
+    check_choice("method", method, ("auto", "lanczos", "dense"))
     if method == "dense":
-        return _many(op, ops, _dense_one, rank_rtol=kw["rank_rtol"])
-    return _many(op, ops, _lanczos_one, seed=seed, **kw)
+        return _many(op, ops, _dense_one, rank_rtol=kw["rank_rtol"], tol=kw["tol"])
+    return _many(op, ops, _lanczos_one, seed=seed, dense="auto" if method == "auto" else False, **kw)
 
 
-def _dense_one(op: JacobianOperator, *, rank_rtol):
-    t0 = time.perf_counter()
+def _dense_shape(eff: "_Effective") -> tuple:
+    """``(q, p)``: the dense matrix with ``J``'s singular values that the dense path builds, one row per
+    basis vector of ``A``'s input side ``E`` (``q`` of them): rows of ``J`` (``A = J^T``; in
+    projection-output coordinates ``K^{1/2} G``, ``p = B N rows``) or columns of ``J`` (``A = J``)."""
+    op = eff.op
+    if eff.coords:
+        return eff.size_in, op.B * op.N * sum(s[0] for s in op._in_shapes)
+    return eff.size_in, (op.n if eff.transposed else op.m)
+
+
+def _product_flops(op: JacobianOperator) -> float:
+    """A rough count of one product ``J v`` or ``J^T u``: the attention JVP / VJP (a few attention
+    passes) plus the projections' ``X dW^T`` / ``G^T X`` for ``wrt="weights"``."""
+    att = 24.0 * op.B * op.H * op.N * op.N * op.d
+    rows = sum(s[0] for s in op._in_shapes) if op.wrt != "qkv" else 0
+    return att + 4.0 * op.B * op.N * (op.D or 0) * rows
+
+
+def _dense_plan(eff: "_Effective") -> Optional[str]:
+    """Why ``dense="auto"`` takes the dense path here, or None when it does not: the dense SVD (``q``
+    products and ``4 p q^2`` flops) is cheaper than the ``r`` Lanczos steps that exactness would take
+    (``2 r`` products and ``2 r^2 (q + p)`` flops of reorthogonalization), at most ``_DENSE_FLOPS``
+    flops and ``_DENSE_ENTRIES`` entries."""
+    q, p = _dense_shape(eff)
+    lo, hi = min(p, q), max(p, q)
+    svd = 4.0 * hi * lo * lo
+    if q * p > _DENSE_ENTRIES or svd > _DENSE_FLOPS:
+        return None
+    prod = _product_flops(eff.op)
+    dense = q * prod + svd
+    side = 2 * p if eff.coords else p
+    lanczos = 2.0 * eff.r * prod + 2.0 * eff.r ** 2 * (q + side)
+    if dense > lanczos:
+        return None
+    return (f"dense SVD chosen (dense='auto'): the dense J ({q} x {p}) costs about {dense / 1e9:.3g} GFLOP, the "
+            f"{eff.r} Lanczos steps exactness would take about {lanczos / 1e9:.3g} GFLOP")
+
+
+def dense_preferred(op: JacobianOperator) -> bool:
+    """Whether ``dense="auto"`` (:func:`lanczos_svd`, :func:`condition_number`) takes the dense path for
+    ``op``: its dense SVD is cheaper than the Lanczos run to exactness and small (at most about 1e11
+    flops and 2**24 entries), and its attention output is finite in its dtype. Such an operator is
+    best built in float64 (its bracket is then the rounding of float64)."""
     eff = _Effective(op)
-    J = op.dense()
+    return eff.r > 0 and _dense_plan(eff) is not None and _overflow(op) is None
+
+
+def _dense_matrix(eff: "_Effective") -> Tensor:
+    """The ``[q, p]`` float64 matrix of :func:`_dense_shape` (``M M^T = A^T A``, so its singular values
+    are ``J``'s), ``q`` products sent in blocks of probes."""
+    op = eff.op
+    q, p = _dense_shape(eff)
+    M = torch.empty(q, p, dtype=torch.float64, device=op.device)
+    root = None
+    if eff.coords:       # <G_1, K G_2> = <K^{1/2} G_1, K^{1/2} G_2>
+        lam, Q = torch.linalg.eigh(op._gram().to(torch.float64))
+        root = (Q * lam.clamp(min=0).sqrt()) @ Q.t()
+    chunk = max(1, min(q, 64, (1 << 22) // max(1, p)))
+    for i in range(0, q, chunk):
+        c = min(chunk, q - i)
+        probes = torch.zeros(c, q, device=op.device, dtype=op.dtype)
+        probes[:, i:i + c].diagonal().fill_(1)
+        with torch.no_grad():
+            if eff.coords:
+                G = torch.cat(op._cotangents(probes), dim=-1).reshape(c, op.B * op.N, -1).to(torch.float64)
+                M[i:i + c] = (root @ G).reshape(c, -1)
+            elif eff.transposed:
+                M[i:i + c] = op._rmatmat_rows(probes).to(torch.float64)
+            else:
+                M[i:i + c] = op._matmat_rows(probes).to(torch.float64)
+    return M
+
+
+def _dense_one(op: JacobianOperator, *, rank_rtol, tol: float = _TOL, why: Optional[str] = None):
+    t0 = time.perf_counter()
+    method = "dense-svd"
+    eff = _Effective(op)
     if eff.r == 0:
-        return _zero_estimate(op, eff, "dense-svd", 0)
+        return _zero_estimate(op, eff, method, 0)
+    q, p = _dense_shape(eff)
+    if why is None and q * p > _DENSE_ENTRIES:
+        raise ValueError(f"method='dense': the dense J of this operator is {q} x {p} = {q * p} entries, above "
+                         f"{_DENSE_ENTRIES}; use method='lanczos' (or 'auto')")
     reason = _overflow(op)
-    if reason is None and not bool(torch.isfinite(J).all()):
-        reason = f"J is not finite in {op.dtype} (overflow)"
+    M = None
+    if reason is None:
+        M = _dense_matrix(eff)
+        if not bool(torch.isfinite(M).all()):
+            reason = (f"J is not finite in {op.dtype} (overflow in its products: they are not reliable here; "
+                      f"attention scores too large?)")
     if reason is not None:
-        return _nonfinite_estimate(op, "dense-svd", reason, iterations=0, seed=0, subspace=eff.subspace())
-    s = torch.linalg.svdvals(J.to(torch.float64))
-    floor = max(op.m, op.n) * torch.finfo(op.dtype).eps * float(s[0])
-    rank = int((s > floor).sum())
+        return _nonfinite_estimate(op, method, reason, iterations=0, seed=0, subspace=eff.subspace())
+    s = torch.linalg.svdvals(M.t() if M.shape[1] > M.shape[0] else M)
+    del M
+    eps = torch.finfo(op.dtype).eps
+    s1 = float(s[0])
+    rank = int((s > _FLOOR * eps * s1).sum())
     if rank == 0:
-        return _vanished_estimate(op, eff, "dense-svd", 0, what="the dense J is 0")
-    smax, smin = float(s[0]), float(s[rank - 1])
+        return _vanished_estimate(op, eff, method, 0, what="the dense J is 0")
+    smax, smin = s1, float(s[rank - 1])
+    fl = _FLOOR * (eps + torch.finfo(torch.float64).eps) * s1
     rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
+    smin_lo, smin_hi = max(smin - fl, 0.0), smin + fl
     rank_def = smin <= rtol * smax
     kappa = None if rank_def else smax / smin
+    klo = None if rank_def else (smax - fl) / smin_hi
+    khi = None if rank_def else ((smax + fl) / smin_lo if smin_lo > 0 else math.inf)
+    notes = [why] if why else []
+    if rank_def:
+        notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has a nonzero singular "
+                     f"value this small (a genuine near-degeneracy, not a mask null); kappa not reported")
+    elif khi > (1.0 + tol) * klo:
+        notes.append(f"kappa's bracket [{klo:.4g}, {khi:.4g}] is the rounding of {op.dtype}: build the operator with "
+                     f"dtype=torch.float64 for a tighter one")
     return SpectrumEstimate(
-        method="dense-svd", sigma_max=smax, sigma_min=smin, kappa=kappa, iterations=0,
-        residual_max=0.0, residual_min=0.0, converged=True, rank_deficient=bool(rank_def), subspace=eff.subspace(),
+        method=method, sigma_max=smax, sigma_min=smin, kappa=kappa, iterations=0,
+        residual_max=0.0, residual_min=0.0, converged=bool(rank_def or khi <= (1.0 + tol) * klo),
+        rank_deficient=bool(rank_def), subspace=eff.subspace(),
         null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=0, wrt=op.wrt,
-        sigma_max_lo=smax, sigma_max_hi=smax, sigma_min_lo=smin, sigma_min_hi=smin, kappa_lo=kappa, kappa_hi=kappa,
-        exact=True, bracket=f"exact: dense SVD, rank = #{{s_i > max(m, n) eps s_1}} = {rank}",
-        wall_s=time.perf_counter() - t0)
+        notes="; ".join(notes + _operator_notes(op)),
+        sigma_max_lo=smax - fl, sigma_max_hi=smax + fl, sigma_min_lo=smin_lo, sigma_min_hi=smin_hi,
+        kappa_lo=klo, kappa_hi=khi, exact=True, tol=tol,
+        bracket=_BRACKET_DENSE.format(q=q, dtype=op.dtype, rank=rank), wall_s=time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------------

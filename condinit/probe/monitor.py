@@ -12,7 +12,8 @@ rotary ``position_embeddings`` it is called with, and of its Q/K/V weights (a
 :class:`~condinit.probe.JacobianOperator` of the attention the module computes -- QK-norm, RoPE,
 sliding window, soft-capping -- is built at that moment, so the estimate refers to the weights the
 forward pass used; the record's ``notes`` / the estimate's ``subspace`` say what is modelled).
-:meth:`JacobianMonitor.step` then runs :func:`~condinit.probe.lanczos_svd` (``steps``) and
+:meth:`JacobianMonitor.step` then runs :func:`~condinit.probe.lanczos_svd` (``steps``, ``dense="auto"``:
+the exact dense SVD, in float64, for a layer small enough that it is cheaper than Lanczos to exactness) and
 :func:`~condinit.probe.frobenius_hutchinson` per layer and logs one record per layer to JSONL (and
 CSV; TensorBoard scalars when ``torch.utils.tensorboard`` works).
 
@@ -96,6 +97,9 @@ class JacobianMonitor:
         budget: max seconds of estimation per sampled step (None: unlimited; must be > 0).
         steps: at most this many Golub-Kahan-Lanczos steps per layer; each layer stops as soon as
             its kappa bracket is within ``tol`` (:func:`~condinit.probe.lanczos_svd`).
+        dense: ``"auto"`` (default): a layer whose dense SVD is cheaper than the Lanczos run to
+            exactness, and small, gets the exact dense SVD instead (:func:`condinit.probe.estimators.dense_preferred`;
+            the record's ``method`` says which); False: Lanczos only; True: dense only.
         tol: the relative width of the kappa bracket at which a layer's estimate counts as converged
             (``kappa_hi <= (1 + tol) kappa_lo``).
         layer_budget: at most this many seconds of Lanczos steps per layer (None: no limit); the
@@ -112,7 +116,9 @@ class JacobianMonitor:
             for a 12-layer D=768 model at 8 x 512 tokens (the whole batch costs several times more);
             ``None``: all.
         frobenius_samples: Hutchinson probes per layer (0: skip).
-        dtype: compute dtype (default: the layer's, float32 for half types).
+        dtype: compute dtype (default: the layer's, float32 for half types; a layer on the dense
+            path whose kappa bracket is then wider than ``tol`` by that dtype's rounding alone is
+            redone in float64 from a copy taken at the same capture, and its record says so).
         include, exclude: fnmatch patterns on module names (as in :func:`condinit.apply`).
         tensorboard: also write TensorBoard scalars to ``log_dir`` when ``torch.utils.tensorboard``
             imports.
@@ -141,7 +147,8 @@ class JacobianMonitor:
     """
 
     def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 300, *,
-                 tol: float = 0.1, layer_budget: Optional[float] = None, log_dir=None, path=None, seed: int = 0,
+                 tol: float = 0.1, dense="auto", layer_budget: Optional[float] = None, log_dir=None, path=None,
+                 seed: int = 0,
                  wrt: str = "weights", causal: Optional[bool] = None,
                  max_layers: Optional[int] = None, max_batch: Optional[int] = 1,
                  max_tokens: Optional[int] = None, frobenius_samples: int = 8, dtype=None, include=None,
@@ -155,6 +162,8 @@ class JacobianMonitor:
         every = check_int("every", every, min=1)
         steps = check_int("steps", steps, min=1)
         tol = check_real("tol", tol, min=0.0)
+        from .estimators import _check_dense
+        self.dense = _check_dense(dense)
         layer_budget = check_real("layer_budget", layer_budget, min=0.0, min_open=True, allow_none=True)
         frobenius_samples = check_int("frobenius_samples", frobenius_samples, min=0)
         if frobenius_samples == 1:
@@ -191,6 +200,7 @@ class JacobianMonitor:
         self.step_count = 0
         self._cursor = 0          # round-robin position over layers
         self._captured: dict = {}
+        self._refine: dict = {}       # layer -> a float64 operator of the same capture (dense path only)
         self._skipped: dict = {}      # layer -> the reason its capture on this step failed
         self._traced: dict = {}       # layers whose forward this step was a torch.compile graph
         # output files: checked and opened before any hook is registered
@@ -254,8 +264,17 @@ class JacobianMonitor:
         try:
             # copies x and the weights now (cast to the compute dtype, whatever autocast does in this
             # forward): the estimate refers to these weights
-            self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype,
-                                                   position_embeddings=pe, spec=self.layers[idx].spec)
+            op = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype,
+                                  position_embeddings=pe, spec=self.layers[idx].spec)
+            self._captured[idx] = op
+            if self.dtype is None and self.dense is not False and op.dtype != torch.float64:
+                from .estimators import dense_preferred
+                if dense_preferred(op):
+                    # a float64 copy of the same data: used when the dense SVD in the layer's dtype leaves
+                    # kappa's bracket wider than tol by rounding alone
+                    self._refine[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal,
+                                                         dtype=torch.float64, position_embeddings=pe,
+                                                         spec=self.layers[idx].spec)
         except (ValueError, TypeError) as exc:
             # non-finite data (NonFiniteError) or a layer the operator cannot read: logged as skipped
             # with the reason; training goes on
@@ -281,7 +300,7 @@ class JacobianMonitor:
         if self._captured or self._skipped or self._pending or (self._traced and self.sampling) \
                 or (self.distributed and cur % self.every == 0):
             records = self._estimate(cur)
-        self._captured, self._skipped, self._pending, self._traced = {}, {}, {}, {}
+        self._captured, self._skipped, self._pending, self._traced, self._refine = {}, {}, {}, {}, {}
         self.step_count = cur + 1
         return records
 
@@ -338,7 +357,14 @@ class JacobianMonitor:
                 with torch.no_grad(), autocast_disabled(op.device):
                     sig = attention_signals(op) if self.signals else {}
                     est = lanczos_svd(op, steps=self.steps, seed=seed, tol=self.tol,
-                                      time_budget=self._layer_time(t_start))
+                                      time_budget=self._layer_time(t_start), dense=self.dense)
+                    op64 = self._refine.pop(idx, None)
+                    if op64 is not None and est.method == "dense-svd" and math.isfinite(est.sigma_max) \
+                            and not est.converged:
+                        est = lanczos_svd(op64, steps=self.steps, seed=seed, tol=self.tol, dense=self.dense)
+                        est.notes = "; ".join(n for n in (f"redone in float64: in {op.dtype} kappa's bracket "
+                                                          f"was the dtype's rounding", est.notes) if n)
+                        op = op64
                     fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                         if self.frobenius_samples and math.isfinite(est.sigma_max) else None
                 # the estimators report an overflow of the compute dtype as NaN values with the reason
@@ -355,8 +381,8 @@ class JacobianMonitor:
                 continue
             rec = {**base, "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                    **{key: getattr(est, key) for key in BRACKET_KEYS},
-                   "rank_deficient": est.rank_deficient, "converged": est.converged,
-                   "residual_max": est.residual_max, "residual_min": est.residual_min,
+                   "rank_deficient": est.rank_deficient, "converged": est.converged, "method": est.method,
+                   "dtype": str(op.dtype).replace("torch.", ""), "residual_max": est.residual_max, "residual_min": est.residual_min,
                    "lanczos_steps": est.iterations, "batch": op.B, "tokens": op.N,
                    "null_dims": list(est.null_dims), "time_s": time.perf_counter() - t0, "skipped": None,
                    "notes": est.notes}
@@ -489,7 +515,7 @@ class JacobianMonitor:
         if self._capture is not None:
             self._capture.remove()
             self._capture = None
-        self._captured = {}
+        self._captured, self._refine = {}, {}
         self._log.close()
 
     def __enter__(self):
