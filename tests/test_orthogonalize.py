@@ -545,3 +545,93 @@ def test_orthogonalize_non_finite_refused(rng):
         A[1, 2, 3] = bad
         out = torch.zeros_like(A)
         assert_refused(lambda: orthogonalize(A, out=out), [A, out], ValueError, "stack must be finite")
+
+
+# --------------------------------------------------------------------------------------------------
+# the per-block native kernels (one OpenMP team per chunk, single-threaded MKL per block)
+
+reference_mod = importlib.import_module("condinit.ops.orthogonalize.reference")
+native = pytest.mark.skipif(not reference_mod._per_block_lapack(torch.empty(1)),
+                            reason="the per-block kernels of condinit._C are not built here")
+
+_NATIVE_THREADS = """
+import hashlib, sys, warnings
+import torch
+warnings.simplefilter("error")          # a warning about MKL's setting fails the script
+from condinit.init import orthogonalize
+g = torch.Generator().manual_seed(11)
+ill = torch.randn(4, 16, 128, generator=g)
+ill[1] *= torch.logspace(0, 4, 16)[:, None]  # kappa ~ 1e4: CholeskyQR2 redoes this block by Householder
+blocks = [torch.randn(9, 64, 2048, generator=g), torch.randn(5, 48, 100, generator=g), ill,
+          torch.randn(3, 96, 96, generator=g)]
+for threads in [int(t) for t in sys.argv[1:]]:
+    torch.set_num_threads(threads)      # the script sets it, not the library
+    digest = hashlib.sha256()
+    for W in blocks:
+        for method in ("cholqr2", "householder", "svd"):
+            digest.update(orthogonalize(W, method).numpy().tobytes())
+            for i in range(W.shape[0]):   # each block alone: the bits of the whole batch
+                assert torch.equal(orthogonalize(W[i:i + 1], method), orthogonalize(W, method)[i:i + 1])
+    print(threads, digest.hexdigest())
+"""
+
+
+@pytest.mark.slow
+@native
+def test_native_bits_do_not_depend_on_thread_count_or_split():
+    """Fresh processes whose first factorization runs on 2 or 3 threads (new team threads, where MKL
+    drops its per-thread setting at their first call): every thread count gives the same bits, each
+    block alone gives its bits in the batch, and nothing warns."""
+    import subprocess
+    import sys
+    lines = []
+    for order in (["2", "3", "1"], ["3", "1", "2"]):
+        res = subprocess.run([sys.executable, "-c", _NATIVE_THREADS, *order], capture_output=True, text=True,
+                             timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": order[0]})
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines += [line for line in res.stdout.split("\n") if line.strip()]
+    assert len(lines) == 6 and len({line.split()[1] for line in lines}) == 1, lines
+
+
+@native
+def test_native_cholqr2_matches_the_batched_reference(rng, monkeypatch):
+    """The per-block CholeskyQR2 kernel and the batched PyTorch one (the path without the extension)
+    compute the same factorization: equal up to fp32 rounding, the same blocks sent to Householder."""
+    W = torch.randn(6, 32, 256, generator=rng)
+    W[2] *= torch.logspace(0, 4, 32)[:, None]              # one ill-conditioned block: the fallback
+    got = orthogonalize(W, "cholqr2")
+    monkeypatch.setattr(reference_mod, "_NATIVE_BLOCKS", False)
+    want = orthogonalize(W, "cholqr2")
+    assert orth_error(got) <= 1e-5
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    # the fallback block is the sign-fixed Householder factor of that block, computed in float64
+    Q64, R64 = torch.linalg.qr(W[2].double().T)
+    want2 = (Q64 * torch.sign(R64.diagonal())).T
+    torch.testing.assert_close(got[2].double(), want2, atol=1e-5, rtol=0)
+
+
+@native
+def test_native_kernels_one_team_no_pool(rng):
+    """No Python worker threads: the factorizations of a call run in the caller's OpenMP team."""
+    before = {t.name for t in threading.enumerate()}
+    for method in ("householder", "svd", "cholqr2"):
+        orthogonalize(torch.randn(5, 24, 120, generator=rng), method)
+    assert {t.name for t in threading.enumerate()} == before
+
+
+def test_bench_contention_stops_its_processes():
+    """benchmarks/bench_contention.py: the busy processes it starts are gone after an error inside."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        bench_contention = importlib.import_module("bench_contention")
+    finally:
+        sys.path.pop(0)
+    c = bench_contention.Contenders(2, "spin")
+    with pytest.raises(KeyError):
+        with c:
+            procs = list(c.procs)
+            assert len(procs) == 2 and all(p.poll() is None for p in procs)
+            raise KeyError("inside")
+    assert all(p.poll() is not None for p in procs)
