@@ -14,16 +14,17 @@ What a rank generates, per placement of a ``[rows, in]`` projection:
   on every rank (each keeps its columns). Same cost as unsharded; memory stays bounded by the
   generation buffer, not the tensor.
 * ``Replicate()``: the whole projection, like a single process.
-* Fused weights (``in_proj_weight``, timm ``qkv``) and stored-transposed ones (GPT-2 ``Conv1D``, whose
-  ``Shard(0)`` splits the *input* dimension) are handled the same way, through the
-  projection's row range and orientation.
-
 * ``_StridedShard`` (FSDP2's ``fully_shard`` over a "dp" mesh dimension layered on tensor parallel:
   a fused ``wqkv`` gets ``(_StridedShard(0, split_factor=tp), Shard(0))``): the rank's entries along a
   dimension need not be one contiguous range. :func:`global_indices` maps each local index to its
   global index by applying the placements left to right with torch's own split of each placement
   (the split ``distribute_tensor`` uses); :func:`local_boxes` cuts the local tensor into the
-  contiguous boxes of that map, and each box is written like a ``Shard`` part.
+  contiguous boxes of that map, and each box is written like a ``Shard`` part. Uneven strided
+  shards (entries not a multiple of ``split_factor`` times the mesh size) are refused: there torch's
+  reading of the placement and FSDP2's storage can name different rows.
+* Fused weights (``in_proj_weight``, timm ``qkv``) and stored-transposed ones (GPT-2 ``Conv1D``, whose
+  ``Shard(0)`` splits the *input* dimension) are handled the same way, through the
+  projection's row range and orientation.
 
 ``Partial`` placements (pending reductions) hold no well-defined values and are rejected, and so is
 any other placement (named in the error).
@@ -114,7 +115,7 @@ def _check_placements(placements, name: str) -> None:
     Replicate, Shard, Strided = _placement_types()
     for p in placements:
         if type(p) not in (Shard, Replicate, Strided):
-            raise ValueError(f"{name}: DTensor placement {p} is not supported (only Shard(dim), _StridedShard(dim) "
+            raise ValueError(f"{name}: DTensor placement {p!r} is not supported (only Shard(dim), _StridedShard(dim) "
                              f"and Replicate(); a Partial tensor has no values to initialize)")
 
 
@@ -128,10 +129,13 @@ def global_indices(global_shape, mesh_shape, coordinate, placements, name: str =
     them: each ``Shard`` / ``_StridedShard`` on mesh dimension ``m`` splits the indices the earlier
     placements left along its ``dim`` with the placement's own split (``_split_tensor``, what
     ``distribute_tensor`` scatters) and keeps chunk ``coordinate[m]``. A ``_StridedShard``'s chunk
-    is not contiguous in general. Pure: no process group needed.
+    is not contiguous in general; it must split its entries evenly (their count a multiple of
+    ``split_factor`` times the mesh dimension's size), else ValueError: there the placement's
+    left-to-right reading and the right-to-left chunking FSDP2 stores can name different entries.
+    Pure: no process group needed.
     """
     _check_placements(placements, name)
-    Replicate, _, _ = _placement_types()
+    Replicate, Shard, _ = _placement_types()
     if len(placements) != len(mesh_shape) or len(coordinate) != len(mesh_shape):
         raise ValueError(f"{name}: {len(placements)} placements, a mesh of shape {tuple(mesh_shape)} and "
                          f"coordinate {tuple(coordinate)} do not match")
@@ -141,8 +145,14 @@ def global_indices(global_shape, mesh_shape, coordinate, placements, name: str =
             continue
         d = p.dim
         if not 0 <= d < len(global_shape):
-            raise ValueError(f"{name}: placement {p} shards dimension {d} of a {len(global_shape)}-d tensor")
+            raise ValueError(f"{name}: placement {p!r} shards dimension {d} of a {len(global_shape)}-d tensor")
         cur = torch.arange(global_shape[d]) if index[d] is None else index[d]
+        if type(p) is not Shard:     # a _StridedShard
+            n = int(p.split_factor) * int(mesh_shape[m])
+            if cur.numel() % n:
+                raise ValueError(f"{name}: DTensor placement {p!r} over {cur.numel()} entries of dim {d} is not supported "
+                                 f"(uneven: not a multiple of split_factor x mesh size = {n}; torch's reading of an "
+                                 f"uneven strided shard and FSDP2's storage of it can differ)")
         # split along p.dim, as the placement splits a tensor: the index vector laid along that dim
         chunks, _ = p._split_tensor(cur.reshape([1] * d + [-1]), int(mesh_shape[m]), with_padding=False)
         c = int(coordinate[m])
