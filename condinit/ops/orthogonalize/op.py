@@ -18,10 +18,11 @@ padded with copies of a real block), on the CPU in chunks of at least 2 blocks (
 gives the same per-block bits for every batch size >= 2), each chunk on one thread; see
 :func:`run_chunks`.
 
-Thread count: on the CPU every Householder and SVD factorization runs on one MKL thread and a
-chunk's blocks are spread over the caller's threads, so those bits do not depend on
-``torch.get_num_threads()`` either (the reference's per-block LAPACK); the GEMM-based methods were
-measured independent of it.
+Thread count: on the CPU every Householder, SVD and CholeskyQR2 block is factored on one MKL
+thread, a chunk's blocks spread over one OpenMP team of the caller's threads (the native per-block
+kernels, :mod:`condinit.ops.orthogonalize.reference`, "LAPACK on the CPU"), so those bits do not
+depend on ``torch.get_num_threads()`` either; the GEMM-based polar iteration was measured
+independent of it.
 
 Backends (the ``orthogonalize`` table of :mod:`condinit._backends`): ``torch`` runs the chunks one
 after the other on the calling thread with the caller's thread settings (no process setting is
@@ -267,11 +268,11 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     Householder and SVD, which LAPACK runs matrix by matrix).
 
     CPU parallelism: the chunks run one after the other with the caller's intra-op threads; no
-    thread or precision setting of the process changes. (Running whole chunks single-threaded in
-    one OpenMP region was faster on small shared machines, but MKL LAPACK calls inside such a
-    region deadlocked once torch.set_num_threads had turned MKL's dynamic threading off.) The
-    LAPACK factorizations inside a chunk (Householder, SVD) run one MKL thread each on worker
-    threads of their own (the reference's per-block LAPACK): no OpenMP region is nested.
+    thread or precision setting of the process changes (MKL's single-thread setting is per thread
+    and restored). Inside a chunk the factorizations (Householder, SVD, CholeskyQR2) run block by
+    block in one OpenMP team, each block on single-threaded MKL (the native per-block kernels of
+    :mod:`condinit.ops.orthogonalize.reference`): no OpenMP region is nested and no other thread
+    pool exists.
     """
     device = torch.device(device)
     name = ORTHOGONALIZE.choose(device, backend, method=method)
