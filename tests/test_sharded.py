@@ -353,6 +353,20 @@ def _strided_worker(rank, world, port, errfile):
             got = _full(m)
             for k, v in expect.items():
                 assert torch.equal(got[k], v), f"{label}: {k} differs from the single-process apply"
+        # an uneven strided shard (21 rows over 2 x 2) is refused, naming it, before anything is written
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        m = GQAAttn()
+        for mod in m.modules():   # torch's distribute_tensor refuses uneven strided shards: build them from local parts
+            for name, p in list(mod._parameters.items()):
+                pl = _placements(_STRIDED["fsdp2_tp"][0], p.dim())
+                shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, pl)
+                dt = DTensor.from_local(torch.randn(shape), mesh, pl, shape=p.shape, stride=p.stride())
+                mod._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        before = {k: v.to_local().clone() for k, v in m.named_parameters()}
+        with pytest.raises(ValueError, match=r"q: DTensor placement _StridedShard\(dim=0, sf=2\) over 21 entries"):
+            condinit.apply(m, seed=SEED, report=False)
+        assert all(torch.equal(v.to_local(), before[k]) for k, v in m.named_parameters())
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
