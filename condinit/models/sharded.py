@@ -150,9 +150,9 @@ def global_indices(global_shape, mesh_shape, coordinate, placements, name: str =
         if type(p) is not Shard:     # a _StridedShard
             n = int(p.split_factor) * int(mesh_shape[m])
             if cur.numel() % n:
-                raise ValueError(f"{name}: DTensor placement {p!r} over {cur.numel()} entries of dim {d} is not supported "
-                                 f"(uneven: not a multiple of split_factor x mesh size = {n}; torch's reading of an "
-                                 f"uneven strided shard and FSDP2's storage of it can differ)")
+                raise ValueError(f"{name}: DTensor placement {p!r} over {cur.numel()} entries of dim {d} is not "
+                                 f"supported (uneven: not a multiple of split_factor x mesh size = {n}; torch's "
+                                 f"reading of an uneven strided shard and FSDP2's storage of it can differ)")
         # split along p.dim, as the placement splits a tensor: the index vector laid along that dim
         chunks, _ = p._split_tensor(cur.reshape([1] * d + [-1]), int(mesh_shape[m]), with_padding=False)
         c = int(coordinate[m])
