@@ -61,16 +61,18 @@ _DENSE_FLOPS = 1e11   # dense="auto": the dense SVD at most this many flops (sec
 _DENSE_ENTRIES = 1 << 24   # ... and its matrix at most this many entries (128 MB of float64)
 
 _BRACKET_EXACT = ("exact: the Krylov space is invariant (it is range(J^T)), so the Ritz values are the nonzero "
-                  "singular values; each within its residual / sqrt(2) (Bauer-Fike on [[0, J], [J^T, 0]])")
+                  "singular values; each within its residual / sqrt(2) (Bauer-Fike on [[0, J], [J^T, 0]]) and the "
+                  "rounding f = 512 eps s_1 sqrt(k) of k steps (assumed at most that, as a norm)")
 _BRACKET_DENSE = ("exact: dense SVD in float64 of J assembled from {q} products in {dtype}; each singular value "
                   "within 64 eps ||J|| + 64 eps_64 ||J|| (assuming the products' rounding moves J by at most 64 eps "
                   "||J|| in norm: Weyl); the nonzero ones are those above 64 eps s_1 ({rank} of them)")
 _BRACKET_KRYLOV = (
-    "sigma_max >= the largest Ritz value and sigma_min <= the smallest (always: the Krylov space lies in "
-    "range(J^T)); sigma_max <= s_1 / sqrt(1 - e) with probability >= confidence over the random start "
-    "(Kuczynski-Wozniakowski); sigma_min >= max(s_k - eta_k, s_k - eta_k^2 / (s_{k-1} - eta_{k-1} - s_k)) "
-    "assuming the two smallest Ritz values approximate the two smallest nonzero singular values (residual "
-    "bound and Kato-Temple with that gap)")
+    "sigma_max >= the largest Ritz value - f and sigma_min <= the smallest + f, f = 512 eps s_1 sqrt(k) the "
+    "rounding of k steps (assumed at most that, as a norm; the Krylov space lies in range(J^T)); sigma_max <= "
+    "(s_1 + f) / sqrt(1 - e) with probability >= confidence over the random start (Kuczynski-Wozniakowski); "
+    "sigma_min >= max(s_k - eta_k, s_k - eta_k^2 / (s_{k-1} - eta_{k-1} - s_k)) - f assuming the two smallest "
+    "Ritz values approximate the two smallest nonzero singular values (residual bound and Kato-Temple with that "
+    "gap)")
 
 
 def default_rank_rtol(dtype: torch.dtype) -> float:
@@ -377,19 +379,21 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
     Jacobian", "Brackets")."""
     eta = [r / math.sqrt(2.0) for r in res]        # residual of the augmented [[0, A], [A^T, 0]]
     s1, sk = s[0], s[-1]
+    # the rounding of k products and reorthogonalizations (assumed at most this, as a norm: it grows with
+    # the steps, and a Ritz value can dip below the smallest nonzero singular value by that much)
+    fl = 8 * _FLOOR * eps * s1 * math.sqrt(max(k, 1))
     if exhausted:        # the Krylov space is invariant: the Ritz values are the singular values, to rounding
-        fl = _FLOOR * eps * s1
         smax = (s1 - fl, s1 + eta[0] + fl)
         smin = (max(sk - eta[-1] - fl, 0.0), sk + fl)
     else:
         e = _kw_epsilon(k, dim, confidence)
-        smax = (s1, s1 / math.sqrt(1.0 - e) if e < 1.0 else math.inf)
+        smax = (s1 - fl, (s1 + fl) / math.sqrt(1.0 - e) if e < 1.0 else math.inf)
         lo = sk - eta[-1]                          # a singular value lies within eta of s_k: sigma_min (assumed)
         if k >= 2:                                 # Kato-Temple with sigma_2 >= s_{k-1} - eta_{k-1} (assumed)
             gap = (s[-2] - eta[-2]) - sk
             if gap > 0:
                 lo = max(lo, sk - eta[-1] ** 2 / gap)
-        smin = (max(lo, 0.0), sk)
+        smin = (max(lo - fl, 0.0), sk + fl)
     kappa = (smax[0] / smin[1] if smin[1] > 0 else math.inf, smax[1] / smin[0] if smin[0] > 0 else math.inf)
     return {"sigma_max": smax, "sigma_min": smin, "kappa": kappa}
 

@@ -1,0 +1,141 @@
+"""The brackets of the kappa estimates contain the truth, over many seeded random attention layers.
+
+The reference is the dense Jacobian of the layer's own forward by ``torch.func.jacrev`` (a naive
+float64 attention, or a Hugging Face module's forward), its singular values by
+``torch.linalg.svdvals``, and kappa over those above ``1e-10 sigma_max`` (the nonzero ones). Cases:
+causal and bidirectional, grouped-query 1:1, 2:1 and 4:1, N below, equal to and above the head
+dim, one or two sequences, left padding (the first tokens one repeated pad embedding, no padding
+mask: the operator does not model one, so neither does the reference), and Hugging Face Llama
+(RoPE), Qwen3 (RoPE and QK-norm), Gemma-2 (sliding window, soft-capping) and GPT-NeoX (partial
+rotary, biases) layers. Each case checks, at the defaults, that ``[lo, hi]`` of sigma_max,
+sigma_min and kappa holds the reference for ``condition_number`` (``method="auto"``) and
+``lanczos_svd`` (Lanczos, 300 steps, tol 0.1), and that Lanczos run to the end equals the
+reference to 1e-6.
+
+A reference with singular values in ``(1e-13, 1e-10] sigma_max`` (a near-degeneracy, not a null
+direction: those sit near 1e-16) has no kappa; there an exact estimate must say rank-deficient.
+"""
+import math
+
+import pytest
+import torch
+
+from condinit.probe import condition_number, lanczos_svd
+
+from test_probe_operator import F64, _adapter, make, reference_jacobian  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GQA = ((2, 2), (2, 1), (4, 1), (1, 1))
+
+
+def _tiny_case(g: torch.Generator, i: int):
+    """A random small layer: (description, operator, dense reference J)."""
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
+    wrt, causal, (H, Hkv) = pick(("weights", "input", "qkv")), pick((False, True)), pick(GQA)
+    d = pick((2, 4))
+    N = max(1, d + pick((-1, 0, 2)))           # below / equal / above the head dim
+    B, D, pad = pick((1, 1, 2)), pick((6, 8)), pick((0, 0, 0, 1, 2))
+    seed = int(torch.randint(2 ** 31, (1,), generator=g))
+    x_fn = None
+    if pad and pad < N:
+        def x_fn(x, pad=pad):                    # left padding: the first tokens one pad embedding
+            x = x.clone()
+            x[:, :pad] = x[:1, :1]
+            return x
+    m, x, op = make(wrt, causal, B=B, N=N, D=D, H=H, Hkv=Hkv, d=d, seed=seed, x_fn=x_fn)
+    what = f"case {i}: wrt={wrt} causal={causal} H={H} Hkv={Hkv} d={d} N={N} B={B} D={D} pad={pad} seed={seed}"
+    return what, op, reference_jacobian(m, x, wrt, causal)
+
+
+def _hf_case(g: torch.Generator, i: int, mp):
+    """A random Hugging Face layer (its float64 patches active in ``mp`` while the case is used: the
+    operator's QK-norm calls the norm class's forward)."""
+    import test_operator_real_attention as real
+    from condinit.probe import JacobianOperator
+
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
+    name, wrt, kv = pick(("llama", "qwen3", "gemma2", "neox")), pick(("weights", "input")), pick((4, 2))
+    kv = 4 if name == "neox" else kv
+    seed = int(torch.randint(2 ** 31, (1,), generator=g))
+    attn, x, kwargs = real._build(name, seed, mp, kv)
+    op = JacobianOperator(attn, x, wrt=wrt, causal=True, dtype=F64, position_embeddings=kwargs["position_embeddings"])
+    J = real.reference_jacobian(attn, x, kwargs, wrt, op.H, op.d).detach()
+    return f"case {i}: {name} wrt={wrt} kv_heads={kv} seed={seed}", op, J
+
+
+def _check(est, s, what):
+    """The estimate's brackets against the reference singular values ``s`` (descending)."""
+    s1 = float(s[0])
+    assert est.sigma_max_lo <= s1 <= est.sigma_max_hi, (what, est.method, est.sigma_max_lo, s1, est.sigma_max_hi)
+    band = s[(s > 1e-13 * s1) & (s <= 1e-10 * s1)]
+    if len(band):                                # near-degenerate: no reference kappa
+        if est.exact:
+            assert est.rank_deficient, (what, est.method, float(band[-1]) / s1)
+        assert est.sigma_min_hi >= float(band[-1]) * (1 - 1e-9), (what, est.method)
+        return "near-degenerate"
+    smin = float(s[s > 1e-10 * s1][-1])
+    assert not est.rank_deficient, (what, est.method, est.sigma_min, smin)
+    assert est.sigma_min_lo <= smin <= est.sigma_min_hi, (what, est.method, est.sigma_min_lo, smin, est.sigma_min_hi)
+    assert est.kappa_lo <= s1 / smin <= est.kappa_hi, (what, est.method, est.kappa_lo, s1 / smin, est.kappa_hi)
+    return "kappa"
+
+
+def _run(cases, seed):
+    kinds = {"kappa": 0, "near-degenerate": 0}
+    for what, op, J in cases:
+        s = torch.linalg.svdvals(J)
+        if float(s[0]) == 0.0:
+            continue
+        auto = condition_number(op, seed=seed % 1000)
+        assert auto.converged, (what, auto.method, auto.notes)     # dense, or Lanczos where that is cheaper
+        kinds[_check(auto, s, what)] += 1
+        _check(lanczos_svd(op, seed=seed % 1000), s, what)
+        full = lanczos_svd(op, steps=10_000, tol=0.0, seed=seed % 1000)
+        _check(full, s, what)
+        nz = s[s > 1e-10 * float(s[0])]
+        assert abs(full.sigma_max - float(s[0])) <= 1e-6 * float(s[0]), what
+        assert full.exact, (what, full.notes)
+        if not full.rank_deficient:
+            for est in (full, auto) if auto.exact else (full,):
+                assert abs(est.sigma_min - float(nz[-1])) <= 1e-6 * float(nz[-1]), (what, est.method)
+                assert abs(est.kappa - float(s[0] / nz[-1])) <= 1e-6 * float(s[0] / nz[-1]), (what, est.method)
+    return kinds
+
+
+def test_brackets_contain_the_truth_fast(seed):
+    g = torch.Generator().manual_seed(seed)
+    kinds = _run((_tiny_case(g, i) for i in range(20)), seed)
+    assert kinds["kappa"] >= 10, kinds           # most random cases have a kappa to bracket
+
+
+@pytest.mark.slow
+def test_brackets_contain_the_truth_many(seed):
+    g = torch.Generator().manual_seed(seed)
+    kinds = _run((_tiny_case(g, i) for i in range(300)), seed)
+    assert kinds["kappa"] >= 150, kinds
+
+
+@pytest.mark.slow
+def test_brackets_contain_the_truth_hf_modules(seed, monkeypatch):
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(seed)
+    kinds = {"kappa": 0, "near-degenerate": 0}
+    for i in range(24):
+        with monkeypatch.context() as mp:        # HF's float64 patches, undone after each case
+            for k, v in _run([_hf_case(g, i, mp)], seed).items():
+                kinds[k] += v
+    assert kinds["kappa"] >= 12, kinds
+
+
+def test_dense_auto_is_declared(seed):
+    """The automatic dense path says so; Lanczos alone (dense=False) is still Lanczos."""
+    m, x, op = make("weights", True, N=6, D=8, H=2, Hkv=1, d=4, seed=seed)
+    auto = condition_number(op)
+    assert auto.method == "dense-svd" and auto.exact and "dense SVD chosen (dense='auto')" in auto.notes
+    assert lanczos_svd(op, dense="auto").method == "dense-svd"
+    assert lanczos_svd(op).method == "golub-kahan-lanczos"
+    assert condition_number(op, method="lanczos").method == "golub-kahan-lanczos"
+    with pytest.raises(ValueError, match="dense must be False, True or 'auto'"):
+        lanczos_svd(op, dense="yes")
+    assert not math.isnan(auto.sigma_max)
