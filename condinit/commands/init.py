@@ -10,6 +10,7 @@
     condinit init --config llama-8b.json --dtype bf16 --out llama-8b/ --nproc 2     # two processes on this machine
     torchrun --nproc-per-node 8 -m condinit init --config llama-70b.json --dtype bf16 --out llama-70b/
     condinit init --config llama-405b.json --dtype bf16 --out llama-405b/ --dry-run --nproc 512 --rank-rate 800MB
+    condinit init --format dcp --torchtitan llama3:8B --dtype bf16 --out seed_ckpt/ --nproc 8   # torchtitan seed checkpoint
 
 The model (a preset of :mod:`condinit.models.presets`, or a Hugging Face ``config.json`` of any
 ``model_type`` that ``transformers.AutoConfig`` knows; decoder language models are built as
@@ -49,6 +50,16 @@ condinit can read fails with the list of attention-like modules found. ``--adapt
 module:function`` (repeatable) imports ``function(module) -> AttentionSpec | None`` and tries it on
 every module before the built-in adapters (None: not this module), so a custom attention class
 needs no code change here.
+
+**torchtitan seed checkpoints.** ``--format dcp --torchtitan MODEL:FLAVOR`` (torchtitan's own
+registry entry, ``torchtitan.models.MODEL``'s ``model_registry(FLAVOR)``: ``llama3:8B``) writes a
+model-only torch.distributed.checkpoint directory instead, every rank its own rows of every tensor
+(:func:`condinit.models.engines.dcp.write_torchtitan_seed`: FSDP2 over all ranks, torchtitan's
+``init_states()`` drawn rank-invariantly, :func:`condinit.apply`, ``dcp.save``; the same bytes for
+any number of ranks), on the CPU. ``--out`` must be empty or absent. ``--dry-run`` prints the
+bytes each rank would hold and write. The flags of the safetensors writer (``--config``,
+``--preset``, ``--max-shard-size``, ``--resume``, ``--overwrite``, ``--rank-rate``, ``--adapter``,
+``--mla factors``, ``--device cuda``) are refused with it.
 """
 from __future__ import annotations
 
@@ -68,6 +79,11 @@ def add_arguments(p):
                      help="built-in model: " + ", ".join(f"{k} ({v.description})" for k, v in PRESETS.items())
                      + " (default tiny-llama)")
     src.add_argument("--config", metavar="CONFIG.json", help="a Hugging Face config.json (needs model_type)")
+    src.add_argument("--torchtitan", metavar="MODEL:FLAVOR", default=None,
+                     help="with --format dcp: a torchtitan model by its registry entry, e.g. llama3:8B")
+    p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors",
+                   help="safetensors (default) or dcp: a torchtitan seed checkpoint (torch.distributed.checkpoint "
+                        "directory) written by every rank in parallel; needs --torchtitan")
     # an explicit default, unlike condinit.apply's seed=None (drawn): the output is reproducible
     p.add_argument("--seed", type=int, default=0, help="seed, 0 <= seed < 2**64 (default 0)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="storage dtype (default fp32)")
@@ -118,6 +134,10 @@ def run(args) -> int:
     from condinit.models.stream import parse_shard_size
     from condinit.models.stream.ranks import launched_world_size
 
+    if args.format == "dcp":
+        return _run_dcp(args)
+    if args.torchtitan is not None:
+        raise CLIError("--torchtitan: only with --format dcp (a torchtitan seed checkpoint)")
     # every check on the input happens before any work
     to_directory = args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)
     out = check_output_dir(args.out) if to_directory else check_output_path(args.out)
@@ -176,7 +196,7 @@ def run(args) -> int:
         raise named from exc
 
 
-def _launch(args) -> int:
+def _launch(args, left="no index written (complete shards stay: --resume writes the rest)") -> int:
     """``--nproc N`` (a real write): this same command run as N processes on this machine by
     torch.distributed's launcher (what ``torchrun --standalone --nproc-per-node N -m condinit``
     does), each with ``OMP_NUM_THREADS`` = this machine's cores / N unless set; the exit status is
@@ -193,7 +213,7 @@ def _launch(args) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise CLIError(f"--nproc {args.nproc}: rank {rank} exited with status {failure.exitcode} (its error is "
-                       f"printed above); no index written (complete shards stay: --resume writes the rest)") from None
+                       f"printed above); {left}") from None
     return 0
 
 
@@ -387,3 +407,103 @@ def _rank_lines(plan, rank_rate, quiet: bool) -> list:
         if len(shares) > 8:
             lines.append(f"  ... and {len(shares) - 8} more ranks")
     return lines
+
+
+def _run_dcp(args) -> int:
+    """``--format dcp``: a torchtitan seed checkpoint (:func:`condinit.models.engines.dcp.
+    write_torchtitan_seed`), every check made before any work; under ``--nproc N`` or torchrun every
+    rank writes its share."""
+    from condinit._validate import check_int, check_seed
+    from condinit.cli import CLIError
+    from condinit.models.engines import dcp as engine
+    from condinit.models.presets import DTYPES
+    from condinit.models.stream.ranks import launched_group, launched_world_size
+
+    for flag, given in (("--config", args.config is not None), ("--preset", args.preset is not None)):
+        if given:
+            raise CLIError(f"{flag}: --format dcp writes a torchtitan model: name its flavor with --torchtitan "
+                           f"MODEL:FLAVOR (e.g. llama3:8B) instead")
+    if args.torchtitan is None:
+        raise CLIError("--format dcp: name the model with --torchtitan MODEL:FLAVOR (e.g. llama3:8B)")
+    for flag, given in (("--max-shard-size", args.max_shard_size is not None), ("--resume", args.resume),
+                        ("--overwrite", args.overwrite), ("--rank-rate", args.rank_rate is not None),
+                        ("--adapter", bool(args.adapter)), ("--mla factors", args.mla != "refuse"),
+                        ("--device cuda", args.device != "cpu")):
+        if given:
+            raise CLIError(f"{flag}: not with --format dcp (a DCP seed checkpoint is computed on the CPU and "
+                           f"written whole into an empty directory)")
+    check_seed("--seed", args.seed)
+    check_int("--nproc", args.nproc, min=1, allow_none=True)
+    launched = launched_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", launched or 1))
+    if launched is not None and args.nproc is not None and args.nproc != local and not args.dry_run:
+        raise CLIError(f"--nproc {args.nproc}: this process was launched among {local} process(es) on this machine "
+                       f"(LOCAL_WORLD_SIZE): leave --nproc out under torchrun")
+    try:
+        engine.torchtitan_model(args.torchtitan)
+        out = engine._check_empty_dir(args.out)
+    except ImportError as exc:
+        raise CLIError(f"--torchtitan {args.torchtitan}: {exc}") from None
+    except ValueError as exc:
+        raise CLIError(f"--{'torchtitan' if 'torchtitan model' in str(exc) else 'out'}: {exc}") from None
+    dtype = DTYPES[args.dtype]
+    if args.dry_run:
+        if launched is not None and int(os.environ["RANK"]) != 0:
+            return 0   # the plan is rank 0's; nothing is written
+        plan = engine.plan_torchtitan_seed(args.torchtitan, args.nproc or launched or 1, dtype=dtype)
+        print(_dcp_plan_text(plan, out, args.quiet))
+        return 0
+    if args.nproc is not None and args.nproc > 1 and launched is None:
+        return _launch(args, left="no .metadata written: nothing under --out (the ranks' temporary directory "
+                                  "beside it is removed by rank 0)")
+    common = dict(seed=args.seed, dtype=dtype, method=args.method, v_mode=args.v_mode, qk_gain=args.qk_gain,
+                  v_gain=args.v_gain, strict=args.strict, report=False)
+    if launched is None or launched == 1:
+        rep = engine.write_torchtitan_seed(args.torchtitan, out, **common)
+    else:
+        with launched_group("cpu"):
+            rep = engine.write_torchtitan_seed(args.torchtitan, out, **common)
+        if int(os.environ["RANK"]) != 0:
+            return 0   # rank 0 prints the write
+    if args.quiet:
+        print(rep.out_dir)
+        return 0
+    from condinit._util import format_bytes
+    from condinit.models.report import wide_console
+
+    con = wide_console()
+    if rep.apply.uncovered:
+        con.print(rep.apply.uncovered_table())
+    plan = rep.plan
+    con.print(f"conditioned {len(rep.apply.layers)} attention layer(s) (adapter "
+              f"{', '.join(sorted({l.adapter for l in rep.apply.layers}))}): every Q/K head semi-orthogonal, V the "
+              f"identity; everything else torchtitan's init_states()"
+              + (f"; {len(rep.apply.uncovered)} attention-like module(s) not conditioned (listed above)"
+                 if rep.apply.uncovered else ""))
+    con.print(f"wrote {rep.out_dir}: torchtitan {plan.model.name}, {plan.num_parameters / 1e6:.1f}M parameters, "
+              f"{args.dtype}, {format_bytes(plan.total_bytes)} of tensors by {len(plan.ranks)} rank(s) (at most "
+              f"{format_bytes(max(s.bytes for s in plan.ranks))} per rank), seed {args.seed}, {rep.time_s:.2f} s; "
+              f"peak resident memory per rank {format_bytes(max(rep.peak_rss))}")
+    return 0
+
+
+def _dcp_plan_text(plan, out: str, quiet: bool) -> str:
+    """``--format dcp --dry-run``: the bytes each rank would hold and write."""
+    from condinit._util import format_bytes
+
+    shares = plan.ranks
+    lines = [f"dry run, nothing written: {out}",
+             f"torchtitan {plan.model.name}: {plan.num_parameters / 1e6:.1f}M parameters, "
+             f"{str(plan.dtype).removeprefix('torch.')}, {format_bytes(plan.total_bytes)} of tensors; {len(shares)} "
+             f"rank(s), each holding and writing its rows of every tensor (FSDP2): "
+             f"{format_bytes(min(s.bytes for s in shares))}-{format_bytes(max(s.bytes for s in shares))} per rank"]
+    if not quiet:
+        name, whole = plan.drawn_whole
+        lines.append(f"peak memory per rank: its share, plus the largest tensor whose init is drawn whole on every "
+                     f"rank ({name}, {format_bytes(whole)} float32)" if name else
+                     "peak memory per rank: its share, plus one row block of the init")
+        for s in shares[:8]:
+            lines.append(f"  rank {s.rank}: {format_bytes(s.bytes)}")
+        if len(shares) > 8:
+            lines.append(f"  ... and {len(shares) - 8} more ranks")
+    return "\n".join(lines)
