@@ -57,7 +57,7 @@ _STEPS = 300          # default step budget of lanczos_svd / condition_number
 _TOL = 0.1            # converged: kappa's bracket within 10 % (kappa_hi <= (1 + tol) kappa_lo)
 _CONFIDENCE = 0.999   # sigma_max's upper bound holds with this probability over the random start
 _FLOOR = 64           # a new Krylov vector of norm below _FLOOR * eps * ||A|| * ||p|| is rounding
-_DENSE_FLOPS = 1e11   # dense="auto": the dense SVD at most this many flops (seconds on one CPU core) ...
+_DENSE_FLOPS = 2e11   # dense="auto": the dense SVD at most this many flops (about 10 s on one CPU core) ...
 _DENSE_ENTRIES = 1 << 24   # ... and its matrix at most this many entries (128 MB of float64)
 
 _BRACKET_EXACT = ("exact: the Krylov space is invariant (it is range(J^T)), so the Ritz values are the nonzero "
@@ -584,7 +584,7 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     ``"auto"`` takes the dense SVD instead (``method`` ``"dense-svd"``, exact, the choice and its
     cost in ``notes``) when it is cheaper than the ``r`` Lanczos steps exactness would take and small
     (:func:`dense_preferred`); True always takes it. The dense path is not bounded by ``steps`` or
-    ``time_budget`` (its cost is: about 1e11 flops at most under ``"auto"``). Returns a
+    ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). Returns a
     :class:`SpectrumEstimate` (a list for a sequence of operators).
 
     Examples:
@@ -673,7 +673,7 @@ def _dense_plan(eff: "_Effective") -> Optional[str]:
 
 def dense_preferred(op: JacobianOperator) -> bool:
     """Whether ``dense="auto"`` (:func:`lanczos_svd`, :func:`condition_number`) takes the dense path for
-    ``op``: its dense SVD is cheaper than the Lanczos run to exactness and small (at most about 1e11
+    ``op``: its dense SVD is cheaper than the Lanczos run to exactness and small (at most about 2e11
     flops and 2**24 entries), and its attention output is finite in its dtype. Such an operator is
     best built in float64 (its bracket is then the rounding of float64)."""
     eff = _Effective(op)
