@@ -428,7 +428,7 @@ def _settled(history: list, tol: float) -> bool:
 
 
 def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Optional[float], tol: float,
-                 time_budget: Optional[float], confidence: float, dense=False):
+                 time_budget: Optional[float], confidence: float, dense=False, steps_given=None):
     t0 = time.perf_counter()
     method = "golub-kahan-lanczos"
     eff = _Effective(op)
@@ -437,7 +437,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
     if dense is True:
         return _dense_one(op, rank_rtol=rank_rtol, tol=tol)
     if dense == "auto":
-        why = _dense_plan(eff)
+        why = _dense_plan(eff, None if steps_given is None else steps)
         if why is not None:
             return _dense_one(op, rank_rtol=rank_rtol, tol=tol, why=why)
     reason = _overflow(op)
@@ -553,17 +553,19 @@ def _check_dense(dense):
 
 
 def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
-    check_int("steps", steps, min=1)
+    check_int("steps", steps, min=1, allow_none=True)
+    given, steps = steps, _STEPS if steps is None else steps
     rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
     tol = check_real("tol", tol, min=0.0)
     time_budget = check_real("time_budget", time_budget, min=0.0, min_open=True, allow_none=True)
     confidence = check_real("confidence", confidence, min=0.0, min_open=True, max=1.0)
     if confidence == 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence} (a certain bound needs the whole range)")
-    return dict(steps=steps, tol=tol, time_budget=time_budget, confidence=confidence, rank_rtol=rank_rtol)
+    return dict(steps=steps, tol=tol, time_budget=time_budget, confidence=confidence, rank_rtol=rank_rtol,
+                steps_given=given)
 
 
-def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = _STEPS, seed: int = 0, *,
+def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: Optional[int] = None, seed: int = 0, *,
                 tol: float = _TOL, time_budget: Optional[float] = None, confidence: float = _CONFIDENCE,
                 rank_rtol: Optional[float] = None, dense: Union[bool, str] = False):
     """sigma_max and the smallest nonzero sigma_min of ``J``, with brackets, by Golub-Kahan-Lanczos.
@@ -582,7 +584,8 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     :func:`default_rank_rtol` of the operator's dtype). ``seed`` (in ``[0, 2**64)``) seeds the
     private generator of the start vector. ``dense``: False (the default) always runs Lanczos;
     ``"auto"`` takes the dense SVD instead (``method`` ``"dense-svd"``, exact, the choice and its
-    cost in ``notes``) when it is cheaper than the ``r`` Lanczos steps exactness would take and small
+    cost in ``notes``) when it is cheaper than the ``r`` Lanczos steps exactness would take (than
+    ``min(steps, r)`` steps when ``steps`` is given; default 300 Lanczos steps) and small
     (:func:`dense_preferred`); True always takes it. The dense path is not bounded by ``steps`` or
     ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). Returns a
     :class:`SpectrumEstimate` (a list for a sequence of operators).
@@ -601,7 +604,7 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     return _many(op, ops, _lanczos_one, seed=seed, dense=_check_dense(dense), **kw)
 
 
-def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: int = _STEPS, seed: int = 0,
+def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: Optional[int] = None, seed: int = 0,
                      *, method: str = "auto", tol: float = _TOL, time_budget: Optional[float] = None,
                      confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None):
     """kappa(J) = sigma_max / sigma_min over the nonzero singular values of ``J``, with its bracket.
@@ -651,7 +654,7 @@ def _product_flops(op: JacobianOperator) -> float:
     return att + 4.0 * op.B * op.N * (op.D or 0) * rows
 
 
-def _dense_plan(eff: "_Effective") -> Optional[str]:
+def _dense_plan(eff: "_Effective", steps: Optional[int] = None) -> Optional[str]:
     """Why ``dense="auto"`` takes the dense path here, or None when it does not: the dense SVD (``q``
     products and ``4 p q^2`` flops) is cheaper than the ``r`` Lanczos steps that exactness would take
     (``2 r`` products and ``2 r^2 (q + p)`` flops of reorthogonalization), at most ``_DENSE_FLOPS``
@@ -664,20 +667,22 @@ def _dense_plan(eff: "_Effective") -> Optional[str]:
     prod = _product_flops(eff.op)
     dense = q * prod + svd
     side = 2 * p if eff.coords else p
-    lanczos = 2.0 * eff.r * prod + 2.0 * eff.r ** 2 * (q + side)
+    k = eff.r if steps is None else min(steps, eff.r)      # a step budget the caller set bounds the work
+    lanczos = 2.0 * k * prod + 2.0 * k ** 2 * (q + side)
     if dense > lanczos:
         return None
     return (f"dense SVD chosen (dense='auto'): the dense J ({q} x {p}) costs about {dense / 1e9:.3g} GFLOP, the "
-            f"{eff.r} Lanczos steps exactness would take about {lanczos / 1e9:.3g} GFLOP")
+            f"{k} Lanczos steps " + ("exactness would take" if k == eff.r else "of the step budget") +
+            f" about {lanczos / 1e9:.3g} GFLOP")
 
 
-def dense_preferred(op: JacobianOperator) -> bool:
+def dense_preferred(op: JacobianOperator, steps: Optional[int] = None) -> bool:
     """Whether ``dense="auto"`` (:func:`lanczos_svd`, :func:`condition_number`) takes the dense path for
     ``op``: its dense SVD is cheaper than the Lanczos run to exactness and small (at most about 2e11
     flops and 2**24 entries), and its attention output is finite in its dtype. Such an operator is
     best built in float64 (its bracket is then the rounding of float64)."""
     eff = _Effective(op)
-    return eff.r > 0 and _dense_plan(eff) is not None and _overflow(op) is None
+    return eff.r > 0 and _dense_plan(eff, steps) is not None and _overflow(op) is None
 
 
 def _dense_matrix(eff: "_Effective") -> Tensor:
@@ -749,7 +754,7 @@ def _dense_one(op: JacobianOperator, *, rank_rtol, tol: float = _TOL, why: Optio
                      f"dtype=torch.float64 for a tighter one")
     return SpectrumEstimate(
         method=method, sigma_max=smax, sigma_min=smin, kappa=kappa, iterations=0,
-        residual_max=0.0, residual_min=0.0, converged=bool(rank_def or khi <= (1.0 + tol) * klo),
+        residual_max=0.0, residual_min=0.0, converged=bool(smin_hi <= rtol * (smax - fl) if rank_def else khi <= (1.0 + tol) * klo),
         rank_deficient=bool(rank_def), subspace=eff.subspace(),
         null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=0, wrt=op.wrt,
         notes="; ".join(notes + _operator_notes(op)),

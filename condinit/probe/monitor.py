@@ -95,8 +95,9 @@ class JacobianMonitor:
         model: the model; attention layers are found by the adapter registry.
         every: sample steps ``0, every, 2 every, ...`` (counted by :meth:`step`).
         budget: max seconds of estimation per sampled step (None: unlimited; must be > 0).
-        steps: at most this many Golub-Kahan-Lanczos steps per layer; each layer stops as soon as
-            its kappa bracket is within ``tol`` (:func:`~condinit.probe.lanczos_svd`).
+        steps: at most this many Golub-Kahan-Lanczos steps per layer (None: lanczos_svd's 300); each
+            layer stops as soon as its kappa bracket is within ``tol`` (:func:`~condinit.probe.lanczos_svd`).
+            A given ``steps`` also bounds what the dense path may cost (``min(steps, r)`` Lanczos steps).
         dense: ``"auto"`` (default): a layer whose dense SVD is cheaper than the Lanczos run to
             exactness, and small, gets the exact dense SVD instead (:func:`condinit.probe.estimators.dense_preferred`;
             the record's ``method`` says which); False: Lanczos only; True: dense only.
@@ -146,7 +147,7 @@ class JacobianMonitor:
         >>> mon = condinit.JacobianMonitor(model, every=1, alerts={"max_logit": 20.0, "kappa_growth": 10.0})
     """
 
-    def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: int = 300, *,
+    def __init__(self, model: nn.Module, every: int = 100, budget: Optional[float] = None, steps: Optional[int] = None, *,
                  tol: float = 0.1, dense="auto", layer_budget: Optional[float] = None, log_dir=None, path=None,
                  seed: int = 0,
                  wrt: str = "weights", causal: Optional[bool] = None,
@@ -160,7 +161,7 @@ class JacobianMonitor:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         every = check_int("every", every, min=1)
-        steps = check_int("steps", steps, min=1)
+        steps = check_int("steps", steps, min=1, allow_none=True)
         tol = check_real("tol", tol, min=0.0)
         from .estimators import _check_dense
         self.dense = _check_dense(dense)
@@ -269,7 +270,7 @@ class JacobianMonitor:
             self._captured[idx] = op
             if self.dtype is None and self.dense is not False and op.dtype != torch.float64:
                 from .estimators import dense_preferred
-                if dense_preferred(op):
+                if dense_preferred(op, self.steps):
                     # a float64 copy of the same data: used when the dense SVD in the layer's dtype leaves
                     # kappa's bracket wider than tol by rounding alone
                     self._refine[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal,
