@@ -8,6 +8,11 @@ coordinator writes the ``.metadata`` file last. The keys are the model's own: fo
 models ``layers.{i}.attention.qkv_linear.wq.weight`` and so on (``FusedQKVLinear`` splits ``wqkv``
 on save), which torchtitan's ``CheckpointManager`` reads at step 0 of a model-only checkpoint
 (``--checkpoint.initial_load_path DIR``, ``initial_load_model_only``).
+
+:func:`write_torchtitan_seed` (``condinit init --format dcp --torchtitan MODEL:FLAVOR``) builds
+torchtitan's model from its own registry entry on every rank, FSDP2-sharded over all ranks, and
+writes it the same way: each rank initializes, conditions and writes only its rows, and the
+directory has the same bytes for any number of ranks.
 """
 from __future__ import annotations
 
@@ -262,14 +267,24 @@ def _rank_invariant(fn, name: str, seed: int):
 
 def _init_states(model: nn.Module, tables: list, seed: int) -> None:
     """torchtitan's ``init_states()`` (buffers, weight tying, every ``param_init`` function), with
-    each parameter's init function drawn rank-invariantly (:func:`_rank_invariant`)."""
+    each parameter's init function drawn rank-invariantly (:func:`_rank_invariant`). When the model
+    has no persistent buffer, its buffers (RoPE caches: not saved, one per layer, e.g. 2 GB for
+    Llama 3 8B) are computed on the meta device (``buffer_device``) and then allocated on the CPU
+    uninitialized, never written or read, so their pages take no resident memory."""
+    saved_buffers = any(name not in mod._non_persistent_buffers_set
+                        for mod in model.modules() for name, _ in mod.named_buffers(recurse=False))
+    buffer_device = None if saved_buffers else torch.device("meta")
     saved = [(mod, mod.__dict__.get("_param_init", _MISSING)) for mod, _ in tables]
     try:
         for mod, prefix in tables:
             mod._param_init = {n: _rank_invariant(fn, f"{prefix}.{n}" if prefix else n, seed)
                                for n, fn in mod._param_init.items()}
         with torch.no_grad():
-            model.init_states()
+            model.init_states(buffer_device=buffer_device)
+        for mod in model.modules():
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if b is not None and b.is_meta:
+                    mod.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device="cpu"), persistent=False)
     finally:
         for mod, table in saved:
             if table is _MISSING:
