@@ -383,6 +383,20 @@ def _save_items(model: nn.Module) -> tuple:
     return state, pieces
 
 
+def _check_layout(tt: TorchtitanModel, meta: nn.Module) -> None:
+    """On the meta model, before anything is allocated: the blocks ``fully_shard`` wraps are in
+    ``model.layers``, and :func:`_save_items` gives the keys and shapes of torchtitan's own
+    ``state_dict()`` (ValueError otherwise)."""
+    if not isinstance(getattr(meta, "layers", None), nn.ModuleDict):
+        raise ValueError(f"torchtitan {tt.name}: the model has no ModuleDict `layers` of blocks to fully_shard")
+    state, pieces = _save_items(meta)
+    mine = {**{k: tuple(v.shape) for k, v in state.items()}, **{k: size for k, (size, _) in pieces.items()}}
+    theirs = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    if mine != theirs:
+        raise ValueError(f"torchtitan {tt.name}: its state dict's keys or shapes are not those condinit writes "
+                         f"(differing: {sorted(set(mine.items()) ^ set(theirs.items()))[:4]}); not supported")
+
+
 def _pieces_planner(pieces: dict):
     """torch.distributed.checkpoint's default save planner plus one write item per piece (its rows
     at their global offset): the pieces of all ranks make up each tensor, as DCP checks."""
@@ -518,7 +532,7 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     meta = _build_on_meta(tt, dtype)
     tables = _param_tables(meta)
     plan = _plan(tt, meta, tables, ranks.size, dtype)
-    layout = {k: tuple(v.shape) for k, v in meta.state_dict().items()}     # torchtitan's own keys
+    _check_layout(tt, meta)
     if ranks.size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -531,10 +545,6 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     _init_states(net, tables, seed)
     report = apply(net, seed=seed, **apply_kwargs)
     state, pieces = _save_items(net)
-    mine = {**{k: tuple(v.shape) for k, v in state.items()}, **{k: size for k, (size, _) in pieces.items()}}
-    if mine != layout:
-        raise RuntimeError(f"torchtitan {tt.name}: its state dict's keys or shapes are not those condinit writes "
-                           f"(differing: {sorted(set(mine.items()) ^ set(layout.items()))[:4]})")
     done = False
     try:
         with warnings.catch_warnings():   # one process: dcp.save says it assumes so, as intended
