@@ -285,6 +285,34 @@ def test_cli_probe_one_token_and_nan_weight(tmp_path, capsys, monkeypatch):
     assert "not probed" not in out and "bound '-'" not in out
 
 
+def test_cli_probe_time_budget_default_and_no_limit(tmp_path, capsys, monkeypatch):
+    """Each layer's Lanczos work is capped at 10 s by default; --time-budget 0 lifts the cap;
+    a negative budget is refused before any work."""
+    from safetensors.torch import save_file
+
+    from condinit.cli import main
+    from condinit.commands import probe
+
+    torch.manual_seed(1)
+    model = ToyLM().eval()
+    monkeypatch.setattr(probe, "_load", lambda path, preset: (model, "toy"))
+    seen = []
+    real = probe.probe_model
+    monkeypatch.setattr(probe, "probe_model", lambda *a, **kw: seen.append(kw["time_budget"]) or real(*a, **kw))
+    ckpt = tmp_path / "toy.safetensors"
+    save_file({"w": torch.zeros(1)}, str(ckpt))
+    args = ["probe", str(ckpt), "--preset", "tiny-llama", "--batch", "1", "--steps", "3", "--samples", "2"]
+    out_json = tmp_path / "p.json"
+    assert main(args + ["--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["time_budget"] == 10.0
+    assert main(args + ["--time-budget", "0", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["time_budget"] is None
+    assert seen == [10.0, None]
+    capsys.readouterr()
+    assert main(args + ["--time-budget", "-1"]) == 2
+    assert "--time-budget" in capsys.readouterr().err and seen == [10.0, None]
+
+
 # ------------------------------------------------------------------------------------------------
 # the monitor inside a training loop
 

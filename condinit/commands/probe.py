@@ -17,7 +17,8 @@ Krylov vectors (BENCHMARKS.md).
 
 Per layer it prints sigma_max and sigma_min of the weight Jacobian and kappa(J) with its bracket
 ``[kappa_lo, kappa_hi]``, as :func:`condinit.probe.lanczos_svd` gives them (``--steps`` and
-``--time-budget`` cap its work per layer; by default it stops when the bracket is tight),
+``--time-budget`` cap its work per layer, by default 300 steps or 10 s, whichever comes first; it
+stops earlier when the bracket is tight),
 ``||J||_F`` (Hutchinson, with its 95 % interval) and the upper bound on kappa(J) of
 :func:`condinit.probe.condition_number_bound`. A vacuous bound prints as ``-`` with a footnote
 letter; the footnotes under the table say which term is infinite or undefined and why. Decoder
@@ -35,6 +36,10 @@ from __future__ import annotations
 import contextlib
 import json
 
+# seconds of Lanczos steps per layer unless --time-budget says otherwise (BENCHMARKS.md: what a
+# Llama-1B layer reaches in 10 / 30 / 60 s)
+DEFAULT_TIME_BUDGET = 10.0
+
 NAME = "probe"
 HELP = "attention-Jacobian conditioning per layer of a .safetensors checkpoint (sigma, kappa and its bound)"
 
@@ -47,8 +52,10 @@ def add_arguments(p):
     p.add_argument("--batch", type=int, default=2, help="sequences in the synthetic batch (default 2)")
     p.add_argument("--steps", type=int, default=None,
                    help="at most this many Golub-Kahan-Lanczos steps per layer (default: lanczos_svd's)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="at most this many seconds of Lanczos steps per layer (default: no limit)")
+    p.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET, metavar="SECONDS",
+                   help=f"at most this many seconds of Lanczos steps per layer (default {DEFAULT_TIME_BUDGET:g}: "
+                        f"a billion-parameter layer's bracket stays open for minutes, so a layer is not left "
+                        f"running for that long by default; 0: no limit)")
     p.add_argument("--samples", type=int, default=16, help="Hutchinson probes per layer (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch and the estimators (default 0)")
     p.add_argument("--wrt", choices=("weights", "input", "qkv"), default="weights",
@@ -486,7 +493,9 @@ def run(args) -> int:
     for name, val in (("--seq-len", args.seq_len), ("--batch", args.batch)):
         check_int(name, val, min=1)
     check_int("--steps", args.steps, min=1, allow_none=True)
-    check_real("--time-budget", args.time_budget, min=0.0, min_open=True, allow_none=True)
+    check_real("--time-budget", args.time_budget, min=0.0, allow_none=True)
+    if args.time_budget == 0:
+        args.time_budget = None         # no limit
     check_int("--samples", args.samples, min=2)
     check_int("--layers", args.layers, min=1, allow_none=True)
     check_seed("--seed", args.seed)
