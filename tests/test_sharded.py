@@ -86,68 +86,88 @@ def _full(model):
     return out
 
 
-def _worker(rank, world, port, errfile):
+def _rank_main(rank, world, port, errfile, body):
+    """One gloo rank: ``body(rank, world)`` inside an initialized process group; every rank waits at a
+    barrier before the group is torn down (a peer destroyed mid-collective aborts the other); a
+    failure's traceback goes to ``errfile.RANK``."""
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         import torch.distributed as dist
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate, Shard
-
-        import condinit
-
-        _register()
-        mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(0)
-        base = Net()
-        ref = copy.deepcopy(base)
-        condinit.apply(ref, seed=SEED, report=False)
-        expect = ref.state_dict()
-        # a single-process apply on 2 layers picked by include must agree too (numbering unchanged)
-        variants = {}
-        m = copy.deepcopy(base)
-        for blk in m.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        variants["fsdp2"] = m
-        for label, pl in (("shard0", Shard(0)), ("shard1", Shard(1)), ("replicate", Replicate())):
-            variants[label] = _distribute(copy.deepcopy(base), mesh, pl)
-        for label, m in variants.items():
-            rep = condinit.apply(m, seed=SEED, report=True)
-            assert rep.sharded, label
-            assert len(rep) == 4, label
-            got = _full(m)
-            for k, v in expect.items():
-                assert torch.equal(got[k], v), f"{label}: {k} differs from the single-process apply"
-            for l in rep:
-                assert l.before["q"] is None  # no 'before' for shards
-                for p in "qkv":  # a rank whose shard holds none of a projection's rows measures nothing
-                    st = l.after[p]
-                    assert st is None or abs(st.cond - 1) < 1e-4, (label, l.name, p, st)
-        # deferred + sharded: built on meta, fully_shard, then materialized (own init through
-        # reset_parameters on the DTensor shards) and conditioned by apply
-        with torch.device("meta"):
-            m = Net()
-        for blk in m.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        rep = condinit.apply(m, seed=SEED, device="cpu")
-        assert rep.materialized and rep.sharded
-        got = _full(m)
-        qkv = [k for k in expect if any(s in k for s in ("in_proj", "c_attn", ".q.", ".k.", ".v."))]
-        assert len(qkv) == 16
-        for k in qkv:
-            assert torch.equal(got[k], expect[k]), f"meta+fsdp2: {k}"
-        assert all(torch.isfinite(v).all() for v in got.values())
+        body(rank, world)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         with open(f"{errfile}.{rank}", "w") as fh:
             fh.write(traceback.format_exc())
         raise
+
+
+def _spawn(tmp_path, body, world):
+    """``body`` on ``world`` gloo ranks; the failing ranks' tracebacks make the assertion message."""
+    import torch.multiprocessing as mp
+
+    errfile = str(tmp_path / "err")
+    try:
+        mp.spawn(_rank_main, args=(world, _free_port(), errfile, body), nprocs=world, join=True)
+    except Exception as exc:
+        msgs = [f"rank {r}:\n" + open(f"{errfile}.{r}").read() for r in range(world)
+                if os.path.exists(f"{errfile}.{r}")]
+        raise AssertionError("\n".join(msgs) or str(exc)) from None
+
+
+def _worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+
+    import condinit
+
+    _register()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = Net()
+    ref = copy.deepcopy(base)
+    condinit.apply(ref, seed=SEED, report=False)
+    expect = ref.state_dict()
+    # a single-process apply on 2 layers picked by include must agree too (numbering unchanged)
+    variants = {}
+    m = copy.deepcopy(base)
+    for blk in m.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    variants["fsdp2"] = m
+    for label, pl in (("shard0", Shard(0)), ("shard1", Shard(1)), ("replicate", Replicate())):
+        variants[label] = _distribute(copy.deepcopy(base), mesh, pl)
+    for label, m in variants.items():
+        rep = condinit.apply(m, seed=SEED, report=True)
+        assert rep.sharded, label
+        assert len(rep) == 4, label
+        got = _full(m)
+        for k, v in expect.items():
+            assert torch.equal(got[k], v), f"{label}: {k} differs from the single-process apply"
+        for l in rep:
+            assert l.before["q"] is None  # no 'before' for shards
+            for p in "qkv":  # a rank whose shard holds none of a projection's rows measures nothing
+                st = l.after[p]
+                assert st is None or abs(st.cond - 1) < 1e-4, (label, l.name, p, st)
+    # deferred + sharded: built on meta, fully_shard, then materialized (own init through
+    # reset_parameters on the DTensor shards) and conditioned by apply
+    with torch.device("meta"):
+        m = Net()
+    for blk in m.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    rep = condinit.apply(m, seed=SEED, device="cpu")
+    assert rep.materialized and rep.sharded
+    got = _full(m)
+    qkv = [k for k in expect if any(s in k for s in ("in_proj", "c_attn", ".q.", ".k.", ".v."))]
+    assert len(qkv) == 16
+    for k in qkv:
+        assert torch.equal(got[k], expect[k]), f"meta+fsdp2: {k}"
+    assert all(torch.isfinite(v).all() for v in got.values())
 
 
 def _free_port():
@@ -158,17 +178,7 @@ def _free_port():
 
 @pytest.mark.slow
 def test_sharded_equals_single_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    errfile = str(tmp_path / "err")
-    try:
-        mp.spawn(_worker, args=(2, _free_port(), errfile), nprocs=2, join=True)
-    except Exception as exc:
-        msgs = []
-        for r in range(2):
-            if os.path.exists(f"{errfile}.{r}"):
-                msgs.append(f"rank {r}:\n" + open(f"{errfile}.{r}").read())
-        raise AssertionError("\n".join(msgs) or str(exc)) from None
+    _spawn(tmp_path, _worker, 2)
 
 
 def test_local_part_plain_tensor():
@@ -299,80 +309,68 @@ def _placements(spec, ndim):
     return (first, second)
 
 
-def _strided_worker(rank, world, port, errfile):
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        import torch.distributed as dist
+def _strided_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, distribute_tensor
+    import condinit
+    from condinit.models.sharded import local_boxes
 
-        import condinit
-        from condinit.models.sharded import local_boxes
-
-        _register()
-        mesh = init_device_mesh("cpu", (2, 2))
-        # the index map against torch's own scatter and gather: a global tensor of distinct values
-        g = torch.Generator().manual_seed(3)
-        for label, (spec, several) in _STRIDED.items():
-            for shape in ((8, 12), (16, 4), (24,)):
-                placements = _placements(spec, len(shape))
-                full = torch.randn(shape, generator=g, dtype=torch.float64)
-                dt = distribute_tensor(full, mesh, placements)
-                local, boxes, gshape = local_boxes(dt, label)
-                assert gshape == shape and sum(b.shape[0] * (b.shape[1] if len(shape) > 1 else 1)
-                                               for b in boxes) == local.numel(), (label, shape, boxes)
-                for b in boxes:      # every box holds those global entries
-                    at = tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape))
-                    assert torch.equal(local[b.slices()], full[at]), (label, shape, b)
-                # write the global values through the boxes into a fresh local; gathered, it is the tensor
-                mine = torch.full_like(local, float("nan"))
-                for b in boxes:
-                    mine[b.slices()] = full[tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape))]
-                back = DTensor.from_local(mine, mesh, placements, shape=dt.shape, stride=dt.stride()).full_tensor()
-                assert torch.equal(back, full), (label, shape)
-                if shape == (8, 12):
-                    assert (len(boxes) > 1) == several, (label, boxes)
-        # condinit.apply on models whose parameters carry those placements equals a single process
-        torch.manual_seed(0)
-        base = EvenNet()
-        ref = copy.deepcopy(base)
-        condinit.apply(ref, seed=SEED, report=False)
-        expect = ref.state_dict()
-        for label, (spec, _) in _STRIDED.items():
-            m = copy.deepcopy(base)
-            for mod in m.modules():
-                for name, p in list(mod._parameters.items()):
-                    if p is not None:
-                        dt = distribute_tensor(p.detach().clone(), mesh, _placements(spec, p.dim()))
-                        mod._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            rep = condinit.apply(m, seed=SEED, report=True)
-            assert rep.sharded and len(rep) == 3, label
-            got = _full(m)
-            for k, v in expect.items():
-                assert torch.equal(got[k], v), f"{label}: {k} differs from the single-process apply"
-        # an uneven strided shard (21 rows over 2 x 2) is refused, naming it, before anything is written
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        m = GQAAttn()
-        for mod in m.modules():   # torch's distribute_tensor refuses uneven strided shards: build them from local parts
+    _register()
+    mesh = init_device_mesh("cpu", (2, 2))
+    # the index map against torch's own scatter and gather: a global tensor of distinct values
+    g = torch.Generator().manual_seed(3)
+    for label, (spec, several) in _STRIDED.items():
+        for shape in ((8, 12), (16, 4), (24,)):
+            placements = _placements(spec, len(shape))
+            full = torch.randn(shape, generator=g, dtype=torch.float64)
+            dt = distribute_tensor(full, mesh, placements)
+            local, boxes, gshape = local_boxes(dt, label)
+            assert gshape == shape and sum(b.shape[0] * (b.shape[1] if len(shape) > 1 else 1)
+                                           for b in boxes) == local.numel(), (label, shape, boxes)
+            for b in boxes:      # every box holds those global entries
+                at = tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape))
+                assert torch.equal(local[b.slices()], full[at]), (label, shape, b)
+            # write the global values through the boxes into a fresh local; gathered, it is the tensor
+            mine = torch.full_like(local, float("nan"))
+            for b in boxes:
+                mine[b.slices()] = full[tuple(slice(o, o + n) for o, n in zip(b.offset, b.shape))]
+            back = DTensor.from_local(mine, mesh, placements, shape=dt.shape, stride=dt.stride()).full_tensor()
+            assert torch.equal(back, full), (label, shape)
+            if shape == (8, 12):
+                assert (len(boxes) > 1) == several, (label, boxes)
+    # condinit.apply on models whose parameters carry those placements equals a single process
+    torch.manual_seed(0)
+    base = EvenNet()
+    ref = copy.deepcopy(base)
+    condinit.apply(ref, seed=SEED, report=False)
+    expect = ref.state_dict()
+    for label, (spec, _) in _STRIDED.items():
+        m = copy.deepcopy(base)
+        for mod in m.modules():
             for name, p in list(mod._parameters.items()):
-                pl = _placements(_STRIDED["fsdp2_tp"][0], p.dim())
-                shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, pl)
-                dt = DTensor.from_local(torch.randn(shape), mesh, pl, shape=p.shape, stride=p.stride())
-                mod._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
-        before = {k: v.to_local().clone() for k, v in m.named_parameters()}
-        with pytest.raises(ValueError, match=r"q: DTensor placement _StridedShard\(dim=0, sf=2\) over 21 entries"):
-            condinit.apply(m, seed=SEED, report=False)
-        assert all(torch.equal(v.to_local(), before[k]) for k, v in m.named_parameters())
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{errfile}.{rank}", "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
+                if p is not None:
+                    dt = distribute_tensor(p.detach().clone(), mesh, _placements(spec, p.dim()))
+                    mod._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        rep = condinit.apply(m, seed=SEED, report=True)
+        assert rep.sharded and len(rep) == 3, label
+        got = _full(m)
+        for k, v in expect.items():
+            assert torch.equal(got[k], v), f"{label}: {k} differs from the single-process apply"
+    # an uneven strided shard (21 rows over 2 x 2) is refused, naming it, before anything is written
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    m = GQAAttn()
+    for mod in m.modules():   # torch's distribute_tensor refuses uneven strided shards: build them from local parts
+        for name, p in list(mod._parameters.items()):
+            pl = _placements(_STRIDED["fsdp2_tp"][0], p.dim())
+            shape, _ = compute_local_shape_and_global_offset(p.shape, mesh, pl)
+            dt = DTensor.from_local(torch.randn(shape), mesh, pl, shape=p.shape, stride=p.stride())
+            mod._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
+    before = {k: v.to_local().clone() for k, v in m.named_parameters()}
+    with pytest.raises(ValueError, match=r"q: DTensor placement _StridedShard\(dim=0, sf=2\) over 21 entries"):
+        condinit.apply(m, seed=SEED, report=False)
+    assert all(torch.equal(v.to_local(), before[k]) for k, v in m.named_parameters())
 
 
 @pytest.mark.slow
@@ -381,11 +379,4 @@ def test_strided_shards_equal_single_process(tmp_path):
     non-contiguous ones): each box :func:`local_boxes` names holds those global entries (torch's
     scatter), writing them through the boxes gathers back to the tensor (torch's gather), and
     ``condinit.apply`` equals a single-process apply bit for bit."""
-    import torch.multiprocessing as mp
-
-    errfile = str(tmp_path / "err")
-    try:
-        mp.spawn(_strided_worker, args=(4, _free_port(), errfile), nprocs=4, join=True)
-    except Exception as exc:
-        msgs = [f"rank {r}:\n" + open(f"{errfile}.{r}").read() for r in range(4) if os.path.exists(f"{errfile}.{r}")]
-        raise AssertionError("\n".join(msgs) or str(exc)) from None
+    _spawn(tmp_path, _strided_worker, 4)
