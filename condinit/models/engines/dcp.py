@@ -47,11 +47,9 @@ def write_dcp(model: nn.Module, out_dir, *, seed: int, **apply_kwargs):
     if not isinstance(model, nn.Module):
         raise TypeError(f"write_dcp: model must be an nn.Module, got {type(model).__name__}")
     try:
-        out_dir = check_output_dir(out_dir)       # a directory, or one that can be created, writable
+        out_dir = _check_empty_dir(out_dir)       # an empty directory, or one that can be created, writable
     except ValueError as exc:
-        raise ValueError(f"write_dcp: out_dir: {exc}") from None
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"write_dcp: out_dir {out_dir} is not empty (a DCP directory is written whole)")
+        raise ValueError(f"write_dcp: {exc}") from None
     import torch.distributed.checkpoint as dcp
 
     from condinit.models.apply import apply
