@@ -163,8 +163,8 @@ class JacobianMonitor:
         every = check_int("every", every, min=1)
         steps = check_int("steps", steps, min=1, allow_none=True)
         tol = check_real("tol", tol, min=0.0)
-        from .estimators import _check_dense
-        self.dense = _check_dense(dense)
+        from .estimators import check_dense
+        self.dense = check_dense(dense)
         layer_budget = check_real("layer_budget", layer_budget, min=0.0, min_open=True, allow_none=True)
         frobenius_samples = check_int("frobenius_samples", frobenius_samples, min=0)
         if frobenius_samples == 1:
