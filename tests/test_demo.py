@@ -324,10 +324,10 @@ def test_models_forward_shapes_and_masking():
 @pytest.mark.slow
 def test_train_run_is_reproducible():
     """Same task, init, LR and seed: the same curves and probes, bit for bit (and another seed differs)."""
-    from condinit.demo.train import _deterministic, task_config, train_run
+    from condinit.demo.train import deterministic, task_config, train_run
     task = make_task("mqar-32", num_train=128, num_test=32)
     cfg = task_config("mqar-32", quick=True, steps=3)
-    with _deterministic(1):
+    with deterministic(1):
         a, b, c = (train_run(task, cfg, "conditioned-v0.1", s, lr_mult=3.0) for s in (5, 5, 6))
     for r in (a, b, c):
         r.pop("seconds")

@@ -100,8 +100,8 @@ def _validate(args):
             raise ValueError("condinit demo's plots need matplotlib: pip install 'condinit[demo]', or pass "
                              "--no-plots") from exc
     if "vision" in tasks:
-        from condinit.demo.tasks import _require_sklearn
-        _require_sklearn()
+        from condinit.demo.tasks import require_sklearn
+        require_sklearn()
     return tuple(tasks), seeds, inits, mults, jobs, out, plots
 
 
@@ -135,12 +135,12 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from condinit.demo.report import _task_caption
+    from condinit.demo.report import task_caption
 
     con = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 220)  # no squeezing when piped
     for task in summary["tasks"]:
         header, rows = table_rows(summary, task)
-        table = Table(title=f"{task}: {_task_caption(task, summary['tasks'][task])}", title_justify="left")
+        table = Table(title=f"{task}: {task_caption(task, summary['tasks'][task])}", title_justify="left")
         for col in header:
             table.add_column(col)
         for r in rows:

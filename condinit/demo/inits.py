@@ -146,11 +146,6 @@ def initialize_(model: nn.Module, init: str, *, seed: int) -> nn.Module:
     """
     check_choice("init", init, INITS)
     check_seed("seed", seed)
-    return _initialize(model, init, seed=seed)
-
-
-def _initialize(model: nn.Module, init: str, *, seed: int) -> nn.Module:
-    """:func:`initialize_` on validated arguments."""
     torch.manual_seed(seed)
     base_init_(model)
     mhas = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]

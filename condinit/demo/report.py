@@ -39,7 +39,7 @@ from condinit.io.atomic import check_output_dir
 from .inits import INIT_LABELS
 
 __all__ = ["summarize", "select_best_lr", "spearman", "format_table", "table_rows", "render_files",
-           "write_outputs", "INIT_COLORS", "VALUE_PATH_SHARE"]
+           "write_outputs", "task_caption", "INIT_COLORS", "VALUE_PATH_SHARE"]
 
 VALUE_PATH_SHARE = 0.9
 BUDGET_FRACTIONS = (0.25, 0.5)
@@ -263,7 +263,8 @@ def table_rows(summary: dict, task: str):
     return header, rows
 
 
-def _task_caption(task: str, t: dict) -> str:
+def task_caption(task: str, t: dict) -> str:
+    """One task's caption: model and training configuration, corpus or baseline, and kappa against the result."""
     cfg, info = t["config"], t["info"]
     m = cfg["model"]
     parts = [f"width {m['dim']}, {m.get('depth', 2)} layers, {m['num_heads']} heads, {cfg['steps']} steps, "
@@ -284,7 +285,7 @@ def format_table(summary: dict) -> str:
     out = []
     for task, t in summary["tasks"].items():
         header, rows = table_rows(summary, task)
-        out.append(f"**{task}** ({_task_caption(task, t)})\n")
+        out.append(f"**{task}** ({task_caption(task, t)})\n")
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---" for _ in header) + "|")
         out += ["| " + " | ".join(r) + " |" for r in rows]

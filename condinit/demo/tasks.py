@@ -36,7 +36,8 @@ from typing import Optional
 import torch
 
 __all__ = ["Task", "SequenceTask", "CharLMTask", "make_task", "TASKS", "TASK_GROUPS", "mqar_sequences",
-           "mqar_shortcut_baseline", "stdlib_corpus", "encode_chars", "CHAR_VOCAB", "DATA_SEED"]
+           "mqar_shortcut_baseline", "stdlib_corpus", "encode_chars", "CHAR_VOCAB", "DATA_SEED",
+           "require_sklearn"]
 
 TASKS = ("mqar-32", "mqar-128", "lm-causal", "lm-masked", "vision")
 TASK_GROUPS = {"all": TASKS, "mqar": ("mqar-32", "mqar-128"), "lm": ("lm-causal", "lm-masked")}
@@ -79,7 +80,8 @@ class SequenceTask(Task):
 # ------------------------------------------------------------------------------------------------
 # vision
 
-def _require_sklearn():
+def require_sklearn():
+    """scikit-learn's ``load_digits``, or a ValueError saying how to install it."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:  # a missing optional dependency is the user's to fix: say how
@@ -90,7 +92,7 @@ def _require_sklearn():
 
 def load_digits_task(test_fraction: float = 0.2) -> Task:
     """scikit-learn's digits as ``[n, 1, 8, 8]`` float32 images in [0, 1] and int64 labels."""
-    load_digits = _require_sklearn()
+    load_digits = require_sklearn()
     data = load_digits()
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(data.target, dtype=torch.int64)

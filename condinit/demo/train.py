@@ -52,12 +52,13 @@ from condinit._validate import SEED_MAX, check_bool, check_choice, check_int, ch
 from condinit.probe import InputCapture, JacobianOperator
 from condinit.probe.estimators import default_rank_rtol
 
-from .inits import INITS, _initialize
+from .inits import INITS, initialize_
 from .models import TinyLM, TinyViT, attention_modules
 from .tasks import TASKS, SequenceTask, Task, make_task
 
 __all__ = ["TaskConfig", "DEFAULT_CONFIGS", "QUICK_CONFIGS", "QUICK_INITS", "task_config", "build_model",
-           "attention_jacobian_sigma", "head_probe", "probe_kappa", "train_run", "run_demo", "run_key"]
+           "attention_jacobian_sigma", "head_probe", "probe_kappa", "train_run", "run_demo", "run_key",
+           "deterministic"]
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ def train_run(task: Task, cfg: TaskConfig, init: str, seed: int, *, lr_mult: flo
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model = build_model(task, cfg)
-    _initialize(model, init, seed=seed)
+    initialize_(model, init, seed=seed)
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=lr_mult * cfg.lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
     data_gen = torch.Generator().manual_seed((1_000_003 * seed + 17) % SEED_MAX)
@@ -365,7 +366,8 @@ def train_run(task: Task, cfg: TaskConfig, init: str, seed: int, *, lr_mult: flo
 
 
 @contextmanager
-def _deterministic(threads: int = 1):
+def deterministic(threads: int = 1):
+    """Run the block on ``threads`` CPU threads with torch's deterministic algorithms; both restored after."""
     prev_threads = torch.get_num_threads()
     prev_det = torch.are_deterministic_algorithms_enabled()
     prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -401,7 +403,7 @@ def _count_step():
 
 def _one_run(cfg: TaskConfig, init: str, lr_mult: float, seed: int, count: bool = False) -> dict:
     # One single-threaded run: its numbers do not depend on how many runs go on in parallel.
-    with _deterministic(1):
+    with deterministic(1):
         return train_run(_task(cfg.task), cfg, init, seed, lr_mult=lr_mult, on_step=_count_step if count else None)
 
 
@@ -485,7 +487,7 @@ def run_demo(tasks=TASKS, *, seeds: int = 2, steps: Optional[int] = None, quick:
 
             for i in order:
                 t, init, mult, seed = work[i]
-                with _deterministic(1):
+                with deterministic(1):
                     done[work[i]] = train_run(_task(t), configs[t], init, seed, lr_mult=mult, on_step=tick)
         else:
             import concurrent.futures as cf
