@@ -43,7 +43,7 @@ import torch
 
 from condinit._validate import check_choice, check_int
 from condinit.init.functional import (K_STREAM, LAYER_STRIDE, MAX_HEADS, MAX_LAYER_INDEX, Q_STREAM, V_MODES,
-                                      _check_destinations, _check_weight, check_gains, check_seed_source, draw_seed)
+                                      check_destinations, check_gains, check_seed_source, check_weight, draw_seed)
 from condinit.init.plan import InitPlan, run_plan
 from condinit.ops.orthogonalize.op import METHODS
 from condinit.ops.random.op import stream_id
@@ -103,9 +103,9 @@ def check_latent(q_b, kv_a, kv_b, q_a, *, num_heads, nope_dim, rope_dim, v_dim) 
     dr = check_int("qk_rope_head_dim", rope_dim, min=1)
     dv = check_int("v_head_dim", v_dim, min=1)
     for name, w in (("q_b", q_b), ("kv_a", kv_a), ("kv_b", kv_b)):
-        _check_weight(w, name, dim=2)
+        check_weight(w, name, dim=2)
     if q_a is not None:
-        _check_weight(q_a, "q_a", dim=2)
+        check_weight(q_a, "q_a", dim=2)
     D = kv_a.shape[1]
     if q_b.shape[0] != H * (dn + dr):
         raise ValueError(f"q_b has {q_b.shape[0]} rows, expected num_heads * (qk_nope_head_dim + qk_rope_head_dim)"
@@ -189,7 +189,7 @@ def latent_attention_init_(q_b: torch.Tensor, kv_a: torch.Tensor, kv_b: torch.Te
         if b is not None:
             if q_a is None and name == "q_a_bias":
                 raise ValueError("q_a_bias is given without q_a")
-            _check_weight(b, name, dim=1)
+            check_weight(b, name, dim=1)
             if b.shape[0] != rows:
                 raise ValueError(f"{name} has {b.shape[0]} entries, expected {rows}")
     check_choice("v_mode", v_mode, V_MODES)
@@ -198,7 +198,7 @@ def latent_attention_init_(q_b: torch.Tensor, kv_a: torch.Tensor, kv_b: torch.Te
     seed = check_seed_source(seed, generator)
     layer_index = check_int("layer_index", layer_index, min=0, max=MAX_LAYER_INDEX)
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [q_b.dtype, kv_a.dtype, kv_b.dtype], [kv_b.dtype])
-    _check_destinations([("q_a", q_a), ("q_b", q_b), ("kv_a", kv_a), ("kv_b", kv_b), ("q_a_bias", q_a_bias),
+    check_destinations([("q_a", q_a), ("q_b", q_b), ("kv_a", kv_a), ("kv_b", kv_b), ("q_a_bias", q_a_bias),
                          ("kv_a_bias", kv_a_bias)])
     plan = InitPlan()
     plan_latent(plan, shape, q_b=q_b, kv_a=kv_a, kv_b=kv_b, q_a=q_a, biases=(q_a_bias, kv_a_bias),

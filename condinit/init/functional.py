@@ -58,14 +58,14 @@ STREAM_MAX = (1 << 32) - 1
 # ---------------------------------------------------------------------------------------------------
 # argument checks shared by the public functions (each public function calls them once)
 
-def _check_weight(w, name: str, *, dim: Optional[int] = None, min_dim: Optional[int] = None) -> torch.Tensor:
+def check_weight(w, name: str, *, dim: Optional[int] = None, min_dim: Optional[int] = None) -> torch.Tensor:
     check_tensor(name, w, floating=True, dim=dim, min_dim=min_dim)
     if any(s == 0 for s in w.shape):
         raise ValueError(f"{name} must not have a zero-size dim, got shape {tuple(w.shape)}")
     return w
 
 
-def _check_destinations(named) -> None:
+def check_destinations(named) -> None:
     """The tensors one call writes (``(argument name, tensor or None)`` pairs): all on the meta
     device (the call is a no-op) or none, each with its own memory (:func:`check_disjoint`)."""
     named = [(n, t) for n, t in named if t is not None]
@@ -154,7 +154,7 @@ def _check_layer(tensors: dict, names: dict, num_heads: int, num_kv_heads: int, 
     for key, w, heads, heads_name in (("q", q, num_heads, "num_heads"), ("k", k, num_kv_heads, "num_kv_heads")):
         if w is None:
             continue
-        _check_weight(w, names[key], dim=2)
+        check_weight(w, names[key], dim=2)
         if w.shape[0] % heads:
             raise ValueError(f"{names[key]} has {w.shape[0]} rows, not a multiple of {heads_name}={heads}")
         hd = w.shape[0] // heads
@@ -164,7 +164,7 @@ def _check_layer(tensors: dict, names: dict, num_heads: int, num_kv_heads: int, 
             raise ValueError(f"{where}: {names['q']} and {names['k']} in-features differ ({D} vs {w.shape[1]})")
         d, D = hd, w.shape[1]
     if v is not None:
-        _check_weight(v, names["v"], dim=2)
+        check_weight(v, names["v"], dim=2)
         if v_mode == "identity_per_head" and v.shape[0] % num_kv_heads:
             raise ValueError(f"{names['v']} has {v.shape[0]} rows, not a multiple of num_kv_heads={num_kv_heads} "
                              f"(v_mode='identity_per_head')")
@@ -172,7 +172,7 @@ def _check_layer(tensors: dict, names: dict, num_heads: int, num_kv_heads: int, 
     for key, w in (("q_bias", q), ("k_bias", k), ("v_bias", v)):
         b = tensors[key]
         if b is not None:
-            _check_weight(b, names[key], dim=1)
+            check_weight(b, names[key], dim=1)
             if w is not None and b.shape[0] != w.shape[0]:
                 raise ValueError(f"{names[key]} has {b.shape[0]} entries, expected {w.shape[0]}")
         biases.append(b)
@@ -297,13 +297,13 @@ def semi_orthogonal_(weight: torch.Tensor, *, head_dim: Optional[int] = None, ga
         >>> semi_orthogonal_(w, head_dim=16, seed=0)            # 4 heads, each [16, 64] orthonormal rows
         >>> semi_orthogonal_(w, generator=torch.Generator().manual_seed(1))
     """
-    _check_weight(weight, "weight", min_dim=2)
+    check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
     hd = _check_head_dim(head_dim, rows, "weight")
     gain = _check_gain(gain, [weight.dtype])
     check_choice("method", method, METHODS)
     stream = _check_stream(stream, "semi_orthogonal")
-    _check_destinations([("weight", weight)])
+    check_destinations([("weight", weight)])
     seed = check_seed_source(seed, generator)
     if weight.device.type == "meta":
         return weight
@@ -336,14 +336,14 @@ def rect_identity_(weight: torch.Tensor, *, head_dim: Optional[int] = None, per_
         >>> rect_identity_(w, head_dim=32, per_head=True)      # torch.eye(32, 256).repeat(4, 1)
         >>> rect_identity_(w, gain=0.1)                        # 0.1 * torch.eye(128, 256)
     """
-    _check_weight(weight, "weight", min_dim=2)
+    check_weight(weight, "weight", min_dim=2)
     rows, cols = _rows_cols(weight)
     per_head = check_bool("per_head", per_head)
     if per_head and head_dim is None:
         raise ValueError("per_head=True needs head_dim")
     hd = _check_head_dim(head_dim, rows, "weight")
     gain = _check_gain(gain, [weight.dtype])
-    _check_destinations([("weight", weight)])
+    check_destinations([("weight", weight)])
     if weight.device.type == "meta":
         return weight
     mat = _as_matrix(weight)
@@ -441,7 +441,7 @@ def conditioned_init_layers_(layers: Sequence[Union[dict, tuple]], *, num_heads:
     qk_gain, v_gain = check_gains(qk_gain, v_gain,
                                   [w.dtype for q, k, _, _ in checked for w in (q, k) if w is not None],
                                   [v.dtype for _, _, v, _ in checked if v is not None])
-    _check_destinations(destinations)
+    check_destinations(destinations)
     plan = InitPlan()
     _plan_layers(plan, checked, layer_indices, num_heads, num_kv_heads, v_mode, qk_gain, v_gain)
     run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)
@@ -483,7 +483,7 @@ def conditioned_init_(q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: 
     checked = _check_layer(tensors, names, num_heads, num_kv_heads, v_mode, "conditioned_init_")
     qk_gain, v_gain = check_gains(qk_gain, v_gain, [w.dtype for w in checked[:2] if w is not None],
                                   [checked[2].dtype] if checked[2] is not None else [])
-    _check_destinations([(names[key], tensors[key]) for key in _LAYER_KEYS])
+    check_destinations([(names[key], tensors[key]) for key in _LAYER_KEYS])
     plan = InitPlan()
     _plan_layers(plan, [checked], [layer_index], num_heads, num_kv_heads, v_mode, qk_gain, v_gain)
     run_plan(plan, draw_seed(seed, generator), method, memory_budget=memory_budget, backend=backend)
