@@ -1,11 +1,13 @@
 """Random byte mutations of safetensors headers and of model.safetensors.index.json, read by every
-reader: ``condinit inspect FILE`` / ``DIR/``, ``condinit probe``, ``open_checkpoint`` and
+reader: ``condinit inspect FILE`` / ``DIR/``, ``condinit probe``, ``condinit init --resume`` (which
+reads the directory's config.json, index and shard headers), ``open_checkpoint`` and
 ``read_metadata``. Never a traceback (the CLI exits 2 with one line on stderr, the library raises a
 ValueError or OSError with a message); an index never makes a reader leave its directory."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import tempfile
 
@@ -14,7 +16,7 @@ import torch
 
 from condinit.io.safetensors_format import WEIGHTS_INDEX_NAME, shard_name
 from condinit.models.checkpoint import open_checkpoint, read_metadata
-from helpers import run_cli
+from helpers import CliRun, run_cli
 
 hypothesis = pytest.importorskip("hypothesis")
 pytest.importorskip("safetensors")
@@ -282,3 +284,117 @@ def test_shard_entry_nested_too_deeply(tmp_path, capsys):
             read_metadata(fh)
     rc, out, err = run_cli(capsys, "inspect", d + os.sep)
     assert rc == 2 and err == f"condinit inspect: error: {message}\n"
+
+
+# ``condinit init --resume`` of a directory condinit wrote: what it reads there (config.json, the
+# index, every shard's header) damaged or hostile. Either the resume refuses in one line and the
+# directory is as it was, or it finishes and the directory is the one a fresh write gives.
+RESUME_CONFIG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 64}
+RESUME_SHARD = shard_name(1, 2)
+
+
+def _resume_argv(config_path, out):
+    return ("--config", str(config_path), "--out", f"{out}{os.sep}", "--max-shard-size", "60000", "--seed", "1",
+            "--quiet")
+
+
+def _tree(d) -> dict:
+    """Every entry of ``d``: a regular file's bytes, anything else its kind."""
+    result = {}
+    for name in sorted(os.listdir(d)):
+        p = os.path.join(d, name)
+        result[name] = open(p, "rb").read() if os.path.isfile(p) and not os.path.islink(p) else "not a file"
+    return result
+
+
+@pytest.fixture(scope="module")
+def resume_original(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    config = root / "config.json"
+    config.write_text(json.dumps(RESUME_CONFIG))
+    from condinit.cli import main
+    assert main(["init", *_resume_argv(config, root / "orig")]) == 0
+    return config, root / "orig", _tree(root / "orig")
+
+
+def assert_resume_refuses_or_restores(capsys, resume_original, d) -> CliRun:
+    """``condinit init --resume`` of ``d``: one line and ``d`` untouched, or ``d`` as a fresh write."""
+    config, _, original = resume_original
+    before = _tree(d)
+    r = run_cli(capsys, "init", *_resume_argv(config, d), "--resume")
+    assert r.rc in (0, 2) and "Traceback" not in r.err, r
+    if r.rc == 2:
+        assert r.err.count("\n") == 1 and r.err.startswith("condinit init: error: "), r.err
+        assert _tree(d) == before
+    else:
+        after = _tree(d)
+        assert {k: v for k, v in after.items() if k != "config.json"} == \
+            {k: v for k, v in original.items() if k != "config.json"}
+        # a config.json that parses to the same config is kept as it is
+        assert json.loads(after["config.json"]) == json.loads(original["config.json"])
+    return r
+
+
+def _damaged_copy(resume_original, d, name, data: bytes) -> str:
+    shutil.copytree(resume_original[1], d)
+    with open(os.path.join(d, name), "wb") as fh:
+        fh.write(data)
+    return d
+
+
+def _shard_with_entry(path, entry: str) -> bytes:
+    save_file({"x": torch.zeros(2)}, str(path), metadata={"condinit": entry})
+    return open(path, "rb").read()
+
+
+def _entry_with_layers(resume_original, layers) -> str:
+    meta = json.loads(resume_original[2][WEIGHTS_INDEX_NAME])["metadata"]["condinit"]
+    return json.dumps({**meta, "layers": layers})
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name, make, expect", [
+    ("config.json", lambda ro, tmp: DEEP.encode(), "its config.json is not readable JSON"),
+    (WEIGHTS_INDEX_NAME, lambda ro, tmp: DEEP.encode(), f"its {WEIGHTS_INDEX_NAME} is not a readable index"),
+    (WEIGHTS_INDEX_NAME, lambda ro, tmp: json.dumps({"metadata": {"condinit": json.loads(_entry_with_layers(ro, 5))}}
+                                                    ).encode(), f"{WEIGHTS_INDEX_NAME} describes other attention"),
+    # a shard of this write's plan is rewritten whatever it holds; another one is read and refused
+    (RESUME_SHARD, lambda ro, tmp: _shard_with_entry(tmp / "s.safetensors", DEEP), None),
+    (shard_name(1, 7), lambda ro, tmp: _shard_with_entry(tmp / "s.safetensors", DEEP),
+     f"{shard_name(1, 7)} is not a readable safetensors file"),
+    (shard_name(3, 7), lambda ro, tmp: _shard_with_entry(tmp / "s.safetensors", _entry_with_layers(ro, {"a": 1})),
+     f"{shard_name(3, 7)} describes other attention layers"),
+], ids=["config-deep", "index-deep", "index-layers-int", "planned-shard-deep", "other-shard-deep",
+        "other-shard-layers-object"])
+def test_resume_of_a_hostile_file_is_one_line_naming_it(resume_original, tmp_path, capsys, name, make, expect):
+    d = _damaged_copy(resume_original, str(tmp_path / "d"), name, make(resume_original, tmp_path))
+    r = assert_resume_refuses_or_restores(capsys, resume_original, d)
+    if expect is None:
+        assert r.rc == 0
+    else:
+        assert r.rc == 2 and expect in r.err, r.err
+
+
+@pytest.mark.slow   # each example is a condinit init --resume
+@FUZZ
+@given(which=st.sampled_from(["config.json", WEIGHTS_INDEX_NAME, RESUME_SHARD]), mutations=MUTATIONS)
+def test_fuzz_resume(resume_original, capsys, which, mutations):
+    data = resume_original[2][which]
+    end = header_end(data) if which.endswith(".safetensors") else len(data)
+    with tempfile.TemporaryDirectory() as root:
+        d = _damaged_copy(resume_original, os.path.join(root, "d"), which, mutate(data, end, mutations))
+        assert_resume_refuses_or_restores(capsys, resume_original, d)
+
+
+@pytest.mark.slow   # each example is a condinit init --resume
+@FUZZ
+@given(data=st.data(), new=JSON_VALUES)
+def test_fuzz_resume_values(resume_original, capsys, data, new):
+    index = json.loads(resume_original[2][WEIGHTS_INDEX_NAME])
+    index = replaced(index, data.draw(st.sampled_from(list(value_paths(index)))), new)
+    with tempfile.TemporaryDirectory() as root:
+        d = _damaged_copy(resume_original, os.path.join(root, "d"), WEIGHTS_INDEX_NAME, json.dumps(index).encode())
+        assert_resume_refuses_or_restores(capsys, resume_original, d)

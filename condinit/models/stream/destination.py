@@ -89,7 +89,7 @@ def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planne
         try:
             with open(os.path.join(out_dir, CONFIG_NAME), encoding="utf-8") as fh:
                 old = json.load(fh)
-        except (OSError, UnicodeDecodeError, ValueError):
+        except (OSError, ValueError, RecursionError):   # RecursionError: nested too deeply to parse
             return f"its {CONFIG_NAME} is not readable JSON"
         new = json.loads(config_text)
         if not isinstance(old, dict):
@@ -109,13 +109,13 @@ def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planne
             try:
                 with open(path, encoding="utf-8") as fh:
                     meta = (json.load(fh).get("metadata") or {}).get(METADATA_KEY)
-            except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            except (OSError, ValueError, RecursionError, AttributeError):
                 return f"its {name} is not a readable index"
         elif name.endswith(".safetensors") and (name in planned or SHARD_NAME_RE.match(name) or name == WEIGHTS_NAME):
             try:
                 raw = (read_header(path).get("__metadata__") or {}).get(METADATA_KEY)
                 meta = json.loads(raw) if raw is not None else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 if name in planned:   # an unfinished or damaged file this write replaces anyway
                     continue
                 return f"{name} is not a readable safetensors file"
@@ -127,7 +127,8 @@ def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planne
             return f"{name} was not written by condinit (no condinit metadata)"
         if _identity(meta) != ours:
             return f"{name} is another condinit model ({_first_difference(_identity(meta), ours)})"
-        if any(canonical_json(ent) not in our_layers for ent in meta.get("layers") or ()):
+        layers = meta.get("layers") or []
+        if not isinstance(layers, list) or any(canonical_json(ent) not in our_layers for ent in layers):
             return f"{name} describes other attention layers"
     return None
 
