@@ -197,7 +197,7 @@ def _explain_kernel_op(op: str, a: dict) -> Explanation:
         jvp_bwd = a["grad_through_tangent"]
         bwd_op = attention_op.ATTENTION_JVP_BWD if jvp_bwd else attention_op.ATTENTION_BWD
         backends = {"attention_jvp": attention_op.choose(attention_op.ATTENTION_JVP, q, backend, masks),
-                    bwd_op.name: attention_op._backward_backend(bwd_op, q, backend, masks)}
+                    bwd_op.name: attention_op.backward_backend(bwd_op, q, backend, masks)}
         reason = f"{P if has_p else 1} probe{'s' * (has_p and P != 1)} in one pass"
     forced = _is_forced(backend, backends)
     passed = {} if forced else {name: skipped for name, chosen in backends.items()
@@ -209,7 +209,7 @@ def _explain_kernel_op(op: str, a: dict) -> Explanation:
 def _explain_sdpa(a: dict) -> Explanation:
     """condinit.sdpa: run its forward once under a dispatch log; the records are the fused calls."""
     query, key, value, attn_mask, is_causal = a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"]
-    layout = sdpa_module._check_args(query, key, value, attn_mask, a["dropout_p"], is_causal, a["scale"],
+    layout = sdpa_module.check_sdpa_args(query, key, value, attn_mask, a["dropout_p"], is_causal, a["scale"],
                                      a["enable_gqa"])
     with torch.no_grad(), dispatch_log() as log:
         sdpa_module.sdpa(**a)
@@ -224,7 +224,7 @@ def _explain_sdpa(a: dict) -> Explanation:
         if not layout.fused():
             reason = (f"the value head dim {layout.value_dim} differs from the query's {layout.head_dim}"
                       if layout.head_dim != layout.value_dim else "an empty dimension")
-        elif not sdpa_module._mask_values_readable(attn_mask):
+        elif not sdpa_module.mask_values_readable(attn_mask):
             reason = ("the mask's values cannot be read here (torch.compile, vmap, or a float mask that "
                       "carries a gradient or a tangent)")
         else:

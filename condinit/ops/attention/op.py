@@ -112,7 +112,7 @@ def chosen_backends(q: Tensor, backend: Optional[str], masks: tuple[str, ...]) -
     backward, forward mode (the fused JVP) and the backward through that tangent (chosen once per
     call; :func:`condinit.explain` reports them)."""
     impls = {op.name: choose(op, q, backend, masks) for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP)}
-    impls[ATTENTION_JVP_BWD.name] = _backward_backend(ATTENTION_JVP_BWD, q, backend, masks)
+    impls[ATTENTION_JVP_BWD.name] = backward_backend(ATTENTION_JVP_BWD, q, backend, masks)
     return impls
 
 
@@ -269,7 +269,7 @@ class _AttentionJVPOutGrad(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 11
 
 
-def _backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str], masks: tuple[str, ...]) -> str:
+def backward_backend(op: _backends.Op, q: Tensor, backend: Optional[str], masks: tuple[str, ...]) -> str:
     """The backward's backend: the one forced for the forward where ``op`` has a row for it
     (every attention op has torch, Triton, cpp-cpu and CUDA rows), else the automatic choice."""
     return choose(op, q, backend if backend is None or backend in op.impls else "auto", masks)
@@ -347,7 +347,7 @@ def attention_jvp(q: Tensor, k: Tensor, v: Tensor, tq: Optional[Tensor] = None,
     if needs_grad:
         fn, bwd_op = ((_AttentionJVP, ATTENTION_JVP_BWD) if grad_through_tangent
                       else (_AttentionJVPOutGrad, ATTENTION_BWD))
-        bwd_impl = _backward_backend(bwd_op, q, backend, masks)
+        bwd_impl = backward_backend(bwd_op, q, backend, masks)
         out, tout, _ = fn.apply(q, k, v, *tangents, *mask, impl, bwd_impl)
     else:
         out, tout, _ = attention_jvp_op(q, k, v, *tangents, *mask, impl)

@@ -36,7 +36,7 @@ _functorch = torch._C._functorch
 # enable_gqa lets key/value have fewer heads that divide the query's.
 # --------------------------------------------------------------------------------------------
 
-class _Layout:
+class SdpaLayout:
     """The broadcast layout of one call.
 
     ``padded`` holds query, key and value with at least 3 dimensions; ``batch`` is the broadcast
@@ -106,7 +106,8 @@ def _broadcast_dim(what: str, sizes, hint: str = "") -> int:
     return common
 
 
-def _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Layout:
+def check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> SdpaLayout:
+    """Every argument of :func:`sdpa` checked once; the call's broadcast layout."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, floating=True, min_dim=2)
     for name, t in (("key", key), ("value", value)):
@@ -129,7 +130,7 @@ def _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
             f"dropout_p={dropout_p}: condinit.sdpa has no attention dropout (dropout is random and "
             f"the fused op has none); pass dropout_p=0.0, e.g. put the model in eval() mode or set "
             f"its attention dropout to 0")
-    layout = _Layout(query, key, value, enable_gqa)
+    layout = SdpaLayout(query, key, value, enable_gqa)
     if attn_mask is not None:
         check_tensor("attn_mask", attn_mask)
         if is_causal:
@@ -153,7 +154,7 @@ def _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 # Masks the fused op can run: none, causal (bottom-right), causal (top-left, SDPA's is_causal)
 # --------------------------------------------------------------------------------------------
 
-def _mask_values_readable(mask: Tensor) -> bool:
+def mask_values_readable(mask: Tensor) -> bool:
     """Whether :func:`_mask_pattern` may read the mask's values: not under ``torch.compile``, not
     a meta tensor, not batched by ``vmap`` at any level (its values differ per vmapped slice), and,
     for a float mask, carrying no gradient or tangent (the fused op has no mask input, so it would
@@ -246,7 +247,7 @@ def _first_true(x: Tensor) -> Tensor:
     return torch.where(x.any(-1), x.to(torch.int8).argmax(-1), 0)
 
 
-def _mask_plan(visible: Tensor, layout: "_Layout") -> Optional[_MaskPlan]:
+def _mask_plan(visible: Tensor, layout: "SdpaLayout") -> Optional[_MaskPlan]:
     """A :class:`_MaskPlan` when the bool ``visible`` (broadcastable to the scores) is a padding
     mask, a (sliding-window) causal mask or both, the same for every head; else None."""
     nq, nk = layout.nq, layout.nk
@@ -343,7 +344,7 @@ def _attention_planned(plan: _MaskPlan, q: Tensor, k: Tensor, v: Tensor, scale: 
 # The dense path: any mask, any value head dim; O(Nq Nk) memory
 # --------------------------------------------------------------------------------------------
 
-def _attention_dense(layout: _Layout, attn_mask: Optional[Tensor], is_causal: bool,
+def _attention_dense(layout: SdpaLayout, attn_mask: Optional[Tensor], is_causal: bool,
                      scale: float, enable_gqa: bool) -> Tensor:
     """Softmax attention in plain torch ops (so forward AD, vmap and every transform apply), with
     the semantics of SDPA's MATH backend: a bool mask blocks where False, a float mask is added,
@@ -437,7 +438,7 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
         >>> f = lambda q, k, v: condinit.sdpa(q, k, v, is_causal=True, enable_gqa=True)
         >>> out, tangent = torch.func.jvp(f, (q, k, v), (q, k, v))       # F.sdpa raises here
     """
-    layout = _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    layout = check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     pattern = None      # what the fused op runs; None: the dense path
     plan = None
@@ -446,7 +447,7 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] 
             pattern = "causal_top_left"
         elif attn_mask is None:
             pattern = "none"
-        elif _mask_values_readable(attn_mask):
+        elif mask_values_readable(attn_mask):
             pattern = _mask_pattern(attn_mask, layout.nq, layout.nk)
             visible = _visible(attn_mask) if pattern is None else None
             if visible is not None:
