@@ -47,7 +47,7 @@ def write_dcp(model: nn.Module, out_dir, *, seed: int, **apply_kwargs):
     if not isinstance(model, nn.Module):
         raise TypeError(f"write_dcp: model must be an nn.Module, got {type(model).__name__}")
     try:
-        out_dir = _check_empty_dir(out_dir)       # an empty directory, or one that can be created, writable
+        out_dir = check_empty_dir(out_dir)       # an empty directory, or one that can be created, writable
     except ValueError as exc:
         raise ValueError(f"write_dcp: {exc}") from None
     import torch.distributed.checkpoint as dcp
@@ -448,7 +448,8 @@ def plan_torchtitan_seed(model: str, world: int = 1, *, dtype: torch.dtype = tor
     return _plan(tt, meta, _param_tables(meta), world, dtype)
 
 
-def _check_empty_dir(out_dir) -> str:
+def check_empty_dir(out_dir) -> str:
+    """``out_dir`` as a path: an empty directory, or one that can be created, writable (a ValueError otherwise)."""
     try:
         out_dir = check_output_dir(out_dir)
     except ValueError as exc:
@@ -520,7 +521,7 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     error, target = None, None
     if ranks.rank == 0:
         try:
-            target = _check_empty_dir(out_dir)
+            target = check_empty_dir(out_dir)
             parent, base = os.path.split(target)
             target = (target, os.path.join(parent, f".{base}.condinit-partial-{uuid.uuid4().hex[:12]}"))
         except ValueError as exc:
