@@ -1,7 +1,8 @@
 """Directory outputs: every file of ``condinit init --out DIR/`` is written inside DIR, never through a
 symlink in it (refused, or with ``--overwrite`` the link itself replaced), and one writer per
 directory at a time (a lock file in DIR, its holder's PID and host in the refusal, stale locks taken
-over, released on exit and on SIGTERM)."""
+over, released on exit and on SIGTERM; two real ``condinit init`` processes into one directory: one
+refused, never a mix)."""
 import fcntl
 import json
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -192,3 +194,65 @@ def test_lock_held_by_an_orphan_of_a_dead_writer_is_stale(written):
         assert LOCK_NAME not in os.listdir(out)
     finally:
         os.kill(int(child), signal.SIGKILL)
+
+
+# a model large enough that writing it takes a while (about 70 MB in float32)
+_SLOW_CONFIG = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000}
+
+
+def _condinit(*argv, **kw):
+    return subprocess.Popen([sys.executable, "-m", "condinit", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _lock_holder_pid(out):
+    try:
+        return json.loads((out / LOCK_NAME).read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+def _seeds(out):
+    """The seed in the condinit entry of the index and of every weights file in ``out``."""
+    from condinit.io.safetensors_format import read_header
+    seeds = {json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["condinit"]["seed"]}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            seeds.add(json.loads(read_header(str(out / name))["__metadata__"]["condinit"])["seed"])
+    return seeds
+
+
+@pytest.mark.slow   # three condinit processes
+def test_two_condinit_processes_into_one_directory_one_refused_never_a_mix(tmp_path):
+    """``condinit init --out DIR/ --seed 1`` is caught (SIGSTOP) while it holds DIR's lock; a second
+    ``condinit init`` into DIR, with another seed (``--overwrite``) or resuming, is refused naming the
+    first one's PID and host; the first then finishes alone: every file is its own."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_SLOW_CONFIG))
+    out = tmp_path / "out"
+    common = ("init", "--config", str(config), "--out", f"{out}/", "--max-shard-size", "20MB", "--quiet")
+    first = _condinit(*common, "--seed", "1")
+    try:
+        deadline = time.monotonic() + 240
+        while _lock_holder_pid(out) != first.pid:
+            assert first.poll() is None, f"the first write ended before it was caught: {first.communicate()}"
+            assert time.monotonic() < deadline, "the first write never took the lock"
+            time.sleep(0.002)
+        first.send_signal(signal.SIGSTOP)
+        assert _lock_holder_pid(out) == first.pid, "the first write finished before it was stopped"
+        for extra in (("--seed", "2", "--overwrite"), ("--seed", "1", "--resume")):
+            second = _condinit(*common, *extra)
+            _, err = second.communicate(timeout=240)
+            assert second.returncode == 2 and len(err.strip().splitlines()) == 1, (extra, err)
+            assert f"is being written by PID {first.pid} on host {socket.gethostname()}" in err, err
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err
+    names = sorted(os.listdir(out))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert names == sorted(set(index["weight_map"].values()) | {"config.json", "generation_config.json",
+                                                                 "model.safetensors.index.json"})
+    assert _seeds(out) == {1}
+    assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
