@@ -94,6 +94,8 @@ CASES = [
     (1, 2, 1, 21, 37, 128, True, 1),
     (1, 2, 2, 9, 11, 5, False, 1),
     (1, 2, 1, 9, 20, 200, True, 2),     # two output-column chunks (128 + 80 of 208 padded)
+    (1, 2, 1, 128, 128, 64, False, 1),  # every tile inside the mask: the full-tile path only
+    (1, 4, 2, 150, 141, 32, True, 1),   # full tiles below the diagonal, boundary tiles, ragged tails
 ]
 
 
@@ -127,6 +129,54 @@ def test_emulated_kernels_masks(emu, mask, dtype, rng):
     m = dict(MASKS[mask])
     causal = m.pop("causal")
     check_all(emu, dtype, 3, 4, 2, 17, 30, 24, causal, 2, rng, **m)
+
+
+# Long enough for tiles entirely inside the mask next to boundary tiles (64-key tiles of 16-row warps):
+# a wide window, lengths with ragged tails and an empty sequence, and both with the causal mask.
+LONG_MASKS = {
+    "wide-window": dict(causal=False, window=(90, 70)),
+    "long-lens": dict(causal=False, q_lens=[150, 0, 67], kv_lens=[133, 70, 150]),
+    "causal-window-lens": dict(causal=True, window=(100, -1), q_lens=[150, 97, 129], kv_lens=[150, 141, 64]),
+}
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("mask", LONG_MASKS, ids=str)
+def test_emulated_kernels_long_masks(emu, mask, dtype, rng):
+    m = dict(LONG_MASKS[mask])
+    causal = m.pop("causal")
+    check_all(emu, dtype, 3, 2, 1, 150, 150, 16, causal, 1, rng, **m)
+
+
+# Tile shapes of the kernels' mask tests: a warp's 16 rows against 64 / 32 / 16 keys, and a key-side
+# warp's 16 keys against 32 / 16 queries.
+TILE_SHAPES = ((16, 64), (16, 32), (16, 16), (32, 16))
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False, window=(40, 25)),
+                                  dict(causal=True, window=(40, -1), q_lens=[90, 31], kv_lens=[70, 101]),
+                                  dict(causal=False, window=(3_000_000, 2_500_000), q_lens=[0, 57]),
+                                  dict(causal=True, window=(-1, 9), kv_lens=[0, 99])], ids=str)
+def test_tile_mask_matches_the_mask(emu, mask, rng):
+    """mask.cuh's tile_mask (32-bit offsets from the tile's corner, clamped) allows exactly the
+    pairs of the mask, and calls a tile full exactly when all its pairs are allowed."""
+    B, Nq, Nk = 2, 101, 113
+    causal, window = mask["causal"], mask.get("window")
+    q_lens, kv_lens = mask.get("q_lens"), mask.get("kv_lens")
+    allowed = torch.zeros(B, Nq + 64, Nk + 64, dtype=torch.bool)  # tiles may reach past Nq / Nk
+    allowed[:, :Nq, :Nk] = allowed_pairs(B, Nq, Nk, causal, window, q_lens, kv_lens)[:, 0]
+    n_full = 0
+    for b in range(B):
+        for nq, nk in TILE_SHAPES:
+            for _ in range(40):
+                q0 = int(torch.randint(0, Nq, (1,), generator=rng))
+                k0 = int(torch.randint(0, Nk, (1,), generator=rng))
+                ok, full = emu.tile_mask(B, Nq, Nk, causal, window, q_lens, kv_lens, b, q0, k0, nq, nk)
+                ref = allowed[b, q0:q0 + nq, k0:k0 + nk]
+                assert torch.equal(ok, ref), (b, q0, k0, nq, nk)
+                assert full == bool(ref.all()), (b, q0, k0, nq, nk)
+                n_full += full
+    assert n_full > 0  # both kinds of tile were drawn
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
@@ -206,6 +256,8 @@ JVP_BWD_CASES = [
     (1, 4, 2, 20, 33, 72, True, 2, {}),                                   # two probes: per-probe tiles
     (2, 2, 1, 13, 21, 24, False, 1, dict(window=(3, 2), q_lens=[13, 5], kv_lens=[21, 0])),
     (1, 1, 1, 9, 12, 136, False, 1, {}),                                  # two output-column chunks
+    (1, 2, 1, 130, 120, 16, True, 1, {}),                                 # full and boundary tiles
+    (2, 2, 2, 100, 90, 16, False, 2, dict(window=(60, 40), q_lens=[100, 70], kv_lens=[83, 90])),
 ]
 
 

@@ -49,14 +49,17 @@ __global__ void __launch_bounds__(128) attention_dq_kernel(const BwdParams<T> p)
   const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;
 
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
-  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
-  load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
+  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, s.Lq, rows, 0, wd);
   float lse[2], D[2];
+  bool live[2];  // a row with an allowed key (lse > -inf)
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int64_t i = x == 0 ? ra : rb;
     lse[x] = i < s.Lq ? p.lse[bh * g.Nq + i] : kNegInf;
     D[x] = i < s.Lq ? p.Dvec[bh * g.Nq + i] : 0.0f;
+    live[x] = lse[x] != kNegInf;
   }
   float acc[NO][4];
 #pragma unroll
@@ -68,8 +71,8 @@ __global__ void __launch_bounds__(128) attention_dq_kernel(const BwdParams<T> p)
   key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo; j0 < hi; j0 += BN) {
     __syncthreads();
-    load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, hi, BN, 0, g.dpad);
-    load_tile(Vs, L.ldv, p.v + kv_off, g.d, j0, hi, BN, 0, g.dpad);
+    load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
+    load_tile(Vs, L.ldv, p.v + kv_off, g.d, j0, hi, BN, 0, wd);
     __syncthreads();
     float sc[KT][4], dp[KT][4];
 #pragma unroll
@@ -78,16 +81,18 @@ __global__ void __launch_bounds__(128) attention_dq_kernel(const BwdParams<T> p)
       for (int e = 0; e < 4; ++e) sc[nt][e] = dp[nt][e] = 0.0f;
     mma_abt<T, KT>(sc, Qs + warp * 16 * L.ldq, L.ldq, Ks, L.ldk, g.dpad);
     mma_abt<T, KT>(dp, dOs + warp * 16 * L.ldq, L.ldq, Vs, L.ldv, g.dpad);
+    const TileMask tm = tile_mask(g, s, i0 + warp * 16, j0);
+    by_tile(tm.full(16, BN), [&](auto full) {
 #pragma unroll
-    for (int nt = 0; nt < KT; ++nt)
+      for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = e >> 1;
-        const int64_t j = j0 + nt * 8 + 2 * tq4 + (e & 1);
-        const bool ok = allowed(g, s, x == 0 ? ra : rb, j) && lse[x] != kNegInf;
-        const float pr = exp2f((sc[nt][e] * g.scale - lse[x]) * kLog2e);
-        sc[nt][e] = ok ? pr * (dp[nt][e] - D[x]) : 0.0f;  // dS
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int x = e >> 1;
+          const bool ok = (decltype(full)::value || tm.ok(gq + 8 * x, nt * 8 + 2 * tq4 + (e & 1))) && live[x];
+          const float pr = exp2f((sc[nt][e] * g.scale - lse[x]) * kLog2e);
+          sc[nt][e] = ok ? pr * (dp[nt][e] - D[x]) : 0.0f;  // dS
+        }
+    });
     mma_pb<T, KT, NO>(acc, sc, Ks + c0, L.ldk, n_active, scratch);
   }
 #pragma unroll
@@ -132,8 +137,9 @@ __global__ void __launch_bounds__(128) attention_dkdv_kernel(const BwdParams<T> 
   const int64_t ka = j0 + warp * 16 + gq, kb = ka + 8;  // this lane's two keys
 
   const int64_t kv_off = bhk * g.Nk * g.d;
-  load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
-  load_tile(Vs, L.ldk, p.v + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
+  const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
+  load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  load_tile(Vs, L.ldk, p.v + kv_off, g.d, j0, s.Lk, rows, 0, wd);
   float dk[NO][4], dv[NO][4];
 #pragma unroll
   for (int nt = 0; nt < NO; ++nt)
@@ -146,8 +152,8 @@ __global__ void __launch_bounds__(128) attention_dkdv_kernel(const BwdParams<T> 
     const int64_t bh = b * g.H + hk * G + gh, q_off = bh * g.Nq * g.d;
     for (int64_t i0 = lo; i0 < hi; i0 += BM) {
       __syncthreads();  // every warp is done with the previous Q / dO tiles (and K / V are loaded)
-      load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, hi, BM, 0, g.dpad);
-      load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, hi, BM, 0, g.dpad);
+      load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, hi, BM, 0, wd);
+      load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, hi, BM, 0, wd);
       for (int c = threadIdx.x; c < BM; c += blockDim.x) {
         const bool in = i0 + c < hi;
         lse_s[c] = in ? p.lse[bh * g.Nq + i0 + c] : kNegInf;
@@ -161,17 +167,20 @@ __global__ void __launch_bounds__(128) attention_dkdv_kernel(const BwdParams<T> 
         for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
       mma_abt<T, KT>(st, Ks + warp * 16 * L.ldk, L.ldk, Qs, L.ldq, g.dpad);    // S^T = K Q^T
       mma_abt<T, KT>(dpt, Vs + warp * 16 * L.ldk, L.ldk, dOs, L.ldq, g.dpad);  // dP^T = V dO^T
+      const TileMask tm = tile_mask(g, s, i0, j0 + warp * 16);  // C rows are keys, columns queries
+      by_tile(tm.full(BM, 16), [&](auto full) {
 #pragma unroll
-      for (int nt = 0; nt < KT; ++nt)
+        for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * tq4 + (e & 1);
-          const float lse = lse_s[c];
-          const bool ok = allowed(g, s, i0 + c, e < 2 ? ka : kb) && lse != kNegInf;
-          const float pr = ok ? exp2f((st[nt][e] * g.scale - lse) * kLog2e) : 0.0f;
-          dpt[nt][e] = ok ? pr * (dpt[nt][e] - D_s[c]) : 0.0f;  // dS^T
-          st[nt][e] = pr;                                        // P^T
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int c = nt * 8 + 2 * tq4 + (e & 1);
+            const float lse = lse_s[c];
+            const bool ok = (decltype(full)::value || tm.ok(c, gq + 8 * (e >> 1))) && lse != kNegInf;
+            const float pr = ok ? exp2f((st[nt][e] * g.scale - lse) * kLog2e) : 0.0f;
+            dpt[nt][e] = ok ? pr * (dpt[nt][e] - D_s[c]) : 0.0f;  // dS^T
+            st[nt][e] = pr;                                        // P^T
+          }
+      });
       mma_pb<T, KT, NO>(dv, st, dOs + c0, L.ldq, n_active, scratch);   // dV += P^T dO
       mma_pb<T, KT, NO>(dk, dpt, Qs + c0, L.ldq, n_active, scratch);   // dK += dS^T Q
     }

@@ -53,10 +53,11 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
   const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;  // this lane's two rows
 
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
-  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  const TileWalk wq = tile_walk<T>(g.d, 0, g.dpad), wv = tile_walk<T>(g.d, c0, ncols);
+  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, wq);
   if constexpr (JVP) {
     const int64_t BH = g.B * g.H;
-    load_tile(TQs, L.ldq, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+    load_tile(TQs, L.ldq, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, wq);
   }
   const T* Kg = p.k + kv_off;
   const T* Vg = p.v + kv_off;
@@ -89,11 +90,11 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
     for (int i = threadIdx.x; i < 2 * BN; i += blockDim.x) bad_rows[(1 - buf) * 2 * BN + i] = 0;
     if (threadIdx.x < 2) bad_any[(1 - buf) * 2 + threadIdx.x] = 0;
     unsigned char* vbad = bad_rows + buf * 2 * BN;
-    load_tile(Ks, L.ldk, Kg, g.d, j0, hi, BN, 0, g.dpad);
-    load_tile(Vs, L.ldv, Vg, g.d, j0, hi, BN, c0, ncols, vbad, bad_any + buf * 2);
+    load_tile(Ks, L.ldk, Kg, g.d, j0, hi, BN, 0, wq);
+    load_tile(Vs, L.ldv, Vg, g.d, j0, hi, BN, c0, wv, vbad, bad_any + buf * 2);
     if constexpr (JVP) {
-      load_tile(TKs, L.ldk, TKg, g.d, j0, hi, BN, 0, g.dpad);
-      load_tile(TVs, L.ldv, TVg, g.d, j0, hi, BN, c0, ncols, vbad + BN, bad_any + buf * 2 + 1);
+      load_tile(TKs, L.ldk, TKg, g.d, j0, hi, BN, 0, wq);
+      load_tile(TVs, L.ldv, TVg, g.d, j0, hi, BN, c0, wv, vbad + BN, bad_any + buf * 2 + 1);
     }
     __syncthreads();
     const bool any_bad = (bad_any[buf * 2] | bad_any[buf * 2 + 1]) != 0;
@@ -112,23 +113,26 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
       mma_abt<T, KT>(sp, Qs + warp * 16 * L.ldq, L.ldq, TKs, L.ldk, g.dpad);
     }
 
-    // Mask and scale (selects: a masked NaN never enters), then the online-softmax update.
+    // Mask and scale (selects: a masked NaN never enters; none on a tile inside the mask), then the
+    // online-softmax update.
     float mx[2] = {kNegInf, kNegInf};
+    const TileMask tm = tile_mask(g, s, i0 + warp * 16, j0);
+    by_tile(tm.full(16, BN), [&](auto full) {
 #pragma unroll
-    for (int nt = 0; nt < KT; ++nt)
+      for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t j = j0 + nt * 8 + 2 * tq4 + (e & 1);
-        const bool ok = allowed(g, s, e < 2 ? ra : rb, j);
-        sc[nt][e] = ok ? sc[nt][e] * g.scale : kNegInf;
-        if constexpr (JVP) sp[nt][e] = ok ? sp[nt][e] * g.scale : 0.0f;
-        mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
-        if (any_bad && ok) {
+        for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + 2 * tq4 + (e & 1);
-          poison_o[e >> 1] |= vbad[c] != 0;
-          poison_t[e >> 1] |= (vbad[c] | vbad[BN + c]) != 0;
+          const bool ok = decltype(full)::value || tm.ok(gq + 8 * (e >> 1), c);
+          sc[nt][e] = ok ? sc[nt][e] * g.scale : kNegInf;
+          if constexpr (JVP) sp[nt][e] = ok ? sp[nt][e] * g.scale : 0.0f;
+          mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
+          if (any_bad && ok) {
+            poison_o[e >> 1] |= vbad[c] != 0;
+            poison_t[e >> 1] |= (vbad[c] | vbad[BN + c]) != 0;
+          }
         }
-      }
+    });
     float alpha[2], mu[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int x = 0; x < 2; ++x) {

@@ -51,20 +51,23 @@ __global__ void __launch_bounds__(128) attention_jvp_r_kernel(const JvpBwdParams
   const Seq s = seq_of(g, b);
   const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
-  load_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
-  load_tile(TQs, L.ldr, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
+  load_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  load_tile(TQs, L.ldr, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, wd);
   const T* TKg = p.tk + probe * g.B * g.Hkv * g.Nk * g.d + kv_off;
   float lse[2], rsum[2] = {0.0f, 0.0f};
+  bool live[2];  // a row with an allowed key (lse > -inf)
   for (int x = 0; x < 2; ++x) {
     const int64_t i = x == 0 ? ra : rb;
     lse[x] = i < s.Lq ? p.lse[bh * g.Nq + i] : kNegInf;
+    live[x] = lse[x] != kNegInf;
   }
   int64_t lo, hi;
   key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo; j0 < hi; j0 += BN) {
     __syncthreads();
-    load_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, g.dpad);
-    load_tile(TKs, L.ldt, TKg, g.d, j0, hi, BN, 0, g.dpad);
+    load_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
+    load_tile(TKs, L.ldt, TKg, g.d, j0, hi, BN, 0, wd);
     __syncthreads();
     float sc[KT][4], sp[KT][4];
     zero<T, KT>(sc);
@@ -72,15 +75,17 @@ __global__ void __launch_bounds__(128) attention_jvp_r_kernel(const JvpBwdParams
     mma_abt<T, KT>(sc, Qs + warp * 16 * L.ldr, L.ldr, Ks, L.ldt, g.dpad);
     mma_abt<T, KT>(sp, TQs + warp * 16 * L.ldr, L.ldr, Ks, L.ldt, g.dpad);
     mma_abt<T, KT>(sp, Qs + warp * 16 * L.ldr, L.ldr, TKs, L.ldt, g.dpad);
+    const TileMask tm = tile_mask(g, s, i0 + warp * 16, j0);
+    by_tile(tm.full(16, BN), [&](auto full) {
 #pragma unroll
-    for (int nt = 0; nt < KT; ++nt)
+      for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = e >> 1;
-        const int64_t j = j0 + nt * 8 + 2 * tq4 + (e & 1);
-        const bool ok = allowed(g, s, x == 0 ? ra : rb, j) && lse[x] != kNegInf;
-        rsum[x] += ok ? exp2f((sc[nt][e] * g.scale - lse[x]) * kLog2e) * (sp[nt][e] * g.scale) : 0.0f;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int x = e >> 1;
+          const bool ok = (decltype(full)::value || tm.ok(gq + 8 * x, nt * 8 + 2 * tq4 + (e & 1))) && live[x];
+          rsum[x] += ok ? exp2f((sc[nt][e] * g.scale - lse[x]) * kLog2e) * (sp[nt][e] * g.scale) : 0.0f;
+        }
+    });
   }
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
@@ -119,22 +124,25 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_q_kernel(const JvpBwdPa
   const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
   const int64_t q_stride = BH * g.Nq * g.d, kv_stride = g.B * g.Hkv * g.Nk * g.d;
+  const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
 
-  load_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
-  load_tile(gOs, L.ldr, p.gout + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+  load_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  load_tile(gOs, L.ldr, p.gout + q_off, g.d, i0, s.Lq, rows, 0, wd);
   // The probe's own rows: loaded once when one probe is needed, per probe and key tile otherwise.
   const bool per_probe = target == 0 && P > 1;
   const int64_t first = target == 0 ? 0 : target - 1;
   if (!per_probe) {
-    load_tile(TQs, L.ldr, p.tq + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
-    load_tile(gOTs, L.ldr, p.gtout + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
+    load_tile(TQs, L.ldr, p.tq + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+    load_tile(gOTs, L.ldr, p.gtout + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
   }
   float lse[2], D[2];
+  bool live[2];  // a row with an allowed key (lse > -inf)
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int64_t i = x == 0 ? ra : rb;
     lse[x] = i < s.Lq ? p.lse[bh * g.Nq + i] : kNegInf;
     D[x] = i < s.Lq ? p.D[bh * g.Nq + i] : 0.0f;
+    live[x] = lse[x] != kNegInf;
   }
   float acc[NO][4];
   zero<T, NO>(acc);
@@ -143,11 +151,11 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_q_kernel(const JvpBwdPa
   key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo; j0 < hi; j0 += BN) {
     __syncthreads();
-    load_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, g.dpad);
-    load_tile(Vs, L.ldt, p.v + kv_off, g.d, j0, hi, BN, 0, g.dpad);
+    load_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
+    load_tile(Vs, L.ldt, p.v + kv_off, g.d, j0, hi, BN, 0, wd);
     if (target == 0 && !per_probe) {
-      load_tile(TKs, L.ldt, p.tk + kv_off, g.d, j0, hi, BN, 0, g.dpad);
-      load_tile(TVs, L.ldt, p.tv + kv_off, g.d, j0, hi, BN, 0, g.dpad);
+      load_tile(TKs, L.ldt, p.tk + kv_off, g.d, j0, hi, BN, 0, wd);
+      load_tile(TVs, L.ldt, p.tv + kv_off, g.d, j0, hi, BN, 0, wd);
     }
     __syncthreads();
     float pr[KT][4], gp[KT][4];
@@ -155,24 +163,26 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_q_kernel(const JvpBwdPa
     zero<T, KT>(gp);
     mma_abt<T, KT>(pr, Qs + warp * 16 * L.ldr, L.ldr, Ks, L.ldt, g.dpad);
     bool ok[KT][4];
+    const TileMask tm = tile_mask(g, s, i0 + warp * 16, j0);
+    by_tile(tm.full(16, BN), [&](auto full) {
 #pragma unroll
-    for (int nt = 0; nt < KT; ++nt)
+      for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = e >> 1;
-        const int64_t j = j0 + nt * 8 + 2 * tq4 + (e & 1);
-        ok[nt][e] = allowed(g, s, x == 0 ? ra : rb, j) && lse[x] != kNegInf;
-        pr[nt][e] = ok[nt][e] ? exp2f((pr[nt][e] * g.scale - lse[x]) * kLog2e) : 0.0f;  // P
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int x = e >> 1;
+          ok[nt][e] = (decltype(full)::value || tm.ok(gq + 8 * x, nt * 8 + 2 * tq4 + (e & 1))) && live[x];
+          pr[nt][e] = ok[nt][e] ? exp2f((pr[nt][e] * g.scale - lse[x]) * kLog2e) : 0.0f;  // P
+        }
+    });
     if (target == 0) {
       mma_abt<T, KT>(gp, gOs + warp * 16 * L.ldr, L.ldr, Vs, L.ldt, g.dpad);  // gO V^T
       for (int64_t pi = 0; pi < P; ++pi) {
         if (per_probe) {
           __syncthreads();
-          load_tile(TQs, L.ldr, p.tq + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
-          load_tile(gOTs, L.ldr, p.gtout + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, g.dpad);
-          load_tile(TKs, L.ldt, p.tk + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, g.dpad);
-          load_tile(TVs, L.ldt, p.tv + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, g.dpad);
+          load_tile(TQs, L.ldr, p.tq + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+          load_tile(gOTs, L.ldr, p.gtout + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+          load_tile(TKs, L.ldt, p.tk + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, wd);
+          load_tile(TVs, L.ldt, p.tv + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, wd);
           __syncthreads();
         }
         float sp[KT][4], dpp[KT][4], xv[KT][4];
@@ -272,12 +282,13 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
   const int64_t kv_off = bhk * g.Nk * g.d, q_stride = BH * g.Nq * g.d, kv_stride = g.B * g.Hkv * g.Nk * g.d;
   const bool per_probe = target == 0 && P > 1;
   const int64_t first = target == 0 ? 0 : target - 1;
+  const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
 
-  load_tile(Ks, L.ldr, p.k + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
-  load_tile(Vs, L.ldr, p.v + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
+  load_tile(Ks, L.ldr, p.k + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  load_tile(Vs, L.ldr, p.v + kv_off, g.d, j0, s.Lk, rows, 0, wd);
   if (target == 0 && !per_probe) {
-    load_tile(TKs, L.ldr, p.tk + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
-    load_tile(TVs, L.ldr, p.tv + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
+    load_tile(TKs, L.ldr, p.tk + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+    load_tile(TVs, L.ldr, p.tv + kv_off, g.d, j0, s.Lk, rows, 0, wd);
   }
   float acc_k[NO][4], acc_v[NO][4];
   zero<T, NO>(acc_k);
@@ -289,11 +300,11 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
     const int64_t bh = b * g.H + hk * G + gh, q_off = bh * g.Nq * g.d;
     for (int64_t i0 = lo; i0 < hi; i0 += BM) {
       __syncthreads();
-      load_tile(Qs, L.ldt, p.q + q_off, g.d, i0, hi, BM, 0, g.dpad);
-      if (target == 0) load_tile(gOs, L.ldt, p.gout + q_off, g.d, i0, hi, BM, 0, g.dpad);
+      load_tile(Qs, L.ldt, p.q + q_off, g.d, i0, hi, BM, 0, wd);
+      if (target == 0) load_tile(gOs, L.ldt, p.gout + q_off, g.d, i0, hi, BM, 0, wd);
       if (!per_probe) {
-        if (target == 0) load_tile(TQs, L.ldt, p.tq + q_off, g.d, i0, hi, BM, 0, g.dpad);
-        load_tile(gOTs, L.ldt, p.gtout + first * q_stride + q_off, g.d, i0, hi, BM, 0, g.dpad);
+        if (target == 0) load_tile(TQs, L.ldt, p.tq + q_off, g.d, i0, hi, BM, 0, wd);
+        load_tile(gOTs, L.ldt, p.gtout + first * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
       }
       for (int c = threadIdx.x; c < BM; c += blockDim.x) {
         const int64_t i = i0 + c;
@@ -309,24 +320,27 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
       zero<T, KT>(gpt);
       mma_abt<T, KT>(pt, Ks + warp * 16 * L.ldr, L.ldr, Qs, L.ldt, g.dpad);  // S^T
       bool ok[KT][4];
+      const TileMask tm = tile_mask(g, s, i0, j0 + warp * 16);  // C rows are keys, columns queries
+      by_tile(tm.full(BM, 16), [&](auto full) {
 #pragma unroll
-      for (int nt = 0; nt < KT; ++nt)
+        for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * tq4 + (e & 1);
-          const float lse = lse_s[c];
-          ok[nt][e] = allowed(g, s, i0 + c, e < 2 ? ka : kb) && lse != kNegInf;
-          pt[nt][e] = ok[nt][e] ? exp2f((pt[nt][e] * g.scale - lse) * kLog2e) : 0.0f;  // P^T
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int c = nt * 8 + 2 * tq4 + (e & 1);
+            const float lse = lse_s[c];
+            ok[nt][e] = (decltype(full)::value || tm.ok(c, gq + 8 * (e >> 1))) && lse != kNegInf;
+            pt[nt][e] = ok[nt][e] ? exp2f((pt[nt][e] * g.scale - lse) * kLog2e) : 0.0f;  // P^T
+          }
+      });
       if (target == 0) {
         mma_abt<T, KT>(gpt, Vs + warp * 16 * L.ldr, L.ldr, gOs, L.ldt, g.dpad);  // (gO V^T)^T
         for (int64_t pi = 0; pi < P; ++pi) {
           if (per_probe) {
             __syncthreads();
-            load_tile(TKs, L.ldr, p.tk + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
-            load_tile(TVs, L.ldr, p.tv + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, g.dpad);
-            load_tile(TQs, L.ldt, p.tq + pi * q_stride + q_off, g.d, i0, hi, BM, 0, g.dpad);
-            load_tile(gOTs, L.ldt, p.gtout + pi * q_stride + q_off, g.d, i0, hi, BM, 0, g.dpad);
+            load_tile(TKs, L.ldr, p.tk + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+            load_tile(TVs, L.ldr, p.tv + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+            load_tile(TQs, L.ldt, p.tq + pi * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
+            load_tile(gOTs, L.ldt, p.gtout + pi * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
             for (int c = threadIdx.x; c < BM; c += blockDim.x) {
               const int64_t i = i0 + c;
               r_s[c] = i < hi ? p.r[(pi * BH + bh) * g.Nq + i] : 0.0f;

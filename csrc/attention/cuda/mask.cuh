@@ -1,10 +1,12 @@
 // The masks of the CUDA attention kernels (docs/design.md, "Attention", "Masks"): the launch
-// geometry, a batch entry's sequence lengths, the allowed test and the tile ranges a block visits.
+// geometry, a batch entry's sequence lengths, the mask of a tile and the tile ranges a block visits.
 //
 // A block visits only the key (query) tiles that some row of it may attend, and rows past the
-// sequence lengths are zero-filled; element masks are selects (never arithmetic), so masked entries
-// holding NaN/Inf do not reach scores. A NaN in an allowed entry propagates through exp into the
-// row's outputs.
+// sequence lengths are zero-filled. A warp's tile entirely inside the mask (no causal diagonal,
+// window edge or sequence end crossing it) takes no element mask; on a boundary tile the element
+// test is four 32-bit compares of offsets from the tile's corner. Element masks are selects (never
+// arithmetic), so masked entries holding NaN/Inf do not reach scores. A NaN in an allowed entry
+// propagates through exp into the row's outputs.
 #pragma once
 
 #include "attention/cuda/primitives.cuh"
@@ -34,10 +36,43 @@ __device__ __forceinline__ Seq seq_of(const Geometry& g, int64_t b) {
   return Seq{Lq, Lk, Lk - Lq};
 }
 
-__device__ __forceinline__ bool allowed(const Geometry& g, const Seq& s, int64_t i, int64_t j) {
-  const int64_t c = i + s.off;
-  return i < s.Lq && j < s.Lk && (!g.causal || j <= c) && (g.window_left < 0 || j >= c - g.window_left) &&
-         (g.window_right < 0 || j <= c + g.window_right);
+// The mask of one tile in 32-bit offsets from its corner (query q0, key k0): (q0 + qi, k0 + kj) is
+// allowed iff qi < qn, kj < kn and lo <= kj - qi <= up (the causal diagonal and the window are bands
+// of kj - qi). Offsets are clamped to +-kMaskClamp, beyond any tile, so the test is exact in 32 bits.
+constexpr int64_t kMaskClamp = 1 << 20;
+struct TileMask {
+  int qn, kn, lo, up;
+  __device__ __forceinline__ bool ok(int qi, int kj) const {
+    const int diag = kj - qi;
+    return qi < qn && kj < kn && diag >= lo && diag <= up;
+  }
+  // Every (qi, kj) of [0, nq) x [0, nk) allowed: the tile needs no element mask.
+  __device__ __forceinline__ bool full(int nq, int nk) const {
+    return qn >= nq && kn >= nk && lo <= 1 - nq && up >= nk - 1;
+  }
+};
+
+__device__ __forceinline__ int clamp_offset(int64_t x) {
+  return (int)(x < -kMaskClamp ? -kMaskClamp : x > kMaskClamp ? kMaskClamp : x);
+}
+
+__device__ __forceinline__ TileMask tile_mask(const Geometry& g, const Seq& s, int64_t q0, int64_t k0) {
+  const int64_t diag = q0 + s.off - k0;  // j <= i + off  <=>  kj - qi <= diag
+  int64_t lo = -kMaskClamp, up = kMaskClamp;
+  if (g.causal) up = diag;
+  if (g.window_right >= 0 && diag + g.window_right < up) up = diag + g.window_right;
+  if (g.window_left >= 0) lo = diag - g.window_left;
+  return TileMask{clamp_offset(s.Lq - q0), clamp_offset(s.Lk - k0), clamp_offset(lo), clamp_offset(up)};
+}
+
+// Runs f(std::true_type{}) on a tile entirely inside the mask and f(std::false_type{}) on a boundary
+// tile, so that the element test is compiled out of the full-tile path.
+template <class F>
+__device__ __forceinline__ void by_tile(bool full, F&& f) {
+  if (full)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
 }
 
 // Keys [lo, hi) that some valid row of [i0, i1) may attend (lo >= hi: none).

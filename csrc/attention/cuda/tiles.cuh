@@ -131,45 +131,63 @@ __device__ __forceinline__ bool clear_nonfinite(uint32_t& w) {
   }
 }
 
-// dst[r][c] (r < R, c < width, leading dim ld) = src[(row0 + r) * d + c0 + c] where row0 + r < nrows
-// and c0 + c < d, else 0. All threads of the block take part. With bad_rows (a product operand that
-// masked entries multiply by an exact 0), non-finite values are stored as 0 and their rows flagged:
-// bad_rows[r] = 1 and *bad_any = 1 (plain stores of 1, zeroed by the caller beforehand); the kernel
-// then makes the rows that attend a flagged key NaN, so masked entries never contribute.
+// How the threads of a block walk a [R][width] tile in copies of `vec` elements (16 bytes, or one
+// element where rows are not 16-byte aligned: d not a multiple of 16 / sizeof(T)): thread t takes
+// copies t, t + blockDim.x, ... in row-major order. The first copy and the step are divided out once
+// per kernel, so that the tile loops hold no integer divide.
+struct TileWalk {
+  int vec, chunks, r, c, dr, dc;
+};
+template <typename T>
+__device__ __forceinline__ TileWalk tile_walk(int d, int c0, int width) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int vec = d % kVec == 0 && c0 % kVec == 0 ? kVec : 1, chunks = width / vec;
+  const int t = (int)threadIdx.x, n = (int)blockDim.x;
+  return TileWalk{vec, chunks, t / chunks, t - t / chunks * chunks, n / chunks, n - n / chunks * chunks};
+}
+
+// dst[r][c] (r < R, c < width of the walk, leading dim ld) = src[(row0 + r) * d + c0 + c] where
+// row0 + r < nrows and c0 + c < d, else 0. All threads of the block take part. With bad_rows (a
+// product operand that masked entries multiply by an exact 0), non-finite values are stored as 0 and
+// their rows flagged: bad_rows[r] = 1 and *bad_any = 1 (plain stores of 1, zeroed by the caller
+// beforehand); the kernel then makes the rows that attend a flagged key NaN, so masked entries never
+// contribute.
 template <typename T>
 __device__ void load_tile(T* dst, int ld, const T* src, int d, int64_t row0, int64_t nrows, int R, int c0,
-                          int width, unsigned char* bad_rows = nullptr, int* bad_any = nullptr) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (d % kVec == 0 && c0 % kVec == 0) {  // width is a multiple of 16 elements
-    const int chunks = width / kVec;
-    for (int idx = threadIdx.x; idx < R * chunks; idx += blockDim.x) {
-      const int r = idx / chunks, c = (idx - r * chunks) * kVec;
+                          const TileWalk& w, unsigned char* bad_rows = nullptr, int* bad_any = nullptr) {
+  for (int r = w.r, cv = w.c; r < R;) {
+    const int c = cv * w.vec;
+    const bool in = row0 + r < nrows && c0 + c < d;
+    const T* from = src + (row0 + r) * d + c0 + c;
+    if (w.vec > 1) {
       int4 val = make_int4(0, 0, 0, 0);
-      if (row0 + r < nrows && c0 + c < d) val = *reinterpret_cast<const int4*>(src + (row0 + r) * d + c0 + c);
+      if (in) val = *reinterpret_cast<const int4*>(from);
       if (bad_rows != nullptr) {
-        uint32_t w[4] = {(uint32_t)val.x, (uint32_t)val.y, (uint32_t)val.z, (uint32_t)val.w};
+        uint32_t x[4] = {(uint32_t)val.x, (uint32_t)val.y, (uint32_t)val.z, (uint32_t)val.w};
         bool bad = false;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) bad |= clear_nonfinite<T>(w[i]);
+        for (int i = 0; i < 4; ++i) bad |= clear_nonfinite<T>(x[i]);
         if (bad) {
-          val = make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+          val = make_int4((int)x[0], (int)x[1], (int)x[2], (int)x[3]);
           bad_rows[r] = 1;
           *bad_any = 1;
         }
       }
       *reinterpret_cast<int4*>(dst + r * ld + c) = val;
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < R * width; idx += blockDim.x) {
-      const int r = idx / width, c = idx - r * width;
-      T val = Cvt<T>::from_f(0.0f);
-      if (row0 + r < nrows && c0 + c < d) val = src[(row0 + r) * d + c0 + c];
+    } else {
+      T val = in ? *from : Cvt<T>::from_f(0.0f);
       if (bad_rows != nullptr && !isfinite(Cvt<T>::to_f(val))) {
         val = Cvt<T>::from_f(0.0f);
         bad_rows[r] = 1;
         *bad_any = 1;
       }
       dst[r * ld + c] = val;
+    }
+    cv += w.dc;
+    r += w.dr;
+    if (cv >= w.chunks) {
+      cv -= w.chunks;
+      ++r;
     }
   }
 }

@@ -1,6 +1,7 @@
 // C entry points of the emulated launchers (see run_emu.py). Not part of the extension build (.cc).
 // dims = {B, H, Hkv, Nq, Nk, d, causal, window_left, window_right}; q_lens / kv_lens int32 [B] or null.
 #include "attention/attention_cuda.h"
+#include "attention/cuda/launch.cuh"
 using namespace condinit::attention_cuda;
 
 static Shape shape_of(const int64_t* dims, float scale, const int* q_lens, const int* kv_lens) {
@@ -38,6 +39,16 @@ int emu_jvp_bwd(int dt, const int64_t* dims, float scale, const int* q_lens, con
                    (const float*)ptrs[8], (const float*)ptrs[9], (const float*)ptrs[10], (const float*)ptrs[11],
                    ptrs[12], ptrs[13], ptrs[14], ptrs[15], ptrs[16], ptrs[17]};
   return jvp_bwd((DType)dt, shape_of(dims, scale, q_lens, kv_lens), P, a, nullptr);
+}
+// The mask of the tile at (query q0, key k0) of batch entry b (mask.cuh's tile_mask): ok[qi * nk + kj]
+// its element test, the return value whether it calls the [nq x nk] tile full.
+int emu_tile_mask(const int64_t* dims, const int* q_lens, const int* kv_lens, int64_t b, int64_t q0, int64_t k0,
+                  int nq, int nk, unsigned char* ok) {
+  const Geometry g = geometry_of(shape_of(dims, 1.0f, q_lens, kv_lens));
+  const TileMask m = tile_mask(g, seq_of(g, b), q0, k0);
+  for (int qi = 0; qi < nq; ++qi)
+    for (int kj = 0; kj < nk; ++kj) ok[qi * nk + kj] = m.ok(qi, kj);
+  return m.full(nq, nk);
 }
 // kind: a KernelKind (kernel_kind.h); out = {warps, smem_bytes, dpad, cols_per_block, loop_tile}
 void emu_plan(int kind, int dt, int64_t d, int64_t smem_limit, int64_t* out) {

@@ -107,6 +107,18 @@ class Emulator:
         assert rc == 0, f"emulated jvp_bwd launch failed: {rc}"
         return tuple(grads)
 
+    def tile_mask(self, B, Nq, Nk, causal, window, q_lens, kv_lens, b, q0, k0, nq, nk):
+        """mask.cuh's tile_mask of the tile at (query q0, key k0) of batch entry b, as a [nq, nk]
+        bool tensor of its element test, and whether it calls the tile full."""
+        left, right = window if window is not None else (-1, -1)
+        dims = torch.tensor([B, 1, 1, Nq, Nk, 16, int(causal), left, right], dtype=torch.int64)
+        lens = [None if x is None else torch.as_tensor(x, dtype=torch.int32).contiguous() for x in (q_lens, kv_lens)]
+        ok = torch.zeros(nq, nk, dtype=torch.uint8)
+        full = self.lib.emu_tile_mask(self._ptr(dims), self._ptr(lens[0]), self._ptr(lens[1]), ctypes.c_int64(b),
+                                      ctypes.c_int64(q0), ctypes.c_int64(k0), ctypes.c_int(nq), ctypes.c_int(nk),
+                                      self._ptr(ok))
+        return ok.bool(), bool(full)
+
     def plan(self, kind, dtype, d, smem_limit):
         """launch_plan: dict(warps, smem_bytes, dpad, cols_per_block, loop_tile)."""
         out = (ctypes.c_int64 * 5)()
