@@ -230,3 +230,20 @@ def test_plot_out_under_a_file_is_refused(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     rc, _, err = run_cli(capsys, "plot", str(tmp_path), "--out", str(tmp_path / "file" / "plots"))
     assert rc == 2 and "not a directory" in _one_line(err)
+
+
+def test_plot_replaces_a_symlink_in_the_output_directory_never_its_target(tmp_path, capsys):
+    """A PNG's name in the output directory that is a symlink (to a file outside, or dangling) is
+    replaced by the PNG itself: nothing is written through the link."""
+    _log(tmp_path, _record(0), _record(1))
+    outside, absent = tmp_path / "outside.txt", tmp_path / "absent.png"
+    outside.write_bytes(b"not yours\n")
+    out = tmp_path / "plots"
+    out.mkdir()
+    os.symlink(outside, out / "kappa.png")
+    os.symlink(absent, out / "entropy.png")
+    rc, _, err = run_cli(capsys, "plot", str(tmp_path), "--out", str(out))
+    assert rc == 0, err
+    assert outside.read_bytes() == b"not yours\n" and not absent.exists()
+    for name in ("kappa.png", "entropy.png", "max_logit.png"):
+        assert not os.path.islink(out / name) and (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -1,7 +1,8 @@
 """``condinit plot``: PNG curves of a JacobianMonitor run (kappa, max logit, attention entropy per layer).
 
 The output directory and files are checked before the log is read; every malformed line of the log
-is refused with its file, line number and field; each PNG is written atomically."""
+is refused with its file, line number and field; each PNG is written atomically inside the output
+directory (a symlink in a PNG's place is replaced by the PNG, its target never written)."""
 from __future__ import annotations
 
 import json
@@ -119,7 +120,7 @@ def run(args) -> int:
     check_output_dir(out)
     if os.path.isdir(out):
         for _, fname, _, _ in PLOTS:
-            check_output_path(os.path.join(out, fname))
+            check_output_path(os.path.join(out, fname), follow_symlinks=False)
     records, alerts = read_records(path)
     if not records:
         raise CLIError(f"{path}: holds no per-layer records")
@@ -155,7 +156,7 @@ def run(args) -> int:
         fig.tight_layout()
         target = os.path.join(out, fname)
         try:
-            with atomic_output(target) as tmp:
+            with atomic_output(target, follow_symlinks=False) as tmp:
                 fig.savefig(tmp, format="png", dpi=110)
         finally:
             plt.close(fig)
