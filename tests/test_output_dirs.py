@@ -20,15 +20,14 @@ transformers = pytest.importorskip("transformers")
 from condinit.io.dirlock import LOCK_NAME, DirectoryLocked, directory_lock  # noqa: E402
 from condinit.models.stream import write_pretrained  # noqa: E402
 
-from helpers import run_cli  # noqa: E402
+from helpers import LLAMA_SMALL, llama_config, run_cli, write_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD1 = "model-00001-of-00002.safetensors"
 
 
 def tiny_config():
-    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                    num_key_value_heads=2, head_dim=16, vocab_size=64, initializer_range=0.02)
+    return llama_config(LLAMA_SMALL, initializer_range=0.02)
 
 
 def write(out, **kw):
@@ -97,9 +96,7 @@ def test_cli_resume_through_symlinked_shard_is_one_line(written, capsys):
 
 
 def _config_file(d):
-    path = d / "config.json"
-    path.write_text(tiny_config().to_json_string())
-    return str(path)
+    return str(write_config(d, tiny_config()))
 
 
 def test_lock_file_is_not_left_in_the_checkpoint(tmp_path):
@@ -228,8 +225,7 @@ def test_two_condinit_processes_into_one_directory_one_refused_never_a_mix(tmp_p
     """``condinit init --out DIR/ --seed 1`` is caught (SIGSTOP) while it holds DIR's lock; a second
     ``condinit init`` into DIR, with another seed (``--overwrite``) or resuming, is refused naming the
     first one's PID and host; the first then finishes alone: every file is its own."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(_SLOW_CONFIG))
+    config = write_config(tmp_path, _SLOW_CONFIG)
     out = tmp_path / "out"
     common = ("init", "--config", str(config), "--out", f"{out}/", "--max-shard-size", "20MB", "--quiet")
     first = _condinit(*common, "--seed", "1")
@@ -256,3 +252,18 @@ def test_two_condinit_processes_into_one_directory_one_refused_never_a_mix(tmp_p
                                                                  "model.safetensors.index.json"})
     assert _seeds(out) == {1}
     assert transformers.AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+@pytest.mark.slow   # torchtitan's debug model is built and written
+def test_dcp_out_through_a_symlinked_directory_is_written_into_its_target(tmp_path, capsys):
+    """``init --format dcp --out LINK/`` (a DCP directory is renamed into place when complete): the link
+    is resolved before any work, the checkpoint lands in the directory it names, the link stays."""
+    pytest.importorskip("torchtitan.models.llama3")
+    (tmp_path / "real").mkdir()
+    os.symlink("real", tmp_path / "link")
+    r = run_cli(capsys, "init", "--format", "dcp", "--torchtitan", "llama3:debugmodel", "--out",
+                f"{tmp_path / 'link'}/", "--quiet")
+    assert r.rc == 0, r
+    assert os.path.islink(tmp_path / "link") and os.readlink(tmp_path / "link") == "real"
+    assert ".metadata" in os.listdir(tmp_path / "real")
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]     # no temporary directory left beside
