@@ -44,8 +44,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from condinit._validate import check_choice, check_int, check_real, check_seed
+from condinit._validate import check_bool, check_choice, check_int, check_real, check_seed
 
+from .blocks import blocks_estimate
 from .brackets import _TOL
 from .dense_svd import _dense_one, dense_preferred
 from .krylov import _Effective  # noqa: F401 (the effective operator, for tests and tools)
@@ -84,7 +85,7 @@ def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
 
 def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: Optional[int] = None, seed: int = 0, *,
                 tol: float = _TOL, time_budget: Optional[float] = None, confidence: float = _CONFIDENCE,
-                rank_rtol: Optional[float] = None, dense: Union[bool, str] = False):
+                rank_rtol: Optional[float] = None, dense: Union[bool, str] = False, blocks: bool = True):
     """sigma_max and the smallest nonzero sigma_min of ``J``, with brackets, by Golub-Kahan-Lanczos.
 
     The bidiagonalization starts from ``J^T J e`` (``e`` random) and forms each new vector as one fresh
@@ -104,7 +105,11 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     cost in ``notes``) when it is cheaper than the ``r`` Lanczos steps exactness would take (than
     ``min(steps, r)`` steps when ``steps`` is given; default 300 Lanczos steps) and small
     (:func:`dense_preferred`); True always takes it. The dense path is not bounded by ``steps`` or
-    ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). Returns a
+    ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). ``blocks`` (default True):
+    where ``J`` is block diagonal over its key/value groups (:attr:`JacobianOperator.kv_blocks_exact`:
+    ``wrt="weights"`` or ``"qkv"`` without ``W_O``, more than one key/value head), each block is
+    estimated on its own (``steps`` each, the time budget shared) and the brackets combined
+    (:mod:`condinit.probe.blocks`); ``iterations`` is then the sum over the blocks. Returns a
     :class:`SpectrumEstimate` (a list for a sequence of operators).
 
     Examples:
@@ -118,12 +123,13 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     ops = _check_operators(op)
     kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
-    return _many(op, ops, _lanczos_one, seed=seed, dense=check_dense(dense), **kw)
+    check_bool("blocks", blocks)
+    return _many(op, ops, _run, one=_lanczos_one, blocks=blocks, seed=seed, dense=check_dense(dense), **kw)
 
 
 def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: Optional[int] = None, seed: int = 0,
                      *, method: str = "auto", tol: float = _TOL, time_budget: Optional[float] = None,
-                     confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None):
+                     confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None, blocks: bool = True):
     """kappa(J) = sigma_max / sigma_min over the nonzero singular values of ``J``, with its bracket.
 
     ``method="lanczos"``: :func:`lanczos_svd` (``steps``, ``seed``, ``tol``, ``time_budget``,
@@ -133,7 +139,8 @@ def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], st
     ``64 eps s_1`` (``eps`` of the operator's dtype), each bracketed by that rounding; at most
     2**24 entries. ``"auto"`` (the default): ``"dense"`` where it is cheaper than the Lanczos run
     to exactness and small (:func:`dense_preferred`), else ``"lanczos"``; the estimate's ``method``
-    and ``notes`` say which. Returns a :class:`SpectrumEstimate` (a list for a sequence of
+    and ``notes`` say which. ``blocks``: as for :func:`lanczos_svd` (the dense path per key/value
+    block too). Returns a :class:`SpectrumEstimate` (a list for a sequence of
     operators); its ``kappa`` is None when ``J`` is rank-deficient (``sigma_min <= rank_rtol
     sigma_max``).
 
@@ -148,7 +155,18 @@ def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], st
     kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
     check_choice("method", method, ("auto", "lanczos", "dense"))
+    check_bool("blocks", blocks)
     if method == "dense":
-        return _many(op, ops, _dense_one, rank_rtol=kw["rank_rtol"], tol=kw["tol"])
-    return _many(op, ops, _lanczos_one, seed=seed, dense="auto" if method == "auto" else False, **kw)
+        return _many(op, ops, _run, one=_dense_block, blocks=blocks, seed=seed, **kw)
+    return _many(op, ops, _run, one=_lanczos_one, blocks=blocks, seed=seed,
+                 dense="auto" if method == "auto" else False, **kw)
+
+
+def _dense_block(op: JacobianOperator, *, rank_rtol, tol, **_):
+    return _dense_one(op, rank_rtol=rank_rtol, tol=tol)
+
+
+def _run(op: JacobianOperator, *, one, blocks: bool, **kw):
+    """``one`` on ``op``, or on each key/value block of ``op`` combined (``blocks``)."""
+    return blocks_estimate(op, one, **kw) if blocks else one(op, **kw)
 

@@ -53,6 +53,7 @@ class KnownNulls:
         self.B, self.N, self.H, self.Hkv, self.G, self.d, self.D = op.B, op.N, op.H, op.Hkv, op.G, op.d, op.D
         # the weights exist for a module (not for a (q, k, v) triple)
         self.X = op.X
+        self._x_cache = op._x_cache
         self.Wq, self.Wk, self.Wv, self.bq, self.bk = (getattr(op, n, None) for n in ("Wq", "Wk", "Wv", "bq", "bk"))
         self._rope_cs, self._split_input = op._rope_cs, op.split_input
         self._has_qk_norm, self._has_k_norm = op.q_norm is not None or op.k_norm is not None, op.k_norm is not None
@@ -90,7 +91,8 @@ class KnownNulls:
         else:
             xa = self.X.reshape(-1, self.D).to(f64)
             # all of V is needed for null(X); U only thin (B N x min(B N, D))
-            u_x, s, vh = torch.linalg.svd(xa, full_matrices=xa.shape[0] < self.D)
+            # X's factors are shared by the operators of one input (the key/value blocks of one operator)
+            u_x, s, vh = self._cached("svd", lambda: torch.linalg.svd(xa, full_matrices=xa.shape[0] < self.D))
             smax = float(s.max()) if s.numel() else 0.0
             rank = int((s > rtol * smax).sum()) if smax > 0 else 0
             z = vh[rank:].t()                                  # [D, D - rank]
@@ -139,6 +141,19 @@ class KnownNulls:
         elif self.causal and self.G > 1:
             self.left.append("causal GQA with W_O: the first query's unreachable directions are not tracked "
                                 "(expect a rank-deficient report)")
+
+    def _cached(self, key: str, make):
+        """``make()``, computed once per input ``X`` (the cache is shared by the operators built on it)."""
+        if key not in self._x_cache:
+            self._x_cache[key] = make()
+        return self._x_cache[key]
+
+    def _row_projector(self) -> Tensor:
+        """``I - Z Z^T`` (float64, ``[D, D]``): the projector onto the complement of ``null(X)``'s rows."""
+        def make():
+            z = self._z_row.to(torch.float64)
+            return torch.eye(self.D, dtype=torch.float64, device=self.device) - z @ z.t()
+        return self._cached("row_projector", make)
 
     @property
     def _key_shifts_are_null(self) -> bool:
@@ -197,9 +212,7 @@ class KnownNulls:
         f64 = torch.float64
         Hkv, G, d, D = self.Hkv, self.G, self.d, self.D
         basis = self._rope_commutant()                                # [nb, d, d]
-        eye = torch.eye(D, dtype=f64, device=self.device)
-        z = self._z_row.to(f64)
-        pi = eye - z @ z.t()
+        pi = self._row_projector()
         wq, wk = self.Wq.to(f64), self.Wk.to(f64)
         bq = None if self.bq is None else self.bq.to(f64)
         bk = None if self.bk is None else self.bk.to(f64)
@@ -267,9 +280,7 @@ class KnownNulls:
         (already projected) input-side nulls; returns the gauge's dimension."""
         f64 = torch.float64
         Hkv, G, d, D = self.Hkv, self.G, self.d, self.D
-        eye = torch.eye(D, dtype=f64, device=self.device)
-        z = self._z_row.to(f64)
-        pi_q = eye - z @ z.t()
+        pi_q = self._row_projector()
         pi_k = pi_q.clone()
         if self._w_shift is not None:
             w = self._w_shift.to(f64)

@@ -54,6 +54,7 @@ rather than as NaN from ``mv`` or an SVD failure inside an estimator.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -181,6 +182,7 @@ class JacobianOperator(OperatorProducts):
         self.n = sum(self._in_sizes)
         self._primals = None
         self._nulls = None
+        self._x_cache: dict = {}      # X's factors for the known nulls, shared with the key/value blocks
         self._impls = self._choose_backends()
 
     # -- construction ---------------------------------------------------------------------------
@@ -337,6 +339,62 @@ class JacobianOperator(OperatorProducts):
         masks = tuple(kind for kind, on in (("causal", self.causal), ("window", self.window is not None)) if on)
         return {op.name: op.choose(self.device, self.backend, dtype=self.dtype, head_dim=self.d, masks=masks)
                 for op in (ATTENTION_FWD, ATTENTION_BWD, ATTENTION_JVP)}
+
+    # -- key/value groups: J is block diagonal over them ----------------------------------------
+
+    @property
+    def kv_blocks_exact(self) -> Optional[str]:
+        """Why ``J`` is not block diagonal over the key/value groups here, or None when it is.
+
+        For ``wrt="weights"`` or ``"qkv"`` without ``W_O``, group ``g``'s outputs (its ``G`` query
+        heads) read only its own variables (those heads' rows of ``W_Q`` / ``Q``, its ``W_K``, ``W_V``
+        rows / ``K``, ``V``), and no other output reads them: ``J = diag(J_1, ..., J_Hkv)`` up to a
+        permutation, and its singular values are the union of the blocks'. ``W_O``, ``wrt="input"``
+        and a norm over the whole projection (OLMo2) couple the groups."""
+        if self.Hkv == 1:
+            return "one key/value group"
+        if self.wrt == "input":
+            return "wrt='input': every output reads all of dX"
+        if self._wo is not None:
+            return "include_output_proj: W_O mixes the heads"
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None and (norm.whole or norm.heads_differ):
+                return f"{norm.name} normalizes the whole projection" if norm.whole else \
+                    f"{norm.name} has a weight per head"
+        return None
+
+    def kv_blocks(self) -> list:
+        """The operators ``J_1, ..., J_Hkv`` of the key/value groups (one query-head group and its key/value
+        head each, the same input, transforms and backends; copies sharing this operator's tensors), when
+        :attr:`kv_blocks_exact` is None; else ``[self]``."""
+        if self.kv_blocks_exact is not None:
+            return [self]
+        return [self._kv_block(g) for g in range(self.Hkv)]
+
+    def _kv_block(self, g: int) -> "JacobianOperator":
+        blk = copy.copy(self)
+        G, d = self.G, self.d
+        qs, ks = slice(g * G * d, (g + 1) * G * d), slice(g * d, (g + 1) * d)
+        if self._qkv_given is not None:
+            q, k, v = self._qkv_given
+            blk._qkv_given = (q[:, g * G:(g + 1) * G], k[:, g:g + 1], v[:, g:g + 1])
+        else:
+            blk.Wq, blk.Wk, blk.Wv = self.Wq[qs], self.Wk[ks], self.Wv[ks]
+            blk.bq, blk.bk, blk.bv = (None if b is None else b[s] for b, s in
+                                      ((self.bq, qs), (self.bk, ks), (self.bv, ks)))
+        blk.q_norm = None if self.q_norm is None else self.q_norm.for_heads(G)
+        blk.k_norm = None if self.k_norm is None else self.k_norm.for_heads(1)
+        blk.H, blk.Hkv = G, 1
+        blk._m_heads = blk.m = self.B * G * self.N * d
+        if self.wrt == "weights":
+            blk._in_shapes = ((G * d, self.D), (d, self.D), (d, self.D))
+        else:
+            blk._in_shapes = ((self.B, G, self.N, d), (self.B, 1, self.N, d), (self.B, 1, self.N, d))
+        blk._in_sizes = tuple(math.prod(s) for s in blk._in_shapes)
+        blk.n = sum(blk._in_sizes)
+        blk._primals, blk._nulls = None, None
+        blk.kv_group = g
+        return blk
 
     # -- exports --------------------------------------------------------------------------------
 

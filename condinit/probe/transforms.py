@@ -52,6 +52,22 @@ class QKNorm:
         self._module = clone
         self._vjp = None
 
+    @property
+    def heads_differ(self) -> bool:
+        """Whether the per-head norm has a weight per head (``[heads, head_dim]``, Cohere)."""
+        w = self._module._parameters.get("weight")
+        return not self.whole and w is not None and w.dim() > 1 and math.prod(w.shape) == self.heads * self.d \
+            and self.heads > 1
+
+    def for_heads(self, heads: int) -> "QKNorm":
+        """The same per-head norm (one weight over ``head_dim``) on ``heads`` heads, its own linearization
+        point (the operator of one key/value group)."""
+        if self.whole or self.heads_differ:
+            raise ValueError(f"{self.name} is not one norm per head")
+        other = copy.copy(self)
+        other.heads, other._vjp = heads, None
+        return other
+
     def __call__(self, y: Tensor) -> Tensor:
         """``[.., rows]`` -> ``[.., rows]``."""
         if self.whole:
