@@ -1,9 +1,12 @@
 """What several test files share besides the fixtures and tolerances of conftest.py: the command
-line run in this process, orthonormality and refused-call checks, a tiny training model, and the
-attention call the argument-error tests break one argument at a time, with guards on the kernels."""
+line run in this process, orthonormality and refused-call checks, a tiny training model, the tiny
+Llama configs the writer and CLI tests write, and the attention call the argument-error tests break
+one argument at a time, with guards on the kernels."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -70,6 +73,46 @@ class TinyTransformer(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.head(h)
+
+
+# Tiny Llama shapes (LlamaConfig keyword arguments) that the writer and CLI tests write: LLAMA_GQA has
+# 3 layers of 4 query heads over 2 key/value heads, LLAMA_SMALL 2 layers of 2 heads.
+LLAMA_GQA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=300)
+LLAMA_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=16, vocab_size=64)
+
+
+def llama_config(shape: dict, **overrides):
+    """A ``transformers.LlamaConfig`` of ``shape`` (``LLAMA_GQA``, ``LLAMA_SMALL``) with ``overrides``."""
+    import transformers
+
+    return transformers.LlamaConfig(**{**shape, **overrides})
+
+
+def write_config(directory, config, name: str = "config.json") -> Path:
+    """``config`` (a dict, or a ``transformers`` config) written as JSON to ``directory / name``, for
+    ``condinit init --config``."""
+    path = Path(directory) / name
+    path.write_text(json.dumps(config) if isinstance(config, dict) else config.to_json_string())
+    return path
+
+
+def on_real_init(k: int, action):
+    """A Llama ``_init_weights`` that calls ``action()`` at its ``k``-th call on a module holding real
+    (not meta) tensors: the attention projections, which a write computes whole, in layer order, while
+    their shard is being written (3 per layer: ``k = 4`` is layer 1's ``q_proj``)."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    real, calls = LlamaPreTrainedModel._init_weights, [0]
+
+    def init_weights(self, module):
+        if any(not t.is_meta for t in module.parameters(recurse=False)):
+            calls[0] += 1
+            if calls[0] == k:
+                action()
+        return real(self, module)
+    return init_weights
 
 
 class AttentionInputs(NamedTuple):

@@ -11,7 +11,7 @@ from torch import nn
 
 from condinit.cli import main
 from condinit.models import AttentionSpec, Projection, UncoveredAttentionWarning
-from helpers import assert_orthonormal_rows, run_cli
+from helpers import assert_orthonormal_rows, run_cli, write_config
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -21,13 +21,6 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 def _listing(d):
     return sorted(os.listdir(d))
-
-
-def _config_file(tmp_path, config, name="config.json"):
-    """``config`` written as JSON to ``tmp_path / name``, for ``--config``."""
-    path = tmp_path / name
-    path.write_text(json.dumps(config))
-    return path
 
 
 # the configs given to --config: tiny models, no download
@@ -86,7 +79,7 @@ def test_init_tiny_llama_writes_conditioned_checkpoint(tiny_llama, tmp_path, cap
 
 
 def test_init_same_seed_same_file_content(tmp_path, capsys):
-    cfg = _config_file(tmp_path, GPT2_CONFIG)
+    cfg = write_config(tmp_path, GPT2_CONFIG)
     files = []
     for name in ("a", "b"):
         out = tmp_path / f"{name}.safetensors"
@@ -119,7 +112,7 @@ def test_inspect_reads_metadata_and_plots(tiny_llama, tmp_path, capsys):
 
 
 def test_config_gpt2_bf16_and_inspect_without_metadata(tmp_path, capsys):
-    cfg = _config_file(tmp_path, GPT2_CONFIG)
+    cfg = write_config(tmp_path, GPT2_CONFIG)
     out = tmp_path / "gpt2.safetensors"
     rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--dtype", "bf16", "--out", str(out), "--quiet")
     assert rc == 0, err
@@ -178,7 +171,7 @@ def test_init_bad_inputs_leave_nothing_behind(tmp_path, capsys):
     bad.write_text("{not json")
     rc, _, err = run_cli(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "not readable JSON" in err
-    _config_file(tmp_path, {"model_type": "no-such-model"}, "bad.json")
+    write_config(tmp_path, {"model_type": "no-such-model"}, "bad.json")
     rc, _, err = run_cli(capsys, "init", "--config", str(bad), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "no-such-model" in err
     assert _listing(tmp_path) == sorted(before + ["afile", "bad.json"])
@@ -196,7 +189,7 @@ def test_init_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch
         return real(self, unit)
 
     monkeypatch.setattr(Materializer, "unit", broken)
-    cfg = _config_file(tmp_path, GPT2_CONFIG)
+    cfg = write_config(tmp_path, GPT2_CONFIG)
     rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and "disk full" in err and calls[0] == 6
     assert _listing(tmp_path) == ["config.json"]
@@ -244,7 +237,7 @@ def test_inspect_bad_inputs(tmp_path, tiny_llama, capsys):
 # any config: layouts in the metadata, --adapter, --strict
 
 def test_init_config_neox_metadata_layout_and_inspect(tmp_path, capsys):
-    cfg = _config_file(tmp_path, NEOX_CONFIG, "neox.json")
+    cfg = write_config(tmp_path, NEOX_CONFIG, "neox.json")
     out = tmp_path / "neox.safetensors"
     rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--strict", "--out", str(out))
     assert rc == 0, err
@@ -310,14 +303,14 @@ def test_init_config_model_classes(tmp_path, capsys):
         assert model_class_for(mt, transformers.AutoConfig.for_model(mt)) == "AutoModel", mt
     model, family = build_model(config=dict(T5_CONFIG))
     assert type(model).__name__ == "T5Model" and family == "t5"
-    cfg = _config_file(tmp_path, T5_CONFIG, "t5.json")
+    cfg = write_config(tmp_path, T5_CONFIG, "t5.json")
     rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "t5.safetensors"))
     assert rc == 0, err
     assert "EncDecAttention" in text and "(cross)" in text
 
 
 def test_init_unsupported_config_lists_modules_and_strict_writes_nothing(tmp_path, capsys):
-    cfg = _config_file(tmp_path, dict(DEEPSEEK_CONFIG, qk_nope_head_dim=4, num_hidden_layers=4), "ds.json")
+    cfg = write_config(tmp_path, dict(DEEPSEEK_CONFIG, qk_nope_head_dim=4, num_hidden_layers=4), "ds.json")
     out = tmp_path / "ds.safetensors"
     rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(out))
     assert rc == 2 and ("4 x DeepseekV3Attention (model.layers.0.self_attn, model.layers.1.self_attn, "
@@ -325,7 +318,7 @@ def test_init_unsupported_config_lists_modules_and_strict_writes_nothing(tmp_pat
     assert err.count("multi-head latent attention") == 1            # one line per reason, not per layer
     assert "--adapter" in err and not out.exists()
     # a model with an uncovered module: --strict refuses before writing, the default lists it
-    mixed = _config_file(tmp_path, LONGFORMER_CONFIG, "mixed.json")
+    mixed = write_config(tmp_path, LONGFORMER_CONFIG, "mixed.json")
     rc, _, err = run_cli(capsys, "init", "--config", str(mixed), "--strict", "--out", str(out))
     assert rc == 2 and "query_global/key_global/value_global" in err and not out.exists()
     with pytest.warns(UncoveredAttentionWarning):
@@ -348,7 +341,7 @@ def mla_adapter(module):
 
 
 def test_init_adapter_from_the_command_line(tmp_path, capsys):
-    cfg = _config_file(tmp_path, DEEPSEEK_CONFIG, "ds.json")
+    cfg = write_config(tmp_path, DEEPSEEK_CONFIG, "ds.json")
     out = tmp_path / "ds.safetensors"
     rc, text, err = run_cli(capsys, "init", "--config", str(cfg), "--adapter", "test_cli_init_inspect:mla_adapter",
                             "--strict", "--out", str(out))
@@ -368,7 +361,7 @@ def test_init_adapter_from_the_command_line(tmp_path, capsys):
 # directories, the single file, dry runs, refusals, bad arguments
 
 def test_file_and_directory_hold_the_same_tensors_and_inspect_alike(tmp_path, capsys):
-    cfg = _config_file(tmp_path, GPT2_CONFIG)
+    cfg = write_config(tmp_path, GPT2_CONFIG)
     one, d = tmp_path / "one.safetensors", tmp_path / "dir"
     assert main(["init", "--config", str(cfg), "--seed", "4", "--out", str(one), "--quiet"]) == 0
     rc, out, err = run_cli(capsys, "init", "--config", str(cfg), "--seed", "4", "--out", str(d) + os.sep,
@@ -418,7 +411,7 @@ def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys)
     before = {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")}
     rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2")
     assert rc == 2 and "another model" in err and "--overwrite" in err and "seed" in err
-    rc, _, err = run_cli(capsys, "init", "--config", str(_config_file(tmp_path, GPT2_CONFIG, "gpt2.json")), "--out", d)
+    rc, _, err = run_cli(capsys, "init", "--config", str(write_config(tmp_path, GPT2_CONFIG, "gpt2.json")), "--out", d)
     assert rc == 2 and "config.json differs" in err
     assert {n: (tmp_path / "d" / n).read_bytes() for n in _listing(tmp_path / "d")} == before
     rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--out", d, "--seed", "2", "--overwrite", "--quiet",
@@ -444,7 +437,7 @@ def test_directory_with_another_model_refused_unless_overwrite(tmp_path, capsys)
     ({"n_layer": True}, "n_layer must be an int, got bool True"),
 ])
 def test_bad_config_values_are_one_line_errors(tmp_path, capsys, change, needle):
-    cfg = _config_file(tmp_path, dict(GPT2_CONFIG, **change))
+    cfg = write_config(tmp_path, dict(GPT2_CONFIG, **change))
     rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "x.safetensors"))
     assert rc == 2 and needle in err and f"--config {cfg}" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -454,7 +447,7 @@ def test_bad_config_values_are_one_line_errors(tmp_path, capsys, change, needle)
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 50}
-    cfg = _config_file(tmp_path, llama, "llama.json")
+    cfg = write_config(tmp_path, llama, "llama.json")
     d = str(tmp_path / "d") + os.sep
     f = str(tmp_path / "x.safetensors")
     cases = [

@@ -16,7 +16,7 @@ import torch
 
 from condinit.io.safetensors_format import WEIGHTS_INDEX_NAME, shard_name
 from condinit.models.checkpoint import open_checkpoint, read_metadata
-from helpers import CliRun, run_cli
+from helpers import LLAMA_SMALL, CliRun, run_cli, write_config
 
 hypothesis = pytest.importorskip("hypothesis")
 pytest.importorskip("safetensors")
@@ -289,8 +289,7 @@ def test_shard_entry_nested_too_deeply(tmp_path, capsys):
 # ``condinit init --resume`` of a directory condinit wrote: what it reads there (config.json, the
 # index, every shard's header) damaged or hostile. Either the resume refuses in one line and the
 # directory is as it was, or it finishes and the directory is the one a fresh write gives.
-RESUME_CONFIG = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                 "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 64}
+RESUME_CONFIG = {"model_type": "llama", **LLAMA_SMALL}
 RESUME_SHARD = shard_name(1, 2)
 
 
@@ -311,8 +310,7 @@ def _tree(d) -> dict:
 @pytest.fixture(scope="module")
 def resume_original(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    config = root / "config.json"
-    config.write_text(json.dumps(RESUME_CONFIG))
+    config = write_config(root, RESUME_CONFIG)
     from condinit.cli import main
     assert main(["init", *_resume_argv(config, root / "orig")]) == 0
     return config, root / "orig", _tree(root / "orig")

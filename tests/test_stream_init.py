@@ -13,13 +13,11 @@ transformers = pytest.importorskip("transformers")
 import condinit  # noqa: E402
 from condinit.models.checkpoint import open_checkpoint, read_metadata  # noqa: E402
 from condinit.models.stream import WEIGHTS_INDEX_NAME, parse_shard_size, plan_shards, write_pretrained  # noqa: E402
+from helpers import LLAMA_GQA, llama_config, on_real_init  # noqa: E402
 
 
 def tiny_config(tie: bool, **kw):
-    base = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=tie, initializer_range=0.02)
-    base.update(kw)
-    return transformers.LlamaConfig(**base)
+    return llama_config(LLAMA_GQA, tie_word_embeddings=tie, initializer_range=0.02, **kw)
 
 
 def load(out):
@@ -373,40 +371,20 @@ def test_resume_rewrites_only_what_is_not_complete(tmp_path):
     assert _files(out) == _files(ref.out_dir)
 
 
-def _on_real_init(k: int, action):
-    """A Llama ``_init_weights`` that calls ``action()`` at its ``k``-th call on a module holding real
-    (not meta) tensors: the attention projections, which a write computes whole, in layer order, while
-    their shard is being written (3 per layer: ``k = 4`` is layer 1's ``q_proj``)."""
-    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
-
-    real, calls = LlamaPreTrainedModel._init_weights, [0]
-
-    def init_weights(self, module):
-        if any(not t.is_meta for t in module.parameters(recurse=False)):
-            calls[0] += 1
-            if calls[0] == k:
-                action()
-        return real(self, module)
-    return init_weights
-
-
 # Writes a tiny model, pausing in the model's init of the attention projections that `sys.argv[2]`
 # numbers, so that the parent can send SIGTERM while a shard is half written.
 _INTERRUPTED = textwrap.dedent("""
     import sys, time
-    import transformers
     from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
     from condinit.models.stream import write_pretrained
-    from test_stream_init import _on_real_init
+    from helpers import LLAMA_GQA, llama_config, on_real_init
 
     def pause():
         print("paused", flush=True)
         time.sleep(120)
 
-    LlamaPreTrainedModel._init_weights = _on_real_init(int(sys.argv[2]), pause)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=False)
-    write_pretrained(cfg, sys.argv[1], seed=21, max_shard_size=40_000)
+    LlamaPreTrainedModel._init_weights = on_real_init(int(sys.argv[2]), pause)
+    write_pretrained(llama_config(LLAMA_GQA, tie_word_embeddings=False), sys.argv[1], seed=21, max_shard_size=40_000)
 """)
 
 
@@ -459,7 +437,7 @@ def test_writer_and_generator_errors_leave_no_partial_file(tmp_path, monkeypatch
         raise RuntimeError("generation failed (simulated)")
 
     with monkeypatch.context() as m:
-        m.setattr(LlamaPreTrainedModel, "_init_weights", _on_real_init(4, fail))
+        m.setattr(LlamaPreTrainedModel, "_init_weights", on_real_init(4, fail))
         with pytest.raises(RuntimeError, match="simulated"):
             write_pretrained(cfg, tmp_path / "a", max_shard_size=40_000)
     written = os.listdir(tmp_path / "a")

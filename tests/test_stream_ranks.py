@@ -15,15 +15,14 @@ transformers = pytest.importorskip("transformers")
 from condinit.cli import main  # noqa: E402
 from condinit.io.dirlock import directory_lock  # noqa: E402
 from condinit.models.stream import WEIGHTS_INDEX_NAME, assign, write_checkpoint, write_pretrained  # noqa: E402
+from helpers import LLAMA_GQA, llama_config  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _SHARD = "40KB"
 
 
 def tiny_config():
-    return transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=False,
-                                    architectures=["LlamaForCausalLM"])
+    return llama_config(LLAMA_GQA, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 
 
 def _files(d) -> dict:
@@ -61,7 +60,7 @@ def _init_args(cfg, out, *more):
 _FAILING_RANK = textwrap.dedent("""
     import os, sys
     from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
-    from test_stream_init import _on_real_init
+    from helpers import on_real_init
 
     def fail():
         if os.environ["FAIL_MODE"] == "kill":
@@ -69,7 +68,7 @@ _FAILING_RANK = textwrap.dedent("""
         raise RuntimeError("generation failed (simulated)")
 
     if os.environ["RANK"] == os.environ["FAIL_RANK"]:
-        LlamaPreTrainedModel._init_weights = _on_real_init(int(os.environ["FAIL_AT"]), fail)
+        LlamaPreTrainedModel._init_weights = on_real_init(int(os.environ["FAIL_AT"]), fail)
     from condinit.cli import run
     run(sys.argv[1:])
 """)
