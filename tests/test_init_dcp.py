@@ -217,11 +217,10 @@ def _gqa_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from condinit.models.engines.dcp import _pieces_planner, _save_items
+        from condinit.models.engines.dcp import save_torchtitan_state
         with torch.device("meta"):
             model = _gqa_config().build()
         mesh = init_device_mesh("cpu", (world,))
@@ -232,8 +231,7 @@ def _gqa_worker(rank, world, port, out):
         torch.manual_seed(0)
         with torch.no_grad():
             model.init_states()
-        state, pieces = _save_items(model)
-        dcp.save(state, checkpoint_id=os.path.join(out, "dcp"), planner=_pieces_planner(pieces))
+        save_torchtitan_state(model, os.path.join(out, "dcp"))
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if rank == 0:        # torchtitan's own split of the fused wqkv (its state_dict hook)
             torch.save(full, os.path.join(out, "reference.pt"))

@@ -24,8 +24,8 @@ from torch import nn
 
 from condinit.io.atomic import check_output_dir
 
-__all__ = ["write_dcp", "write_torchtitan_seed", "plan_torchtitan_seed", "torchtitan_model", "TorchtitanModel",
-           "SeedPlan", "SeedReport", "RankShare", "TORCHTITAN_INSTALL", "INIT_BLOCK_ELEMENTS"]
+__all__ = ["write_dcp", "write_torchtitan_seed", "plan_torchtitan_seed", "save_torchtitan_state", "torchtitan_model",
+           "TorchtitanModel", "SeedPlan", "SeedReport", "RankShare", "TORCHTITAN_INSTALL", "INIT_BLOCK_ELEMENTS"]
 
 
 def write_dcp(model: nn.Module, out_dir, *, seed: int, **apply_kwargs):
@@ -381,6 +381,16 @@ def _save_items(model: nn.Module) -> tuple:
     return state, pieces
 
 
+def save_torchtitan_state(model: nn.Module, checkpoint_id, *, no_dist: bool = False) -> None:
+    """``dcp.save`` of ``model`` into ``checkpoint_id`` in torchtitan's stock state-dict layout, with
+    nothing gathered: every tensor as this rank holds it, each fused ``wqkv`` as this rank's rows of
+    ``wq`` / ``wk`` / ``wv`` (:func:`_save_items`, :func:`_pieces_planner`)."""
+    import torch.distributed.checkpoint as dcp
+
+    state, pieces = _save_items(model)
+    dcp.save(state, checkpoint_id=checkpoint_id, planner=_pieces_planner(pieces), no_dist=no_dist)
+
+
 def _check_layout(tt: TorchtitanModel, meta: nn.Module) -> None:
     """On the meta model, before anything is allocated: the blocks ``fully_shard`` wraps are in
     ``model.layers``, and :func:`_save_items` gives the keys and shapes of torchtitan's own
@@ -507,7 +517,6 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     import warnings
 
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from condinit._validate import check_seed
@@ -543,13 +552,12 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     net = meta.to_empty(device="cpu")
     _init_states(net, tables, seed)
     report = apply(net, seed=seed, **apply_kwargs)
-    state, pieces = _save_items(net)
     done = False
     try:
         with warnings.catch_warnings():   # one process: dcp.save says it assumes so, as intended
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             try:
-                dcp.save(state, checkpoint_id=tmp_dir, planner=_pieces_planner(pieces), no_dist=ranks.size == 1)
+                save_torchtitan_state(net, tmp_dir, no_dist=ranks.size == 1)
             except CheckpointException as exc:      # a BaseException: the first failed rank's own error instead
                 rank, (first, _) = min(exc.failures.items(), key=lambda kv: kv[0])
                 if not isinstance(first, Exception):
