@@ -6,11 +6,12 @@ float64 attention, or a Hugging Face module's forward), its singular values by
 causal and bidirectional, grouped-query 1:1, 2:1 and 4:1, N below, equal to and above the head
 dim, one or two sequences, left padding (the first tokens one repeated pad embedding, no padding
 mask: the operator does not model one, so neither does the reference), and Hugging Face Llama
-(RoPE), Qwen3 (RoPE and QK-norm), Gemma-2 (sliding window, soft-capping) and GPT-NeoX (partial
-rotary, biases) layers. Each case checks, at the defaults, that ``[lo, hi]`` of sigma_max,
-sigma_min and kappa holds the reference for ``condition_number`` (``method="auto"``) and
-``lanczos_svd`` (Lanczos, 300 steps, tol 0.1), and that Lanczos run to the end equals the
-reference to 1e-6.
+(RoPE), Qwen3 (RoPE and QK-norm), Gemma-2 (sliding window, soft-capping), GPT-NeoX (partial
+rotary, biases) and BERT (``BertSelfAttention``, bidirectional, biases) layers. Each case checks,
+at the defaults, that ``[lo, hi]`` of sigma_max, sigma_min and kappa holds the reference for
+``condition_number`` (``method="auto"``) and ``lanczos_svd`` (Lanczos, 300 steps, tol 0.1), and that
+Lanczos run to the end equals the reference to 1e-6. Where ``J`` is block diagonal over its
+key/value groups the estimates run per block (the default); Lanczos without blocks is checked too.
 
 A reference with singular values in ``(1e-13, 1e-10] sigma_max`` (a near-degeneracy, not a null
 direction: those sit near 1e-16) has no kappa; there an exact estimate must say rank-deficient.
@@ -64,6 +65,46 @@ def _hf_case(g: torch.Generator, i: int, mp):
     return f"case {i}: {name} wrt={wrt} kv_heads={kv} seed={seed}", op, J
 
 
+def _bert_case(g: torch.Generator, i: int, mp):
+    """A random ``BertSelfAttention`` (bidirectional, biases, float64) from a tiny ``BertConfig``; the
+    reference is jacrev of the module's own forward (its context output, before ``BertSelfOutput``)."""
+    import test_operator_real_attention as real
+    from transformers import BertConfig
+    from transformers.models.bert import modeling_bert
+    from condinit.probe import JacobianOperator
+
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
+    H, d, N, wrt = pick((1, 2, 3)), pick((2, 4)), pick((3, 5, 6)), pick(("weights", "input"))
+    seed = int(torch.randint(2 ** 31, (1,), generator=g))
+    cfg = BertConfig(hidden_size=H * d, num_attention_heads=H, intermediate_size=8, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    mp.setattr(modeling_bert, "eager_attention_forward", real._float64_source(modeling_bert.eager_attention_forward))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        attn = modeling_bert.BertSelfAttention(cfg).to(F64).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) / math.sqrt(H * d))
+    x = torch.randn(1, N, H * d, generator=gen, dtype=F64)
+
+    def heads_first(y):
+        return y.reshape(1, N, H, d).transpose(1, 2).reshape(-1)
+
+    if wrt == "input":
+        J = torch.func.jacrev(lambda xx: heads_first(attn(xx)[0]))(x).reshape(H * N * d, -1)
+    else:
+        names = ("query.weight", "key.weight", "value.weight")
+        base = {k: v.detach() for k, v in attn.named_parameters()}
+
+        def f(*ws):
+            return heads_first(torch.func.functional_call(attn, {**base, **dict(zip(names, ws))}, (x,))[0])
+        js = torch.func.jacrev(f, argnums=(0, 1, 2))(*(base[n] for n in names))
+        J = torch.cat([j.reshape(j.shape[0], -1) for j in js], dim=1)
+    op = JacobianOperator(attn, x, wrt=wrt, causal=False, dtype=F64)
+    return f"case {i}: bert wrt={wrt} H={H} d={d} N={N} seed={seed}", op, J.detach()
+
+
 def _check(est, s, what):
     """The estimate's brackets against the reference singular values ``s`` (descending)."""
     s1 = float(s[0])
@@ -91,6 +132,7 @@ def _run(cases, seed):
         assert auto.converged, (what, auto.method, auto.notes)     # dense, or Lanczos where that is cheaper
         kinds[_check(auto, s, what)] += 1
         _check(lanczos_svd(op, seed=seed % 1000), s, what)
+        _check(lanczos_svd(op, seed=seed % 1000, blocks=False), s, what)
         full = lanczos_svd(op, steps=10_000, tol=0.0, seed=seed % 1000)
         _check(full, s, what)
         nz = s[s > 1e-10 * float(s[0])]
@@ -126,6 +168,27 @@ def test_brackets_contain_the_truth_hf_modules(seed, monkeypatch):
             for k, v in _run([_hf_case(g, i, mp)], seed).items():
                 kinds[k] += v
     assert kinds["kappa"] >= 12, kinds
+
+
+@pytest.mark.slow
+def test_brackets_contain_the_truth_bert(seed, monkeypatch):
+    """Hugging Face BERT self-attention (bidirectional): the brackets at the defaults hold the reference,
+    Lanczos run to the end equals it to 1e-6."""
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(seed)
+    kinds = {"kappa": 0, "near-degenerate": 0}
+    for i in range(12):
+        with monkeypatch.context() as mp:
+            for k, v in _run([_bert_case(g, i, mp)], seed).items():
+                kinds[k] += v
+    assert kinds["kappa"] >= 6, kinds
+
+
+def test_brackets_contain_the_truth_bert_fast(seed, monkeypatch):
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(seed)
+    with monkeypatch.context() as mp:
+        _run([_bert_case(g, 0, mp)], seed)
 
 
 def test_dense_auto_is_declared(seed):

@@ -56,6 +56,7 @@ def test_blocks_refused_where_the_groups_couple():
     assert op.kv_blocks_exact == "one key/value group"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrt", ["weights", "qkv"])
 def test_combined_brackets_hold_the_whole_spectrum(wrt, seed):
     """Per block, Lanczos to the end: the combined sigma_max / sigma_min / kappa equal the dense J's (over
