@@ -6,6 +6,7 @@ sharded (FSDP2 / DTensor) init, presets and safetensors checkpoints.
     print(report)                               # per-layer singular values before / after
 
 See :mod:`condinit.models.apply` for what is done and how layers are numbered,
+:mod:`condinit.models.find` for which modules it conditions and which it lists as uncovered,
 :mod:`condinit.models.report` for what it reports,
 :mod:`condinit.models.registry` for how attention modules are recognised (registered adapters, then
 their structure, :mod:`condinit.models.discovery`) and for adding one (``register_adapter``),
