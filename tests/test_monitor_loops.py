@@ -135,6 +135,21 @@ def test_no_grad_and_inference_mode_estimates_agree():
     assert [r["sigma_max"] for r in a] == [r["sigma_max"] for r in b]
 
 
+def test_activation_checkpointing_is_measured_once():
+    """torch.utils.checkpoint reruns the forward in the backward pass: the hooks see it again, the
+    monitor keeps the first capture, and the estimate equals the one of the plain forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    def step(m, tok):
+        loss = checkpoint(m, tok, use_reentrant=False).square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in m.parameters()]
+    records = check(step)
+    _, plain = run(lambda m, tok: m(tok), monitor=True)
+    assert all(r["skipped"] is None for r in records)
+    assert [r["sigma_max"] for r in records] == [r["sigma_max"] for r in plain]
+
+
 @pytest.mark.slow
 def test_compiled_forward():
     compiled_models = {}
