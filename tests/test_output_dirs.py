@@ -267,3 +267,20 @@ def test_dcp_out_through_a_symlinked_directory_is_written_into_its_target(tmp_pa
     assert os.path.islink(tmp_path / "link") and os.readlink(tmp_path / "link") == "real"
     assert ".metadata" in os.listdir(tmp_path / "real")
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]     # no temporary directory left beside
+
+
+@pytest.mark.slow   # two condinit processes write torchtitan's debug model
+def test_two_dcp_writes_at_once_one_refused_in_one_line(tmp_path):
+    """Two ``init --format dcp`` into one directory at once: each writes a temporary directory beside
+    it and renames it onto the empty directory; one succeeds, the other is refused in one line (the
+    directory is no longer empty, at its check or at its rename) and leaves nothing."""
+    pytest.importorskip("torchtitan.models.llama3")
+    out = tmp_path / "seed"
+    procs = [_condinit("init", "--format", "dcp", "--torchtitan", "llama3:debugmodel", "--out", f"{out}/",
+                       "--seed", str(seed), "--quiet") for seed in (1, 2)]
+    results = [(p.communicate(timeout=300)[1], p.returncode)[::-1] for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    err = next(e for rc, e in results if rc == 2)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("condinit init: error: "), err
+    assert sorted(os.listdir(tmp_path)) == ["seed"]     # no temporary directory left
+    assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
