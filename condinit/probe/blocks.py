@@ -18,22 +18,24 @@ _BRACKET_BLOCKS = (
 
 
 def blocks_estimate(op: JacobianOperator, one: Callable, *, seed: int, confidence: float, tol: float,
-                    rank_rtol, time_budget, **kw) -> SpectrumEstimate:
-    """``one(block, seed=..., confidence=..., tol=..., rank_rtol=..., time_budget=..., **kw)`` on each
-    key/value block of ``op`` in turn (the time budget shared: each block gets the time left over the
-    blocks left), combined as :data:`_BRACKET_BLOCKS` says; ``one(op, ...)`` itself when ``op`` has a
-    single block."""
+                    rank_rtol, time_budget, steps: int, **kw) -> SpectrumEstimate:
+    """``one(block, seed=..., confidence=..., tol=..., rank_rtol=..., time_budget=..., steps=..., **kw)``
+    on each key/value block of ``op`` in turn, combined as :data:`_BRACKET_BLOCKS` says; ``one(op, ...)``
+    itself when ``op`` has a single block. The step and time budgets are shared: each block gets what
+    is left over the blocks left (a block's step costs about ``1 / Hkv`` of a step on ``J``)."""
     blocks = op.kv_blocks()
     if len(blocks) == 1:
-        return one(op, seed=seed, confidence=confidence, tol=tol, rank_rtol=rank_rtol, time_budget=time_budget, **kw)
+        return one(op, seed=seed, confidence=confidence, tol=tol, rank_rtol=rank_rtol, time_budget=time_budget,
+                   steps=steps, **kw)
     t0 = time.perf_counter()
     nb = len(blocks)
     conf = 1.0 - (1.0 - confidence) / nb
     ests = []
     for g, blk in enumerate(blocks):
         left = None if time_budget is None else max(time_budget - (time.perf_counter() - t0), 1e-3) / (nb - g)
+        share = max(1, (steps - sum(e.iterations for e in ests)) // (nb - g))
         e = one(blk, seed=(seed + g) % 2 ** 64, confidence=conf, tol=tol, rank_rtol=rank_rtol, time_budget=left,
-                **kw)
+                steps=share, **kw)
         ests.append(e)
         if math.isnan(e.sigma_max) or (e.sigma_min is not None and math.isnan(e.sigma_min)):
             return _nonfinite_estimate(op, e.method, f"key/value group {g}: " + e.notes.removeprefix("not estimated: "),

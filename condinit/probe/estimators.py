@@ -108,7 +108,7 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). ``blocks`` (default True):
     where ``J`` is block diagonal over its key/value groups (:attr:`JacobianOperator.kv_blocks_exact`:
     ``wrt="weights"`` or ``"qkv"`` without ``W_O``, more than one key/value head), each block is
-    estimated on its own (``steps`` each, the time budget shared) and the brackets combined
+    estimated on its own (the step and time budgets shared) and the brackets combined
     (:mod:`condinit.probe.blocks`); ``iterations`` is then the sum over the blocks. Returns a
     :class:`SpectrumEstimate` (a list for a sequence of operators).
 

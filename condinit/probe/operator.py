@@ -350,7 +350,8 @@ class JacobianOperator(OperatorProducts):
         heads) read only its own variables (those heads' rows of ``W_Q`` / ``Q``, its ``W_K``, ``W_V``
         rows / ``K``, ``V``), and no other output reads them: ``J = diag(J_1, ..., J_Hkv)`` up to a
         permutation, and its singular values are the union of the blocks'. ``W_O``, ``wrt="input"``
-        and a norm over the whole projection (OLMo2) couple the groups."""
+        and a norm over the whole projection (OLMo2) couple the groups; a QK-norm with a weight per
+        head is not split."""
         if self.Hkv == 1:
             return "one key/value group"
         if self.wrt == "input":
@@ -369,7 +370,9 @@ class JacobianOperator(OperatorProducts):
         :attr:`kv_blocks_exact` is None; else ``[self]``."""
         if self.kv_blocks_exact is not None:
             return [self]
-        return [self._kv_block(g) for g in range(self.Hkv)]
+        if getattr(self, "_blocks", None) is None:     # built once: each block keeps its own known nulls
+            self._blocks = [self._kv_block(g) for g in range(self.Hkv)]
+        return list(self._blocks)
 
     def _kv_block(self, g: int) -> "JacobianOperator":
         blk = copy.copy(self)
@@ -392,7 +395,7 @@ class JacobianOperator(OperatorProducts):
             blk._in_shapes = ((self.B, G, self.N, d), (self.B, 1, self.N, d), (self.B, 1, self.N, d))
         blk._in_sizes = tuple(math.prod(s) for s in blk._in_shapes)
         blk.n = sum(blk._in_sizes)
-        blk._primals, blk._nulls = None, None
+        blk._primals, blk._nulls, blk._blocks = None, None, None
         blk.kv_group = g
         return blk
 
