@@ -62,13 +62,16 @@ def _dense_plan(eff: "_Effective", steps: Optional[int] = None) -> Optional[str]
             f" about {lanczos / 1e9:.3g} GFLOP")
 
 
-def dense_preferred(op: JacobianOperator, steps: Optional[int] = None) -> bool:
+def dense_preferred(op: JacobianOperator, steps: Optional[int] = None, blocks: bool = True) -> bool:
     """Whether ``dense="auto"`` (:func:`lanczos_svd`, :func:`condition_number`) takes the dense path for
-    ``op``: its dense SVD is cheaper than the Lanczos run to exactness and small (at most about 2e11
-    flops and 2**24 entries), and its attention output is finite in its dtype. Such an operator is
-    best built in float64 (its bracket is then the rounding of float64)."""
-    eff = _Effective(op)
-    return eff.r > 0 and _dense_plan(eff, steps) is not None and _overflow(op) is None
+    ``op`` (with ``blocks``, for each of its key/value blocks, ``steps`` shared among them): its dense
+    SVD is cheaper than the Lanczos run to exactness and small (at most about 2e11 flops and 2**24
+    entries), and its attention output is finite in its dtype. Such an operator is best built in
+    float64 (its bracket is then the rounding of float64)."""
+    parts = op.kv_blocks() if blocks else [op]
+    share = None if steps is None else max(1, steps // len(parts))
+    effs = [_Effective(p) for p in parts]
+    return all(e.r > 0 and _dense_plan(e, share) is not None for e in effs) and _overflow(op) is None
 
 
 def _dense_matrix(eff: "_Effective") -> Tensor:
