@@ -3,6 +3,7 @@ symlink in it (refused, or with ``--overwrite`` the link itself replaced), and o
 directory at a time (a lock file in DIR, its holder's PID and host in the refusal, stale locks taken
 over, released on exit and on SIGTERM; two real ``condinit init`` processes into one directory: one
 refused, never a mix)."""
+import contextlib
 import fcntl
 import json
 import os
@@ -41,6 +42,8 @@ def snapshot(d):
         p = os.path.join(d, name)
         if os.path.islink(p):
             result[name] = ("link", os.readlink(p))
+        elif not os.path.isfile(p):
+            result[name] = ("not a file", os.lstat(p).st_mode)
         else:
             with open(p, "rb") as fh:
                 result[name] = fh.read()
@@ -69,6 +72,45 @@ def test_symlink_in_dir_is_refused_and_nothing_written(written, name, kw):
     with pytest.raises(ValueError, match=rf"{name} is a symlink to {outside}.*--overwrite"):
         write(out, seed=1, **kw)
     assert outside.read_bytes() == b"not yours\n"
+    assert snapshot(out) == before
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Raise TimeoutError in the main thread after ``seconds`` (a blocking open of a FIFO included)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kw", [{}, {"overwrite": True}, {"resume": True}], ids=["plain", "overwrite", "resume"])
+@pytest.mark.parametrize("name", [SHARD1, "config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_a_fifo_in_the_place_of_a_file_is_refused_before_anything(written, name, kw):
+    """Never opened (a FIFO would block the write), never written through, refused before any file."""
+    out, _ = written
+    os.unlink(out / name)
+    os.mkfifo(out / name)
+    before = snapshot(out)
+    with _deadline(60), pytest.raises(ValueError, match=rf"{out}[:/] ?{name} is a FIFO \(named pipe\)"):
+        write(out, seed=1, **kw)
+    assert snapshot(out) == before
+
+
+def test_cli_directory_in_the_place_of_the_index_is_one_line(written, capsys):
+    out, _ = written
+    os.unlink(out / "model.safetensors.index.json")
+    os.mkdir(out / "model.safetensors.index.json")
+    before = snapshot(out)
+    r = run_cli(capsys, "init", "--config", _config_file(out.parent), "--out", f"{out}/", "--overwrite",
+                "--max-shard-size", "60000", "--seed", "1")
+    assert r.rc == 2 and r.err == (f"condinit init: error: out_dir {out}: model.safetensors.index.json is a directory; "
+                                   f"condinit writes a directory's files as regular files: remove it\n"), r
     assert snapshot(out) == before
 
 

@@ -29,10 +29,27 @@ import threading
 import time
 
 __all__ = ["atomic_output", "check_output_path", "removing_temps_on_sigterm", "removed_on_sigterm", "process_alive",
-           "open_nofollow", "STALE_TEMP_AGE_S"]
+           "open_nofollow", "special_file", "STALE_TEMP_AGE_S"]
 
 _FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def _special_kind(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def special_file(path):
+    """What the entry ``path`` is when it exists and is neither a regular file nor a symlink (the
+    link itself is looked at): ``"a directory"``, ``"a FIFO (named pipe)"``, ...; else None. Never
+    opens it (opening a FIFO would wait for a writer)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else _special_kind(mode)
 
 
 def _resolve_output(path, follow_symlinks: bool = True) -> tuple[str, str]:
@@ -55,7 +72,7 @@ def _resolve_output(path, follow_symlinks: bool = True) -> tuple[str, str]:
         if stat.S_ISDIR(st.st_mode):
             raise ValueError(f"output {dest}{via} is a directory, expected a file path")
         if not stat.S_ISREG(st.st_mode):
-            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+            kind = _special_kind(st.st_mode)
             raise ValueError(f"output {dest}{via} is {kind}; condinit writes only regular files (it replaces the "
                              f"file atomically)")
     d = os.path.dirname(dest)

@@ -21,13 +21,14 @@ import shutil
 import stat
 from typing import Optional
 
-from condinit.io.atomic import open_nofollow
+from condinit.io.atomic import open_nofollow, special_file
 from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                                             canonical_json, read_header)
 
 from ..checkpoint import METADATA_KEY
 
-__all__ = ["check_out_dir", "missing_parent", "symlinked", "other_model", "complete", "free_bytes", "needed_bytes"]
+__all__ = ["check_out_dir", "missing_parent", "symlinked", "not_regular", "other_model", "complete", "free_bytes",
+           "needed_bytes"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -58,6 +59,17 @@ def symlinked(out_dir: str, names) -> Optional[str]:
         if os.path.islink(path):
             target = os.path.normpath(os.path.join(out_dir, os.readlink(path)))
             return f"{name} is a symlink to {target}"
+    return None
+
+
+def not_regular(out_dir: str, names) -> Optional[str]:
+    """The first of ``names`` (files this write creates in ``out_dir``) that is there as something
+    no file can replace atomically (a directory, a FIFO, a device, a socket), as ``"NAME is a FIFO
+    (named pipe)"``, or None. Nothing is opened."""
+    for name in names:
+        kind = special_file(os.path.join(out_dir, name))
+        if kind is not None:
+            return f"{name} is {kind}"
     return None
 
 

@@ -51,7 +51,8 @@ from condinit.io.safetensors_format import (CONFIG_NAME, SHARD_NAME_RE, WEIGHTS_
 
 from ..checkpoint import METADATA_KEY, shard_metadata
 from ..report import ApplyReport
-from .destination import check_out_dir, complete, free_bytes, missing_parent, needed_bytes, other_model, symlinked
+from .destination import (check_out_dir, complete, free_bytes, missing_parent, needed_bytes, not_regular, other_model,
+                          symlinked)
 from .materialize import Replay, compute_threads
 from .plan import WritePlan, make_plan
 from .ranks import RankWritten, decided, ranks_of, reported
@@ -134,9 +135,13 @@ _GENERATION_CONFIG_NAME = "generation_config.json"
 
 def _check_destination(out_dir: str, todo: _DirectoryFiles, resume: bool, overwrite: bool,
                        refuse: bool = True) -> _Destination:
-    """The refusals of a directory write (a symlink in the place of a file it creates, another model
-    there, a parent directory that does not exist, too little disk space), and what a resume keeps.
+    """The refusals of a directory write (a directory, FIFO, device or socket in the place of a file it
+    creates, a symlink there, another model there, a parent directory that does not exist, too little
+    disk space), and what a resume keeps.
     ``refuse=False`` (a dry run): the last two are listed in ``refusals`` instead of raised."""
+    odd = not_regular(out_dir, todo.names()) if os.path.isdir(out_dir) else None
+    if odd is not None:
+        raise ValueError(f"out_dir {out_dir}: {odd}; condinit writes a directory's files as regular files: remove it")
     if not overwrite:
         link = symlinked(out_dir, todo.names()) if os.path.isdir(out_dir) else None
         if link is not None:
