@@ -50,8 +50,9 @@ __global__ void __launch_bounds__(128) attention_dq_kernel(const BwdParams<T> p)
 
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
   const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
-  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
-  load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  copy_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  copy_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  cp_async_wait_all();
   float lse[2], D[2];
   bool live[2];  // a row with an allowed key (lse > -inf)
 #pragma unroll
@@ -71,8 +72,9 @@ __global__ void __launch_bounds__(128) attention_dq_kernel(const BwdParams<T> p)
   key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo; j0 < hi; j0 += BN) {
     __syncthreads();
-    load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
-    load_tile(Vs, L.ldv, p.v + kv_off, g.d, j0, hi, BN, 0, wd);
+    copy_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
+    copy_tile(Vs, L.ldv, p.v + kv_off, g.d, j0, hi, BN, 0, wd);
+    cp_async_wait_all();
     __syncthreads();
     float sc[KT][4], dp[KT][4];
 #pragma unroll
@@ -138,8 +140,9 @@ __global__ void __launch_bounds__(128) attention_dkdv_kernel(const BwdParams<T> 
 
   const int64_t kv_off = bhk * g.Nk * g.d;
   const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
-  load_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, s.Lk, rows, 0, wd);
-  load_tile(Vs, L.ldk, p.v + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  copy_tile(Ks, L.ldk, p.k + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  copy_tile(Vs, L.ldk, p.v + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  cp_async_wait_all();
   float dk[NO][4], dv[NO][4];
 #pragma unroll
   for (int nt = 0; nt < NO; ++nt)
@@ -152,13 +155,14 @@ __global__ void __launch_bounds__(128) attention_dkdv_kernel(const BwdParams<T> 
     const int64_t bh = b * g.H + hk * G + gh, q_off = bh * g.Nq * g.d;
     for (int64_t i0 = lo; i0 < hi; i0 += BM) {
       __syncthreads();  // every warp is done with the previous Q / dO tiles (and K / V are loaded)
-      load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, hi, BM, 0, wd);
-      load_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, hi, BM, 0, wd);
+      copy_tile(Qs, L.ldq, p.q + q_off, g.d, i0, hi, BM, 0, wd);
+      copy_tile(dOs, L.ldq, p.dout + q_off, g.d, i0, hi, BM, 0, wd);
       for (int c = threadIdx.x; c < BM; c += blockDim.x) {
         const bool in = i0 + c < hi;
         lse_s[c] = in ? p.lse[bh * g.Nq + i0 + c] : kNegInf;
         D_s[c] = in ? p.Dvec[bh * g.Nq + i0 + c] : 0.0f;
       }
+      cp_async_wait_all();
       __syncthreads();
       float st[KT][4], dpt[KT][4];
 #pragma unroll

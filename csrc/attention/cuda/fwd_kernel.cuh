@@ -1,7 +1,8 @@
 // The forward kernel of the CUDA attention op, and the forward plus one probe's tangent (the JVP).
 //
 // The block's query tile (and the probe's tangent Q) is loaded into shared memory once; K, V and
-// the tangents are streamed through it, with the online softmax (m, l, and the probe's r) in
+// the tangents are streamed through one buffer each by cp.async (V of a tile lands while S is
+// computed, K of the next tile while P V is), with the online softmax (m, l, and the probe's r) in
 // registers. The products P V and P V' would turn a non-finite value at a masked key into NaN
 // (0 x NaN) for rows of the same tile that do not attend it: the kernel stores such V / V' values as
 // 0, flags their keys, and makes exactly the rows that attend a flagged key NaN.
@@ -54,15 +55,25 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
 
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
   const TileWalk wq = tile_walk<T>(g.d, 0, g.dpad), wv = tile_walk<T>(g.d, c0, ncols);
-  load_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, wq);
-  if constexpr (JVP) {
-    const int64_t BH = g.B * g.H;
-    load_tile(TQs, L.ldq, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, wq);
-  }
   const T* Kg = p.k + kv_off;
   const T* Vg = p.v + kv_off;
   const T* TKg = JVP ? p.tk + probe * g.B * g.Hkv * g.Nk * g.d + kv_off : nullptr;
   const T* TVg = JVP ? p.tv + probe * g.B * g.Hkv * g.Nk * g.d + kv_off : nullptr;
+  // K (K') and V (V') tiles alternate through their buffers by cp.async: V of tile j is copied while
+  // the warps compute S of tile j from K, and K of tile j + 1 while they compute P V of tile j.
+  auto copy_k = [&](int64_t j0, int64_t hi) {
+    copy_tile(Ks, L.ldk, Kg, g.d, j0, hi, BN, 0, wq);
+    if constexpr (JVP) copy_tile(TKs, L.ldk, TKg, g.d, j0, hi, BN, 0, wq);
+    cp_async_commit();
+  };
+  copy_tile(Qs, L.ldq, p.q + q_off, g.d, i0, s.Lq, rows, 0, wq);
+  if constexpr (JVP) {
+    const int64_t BH = g.B * g.H;
+    copy_tile(TQs, L.ldq, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, wq);
+  }
+  int64_t lo, hi;
+  key_range(g, s, i0, i0 + rows, lo, hi);
+  if (lo < hi) copy_k(lo, hi);  // with Q, one group
 
   float o[NO][4], ot[JVP ? NO : 1][4];
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f}, r[2] = {0.0f, 0.0f};
@@ -82,22 +93,16 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
   if (threadIdx.x < 4) bad_any[threadIdx.x] = 0;
   bool poison_o[2] = {false, false}, poison_t[2] = {false, false};
 
-  int64_t lo, hi;
-  key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo, it = 0; j0 < hi; j0 += BN, ++it) {
     const int buf = (int)(it & 1);
-    __syncthreads();  // every warp is done with the previous tiles (and flags of buffer 1 - buf)
+    cp_async_wait<0>();
+    __syncthreads();  // K (and Q) have landed; every warp is done with V and the flags of buffer 1 - buf
     for (int i = threadIdx.x; i < 2 * BN; i += blockDim.x) bad_rows[(1 - buf) * 2 * BN + i] = 0;
     if (threadIdx.x < 2) bad_any[(1 - buf) * 2 + threadIdx.x] = 0;
     unsigned char* vbad = bad_rows + buf * 2 * BN;
-    load_tile(Ks, L.ldk, Kg, g.d, j0, hi, BN, 0, wq);
-    load_tile(Vs, L.ldv, Vg, g.d, j0, hi, BN, c0, wv, vbad, bad_any + buf * 2);
-    if constexpr (JVP) {
-      load_tile(TKs, L.ldk, TKg, g.d, j0, hi, BN, 0, wq);
-      load_tile(TVs, L.ldv, TVg, g.d, j0, hi, BN, c0, wv, vbad + BN, bad_any + buf * 2 + 1);
-    }
-    __syncthreads();
-    const bool any_bad = (bad_any[buf * 2] | bad_any[buf * 2 + 1]) != 0;
+    copy_tile(Vs, L.ldv, Vg, g.d, j0, hi, BN, c0, wv);
+    if constexpr (JVP) copy_tile(TVs, L.ldv, TVg, g.d, j0, hi, BN, c0, wv);
+    cp_async_commit();
 
     float sc[KT][4], sp[JVP ? KT : 1][4];
 #pragma unroll
@@ -116,21 +121,19 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
     // Mask and scale (selects: a masked NaN never enters; none on a tile inside the mask), then the
     // online-softmax update.
     float mx[2] = {kNegInf, kNegInf};
+    static_assert(KT * 4 <= 32, "one bit per C element of the tile");
+    uint32_t ok_bits = ~0u;  // bit 4 nt + e: element e of n-tile nt allowed (for the flag test below)
     const TileMask tm = tile_mask(g, s, i0 + warp * 16, j0);
     by_tile(tm.full(16, BN), [&](auto full) {
 #pragma unroll
       for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * tq4 + (e & 1);
-          const bool ok = decltype(full)::value || tm.ok(gq + 8 * (e >> 1), c);
+          const bool ok = decltype(full)::value || tm.ok(gq + 8 * (e >> 1), nt * 8 + 2 * tq4 + (e & 1));
+          if constexpr (!decltype(full)::value) ok_bits &= ~((ok ? 0u : 1u) << (4 * nt + e));
           sc[nt][e] = ok ? sc[nt][e] * g.scale : kNegInf;
           if constexpr (JVP) sp[nt][e] = ok ? sp[nt][e] * g.scale : 0.0f;
           mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
-          if (any_bad && ok) {
-            poison_o[e >> 1] |= vbad[c] != 0;
-            poison_t[e >> 1] |= (vbad[c] | vbad[BN + c]) != 0;
-          }
         }
     });
     float alpha[2], mu[2], sum[2] = {0.0f, 0.0f};
@@ -154,6 +157,24 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
     for (int nt = 0; nt < NO; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+
+    cp_async_wait<0>();  // V (V') of this tile: its non-finite values cleared and flagged
+    clear_nonfinite_tile(Vs, L.ldv, BN, wv, vbad, bad_any + buf * 2);
+    if constexpr (JVP) clear_nonfinite_tile(TVs, L.ldv, BN, wv, vbad + BN, bad_any + buf * 2 + 1);
+    __syncthreads();  // V and its flags visible; every warp is done with K
+    if (j0 + BN < hi) copy_k(j0 + BN, hi);
+    if ((bad_any[buf * 2] | bad_any[buf * 2 + 1]) != 0) {
+#pragma unroll
+      for (int nt = 0; nt < KT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + 2 * tq4 + (e & 1);
+          if ((ok_bits >> (4 * nt + e)) & 1u) {
+            poison_o[e >> 1] |= vbad[c] != 0;
+            poison_t[e >> 1] |= (vbad[c] | vbad[BN + c]) != 0;
+          }
+        }
+    }
     mma_pb<T, KT, NO>(o, sc, Vs, L.ldv, n_active, scratch);
 
     if constexpr (JVP) {
@@ -178,6 +199,7 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
       mma_pb<T, KT, NO>(ot, sp, Vs, L.ldv, n_active, scratch);
     }
   }
+  cp_async_wait_all();  // nothing in flight at exit (Q of a block without a key tile)
 
   // O = acc / l, lse = m + log l, O' = acc' / l - (r / l) O. l == 0 only when no key is allowed
   // (the row maximum contributes exp(0) = 1): out 0, lse -inf, O' 0. A NaN l gives NaN outputs.

@@ -52,8 +52,9 @@ __global__ void __launch_bounds__(128) attention_jvp_r_kernel(const JvpBwdParams
   const int64_t ra = i0 + warp * 16 + gq, rb = ra + 8;
   const int64_t q_off = bh * g.Nq * g.d, kv_off = (b * g.Hkv + hk) * g.Nk * g.d;
   const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
-  load_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
-  load_tile(TQs, L.ldr, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  copy_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  copy_tile(TQs, L.ldr, p.tq + probe * BH * g.Nq * g.d + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  cp_async_wait_all();
   const T* TKg = p.tk + probe * g.B * g.Hkv * g.Nk * g.d + kv_off;
   float lse[2], rsum[2] = {0.0f, 0.0f};
   bool live[2];  // a row with an allowed key (lse > -inf)
@@ -66,8 +67,9 @@ __global__ void __launch_bounds__(128) attention_jvp_r_kernel(const JvpBwdParams
   key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo; j0 < hi; j0 += BN) {
     __syncthreads();
-    load_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
-    load_tile(TKs, L.ldt, TKg, g.d, j0, hi, BN, 0, wd);
+    copy_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
+    copy_tile(TKs, L.ldt, TKg, g.d, j0, hi, BN, 0, wd);
+    cp_async_wait_all();
     __syncthreads();
     float sc[KT][4], sp[KT][4];
     zero<T, KT>(sc);
@@ -126,15 +128,16 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_q_kernel(const JvpBwdPa
   const int64_t q_stride = BH * g.Nq * g.d, kv_stride = g.B * g.Hkv * g.Nk * g.d;
   const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
 
-  load_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
-  load_tile(gOs, L.ldr, p.gout + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  copy_tile(Qs, L.ldr, p.q + q_off, g.d, i0, s.Lq, rows, 0, wd);
+  copy_tile(gOs, L.ldr, p.gout + q_off, g.d, i0, s.Lq, rows, 0, wd);
   // The probe's own rows: loaded once when one probe is needed, per probe and key tile otherwise.
   const bool per_probe = target == 0 && P > 1;
   const int64_t first = target == 0 ? 0 : target - 1;
   if (!per_probe) {
-    load_tile(TQs, L.ldr, p.tq + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
-    load_tile(gOTs, L.ldr, p.gtout + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+    copy_tile(TQs, L.ldr, p.tq + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+    copy_tile(gOTs, L.ldr, p.gtout + first * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
   }
+  cp_async_wait_all();
   float lse[2], D[2];
   bool live[2];  // a row with an allowed key (lse > -inf)
 #pragma unroll
@@ -151,12 +154,13 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_q_kernel(const JvpBwdPa
   key_range(g, s, i0, i0 + rows, lo, hi);
   for (int64_t j0 = lo; j0 < hi; j0 += BN) {
     __syncthreads();
-    load_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
-    load_tile(Vs, L.ldt, p.v + kv_off, g.d, j0, hi, BN, 0, wd);
+    copy_tile(Ks, L.ldt, p.k + kv_off, g.d, j0, hi, BN, 0, wd);
+    copy_tile(Vs, L.ldt, p.v + kv_off, g.d, j0, hi, BN, 0, wd);
     if (target == 0 && !per_probe) {
-      load_tile(TKs, L.ldt, p.tk + kv_off, g.d, j0, hi, BN, 0, wd);
-      load_tile(TVs, L.ldt, p.tv + kv_off, g.d, j0, hi, BN, 0, wd);
+      copy_tile(TKs, L.ldt, p.tk + kv_off, g.d, j0, hi, BN, 0, wd);
+      copy_tile(TVs, L.ldt, p.tv + kv_off, g.d, j0, hi, BN, 0, wd);
     }
+    cp_async_wait_all();
     __syncthreads();
     float pr[KT][4], gp[KT][4];
     zero<T, KT>(pr);
@@ -179,10 +183,11 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_q_kernel(const JvpBwdPa
       for (int64_t pi = 0; pi < P; ++pi) {
         if (per_probe) {
           __syncthreads();
-          load_tile(TQs, L.ldr, p.tq + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
-          load_tile(gOTs, L.ldr, p.gtout + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
-          load_tile(TKs, L.ldt, p.tk + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, wd);
-          load_tile(TVs, L.ldt, p.tv + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, wd);
+          copy_tile(TQs, L.ldr, p.tq + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+          copy_tile(gOTs, L.ldr, p.gtout + pi * q_stride + q_off, g.d, i0, s.Lq, rows, 0, wd);
+          copy_tile(TKs, L.ldt, p.tk + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, wd);
+          copy_tile(TVs, L.ldt, p.tv + pi * kv_stride + kv_off, g.d, j0, hi, BN, 0, wd);
+          cp_async_wait_all();
           __syncthreads();
         }
         float sp[KT][4], dpp[KT][4], xv[KT][4];
@@ -284,12 +289,13 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
   const int64_t first = target == 0 ? 0 : target - 1;
   const TileWalk wd = tile_walk<T>(g.d, 0, g.dpad);
 
-  load_tile(Ks, L.ldr, p.k + kv_off, g.d, j0, s.Lk, rows, 0, wd);
-  load_tile(Vs, L.ldr, p.v + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  copy_tile(Ks, L.ldr, p.k + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+  copy_tile(Vs, L.ldr, p.v + kv_off, g.d, j0, s.Lk, rows, 0, wd);
   if (target == 0 && !per_probe) {
-    load_tile(TKs, L.ldr, p.tk + kv_off, g.d, j0, s.Lk, rows, 0, wd);
-    load_tile(TVs, L.ldr, p.tv + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+    copy_tile(TKs, L.ldr, p.tk + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+    copy_tile(TVs, L.ldr, p.tv + kv_off, g.d, j0, s.Lk, rows, 0, wd);
   }
+  cp_async_wait_all();
   float acc_k[NO][4], acc_v[NO][4];
   zero<T, NO>(acc_k);
   zero<T, NO>(acc_v);
@@ -300,11 +306,11 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
     const int64_t bh = b * g.H + hk * G + gh, q_off = bh * g.Nq * g.d;
     for (int64_t i0 = lo; i0 < hi; i0 += BM) {
       __syncthreads();
-      load_tile(Qs, L.ldt, p.q + q_off, g.d, i0, hi, BM, 0, wd);
-      if (target == 0) load_tile(gOs, L.ldt, p.gout + q_off, g.d, i0, hi, BM, 0, wd);
+      copy_tile(Qs, L.ldt, p.q + q_off, g.d, i0, hi, BM, 0, wd);
+      if (target == 0) copy_tile(gOs, L.ldt, p.gout + q_off, g.d, i0, hi, BM, 0, wd);
       if (!per_probe) {
-        if (target == 0) load_tile(TQs, L.ldt, p.tq + q_off, g.d, i0, hi, BM, 0, wd);
-        load_tile(gOTs, L.ldt, p.gtout + first * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
+        if (target == 0) copy_tile(TQs, L.ldt, p.tq + q_off, g.d, i0, hi, BM, 0, wd);
+        copy_tile(gOTs, L.ldt, p.gtout + first * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
       }
       for (int c = threadIdx.x; c < BM; c += blockDim.x) {
         const int64_t i = i0 + c;
@@ -314,6 +320,7 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
         r_s[c] = in ? p.r[(first * BH + bh) * g.Nq + i] : 0.0f;
         dl_s[c] = in ? p.dprime[(first * BH + bh) * g.Nq + i] : 0.0f;
       }
+      cp_async_wait_all();
       __syncthreads();
       float pt[KT][4], gpt[KT][4];
       zero<T, KT>(pt);
@@ -337,15 +344,16 @@ __global__ void __launch_bounds__(128) attention_jvp_bwd_kv_kernel(const JvpBwdP
         for (int64_t pi = 0; pi < P; ++pi) {
           if (per_probe) {
             __syncthreads();
-            load_tile(TKs, L.ldr, p.tk + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, wd);
-            load_tile(TVs, L.ldr, p.tv + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, wd);
-            load_tile(TQs, L.ldt, p.tq + pi * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
-            load_tile(gOTs, L.ldt, p.gtout + pi * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
+            copy_tile(TKs, L.ldr, p.tk + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+            copy_tile(TVs, L.ldr, p.tv + pi * kv_stride + kv_off, g.d, j0, s.Lk, rows, 0, wd);
+            copy_tile(TQs, L.ldt, p.tq + pi * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
+            copy_tile(gOTs, L.ldt, p.gtout + pi * q_stride + q_off, g.d, i0, hi, BM, 0, wd);
             for (int c = threadIdx.x; c < BM; c += blockDim.x) {
               const int64_t i = i0 + c;
               r_s[c] = i < hi ? p.r[(pi * BH + bh) * g.Nq + i] : 0.0f;
               dl_s[c] = i < hi ? p.dprime[(pi * BH + bh) * g.Nq + i] : 0.0f;
             }
+            cp_async_wait_all();
             __syncthreads();
           }
           float spt[KT][4], dppt[KT][4], xt[KT][4];

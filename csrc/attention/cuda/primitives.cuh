@@ -1,9 +1,9 @@
 // CUDA primitives of the attention kernels: dtype conversions, packed 16-bit operands, quad shuffles
-// and the PTX wrappers (mma.sync.m16n8k16, ldmatrix .trans), with the emulator's replacements.
+// and the PTX wrappers (mma.sync.m16n8k16, ldmatrix, cp.async), with the emulator's replacements.
 //
 // fp16 / bf16 products are mma.sync.m16n8k16 with fp32 accumulation (sm_80+); fp32 products are
 // fp32 FMAs (exact fp32, no TF32). Under CONDINIT_ATTN_EMU (csrc/attention/emu) the launch, the
-// dynamic shared memory and mma.sync / ldmatrix go through the mock headers.
+// dynamic shared memory, mma.sync, ldmatrix and cp.async go through the mock headers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +16,7 @@
 
 #ifdef CONDINIT_ATTN_EMU
 // The CPU emulator (csrc/attention/emu): mock mma.sync and launch.
+#include "cp_async.h"
 #include "mma.h"
 #define CONDINIT_DYNAMIC_SMEM(name) unsigned char* name = emu_dynamic_smem()
 #define CONDINIT_LAUNCH(kernel, grid, block, smem, stream, params) emu_launch(kernel, grid, block, smem, stream, params)
@@ -128,6 +129,45 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row)
 #else
   __trap();
 #endif
+}
+
+// 16 bytes from global to shared memory without a register (cp.async.cg, sm_80+): src_bytes (16 or 0)
+// of them read from src, the rest zero-filled (0: a zero chunk, src not read). The copy completes at
+// the cp_async_wait that covers its group (cp_async_commit closes a group). Below sm_80 (where only
+// the fp32 kernels run) it is a plain 16-byte load and store, complete at once.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+#ifdef CONDINIT_ATTN_EMU
+  emu_cp_async16(dst, src, src_bytes);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(src_bytes) : "memory");
+#else
+  int4 v = make_int4(0, 0, 0, 0);
+  if (src_bytes > 0) v = *static_cast<const int4*>(src);
+  *static_cast<int4*>(dst) = v;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef CONDINIT_ATTN_EMU
+  emu_cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Every committed group but the newest N has landed (for this thread: other threads' copies are
+// visible after a barrier that follows their wait).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef CONDINIT_ATTN_EMU
+  emu_cp_async_wait(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Closes the open group and waits for all of this thread's copies.
+__device__ __forceinline__ void cp_async_wait_all() {
+  cp_async_commit();
+  cp_async_wait<0>();
 }
 
 }  // namespace

@@ -146,42 +146,55 @@ __device__ __forceinline__ TileWalk tile_walk(int d, int c0, int width) {
   return TileWalk{vec, chunks, t / chunks, t - t / chunks * chunks, n / chunks, n - n / chunks * chunks};
 }
 
-// dst[r][c] (r < R, c < width of the walk, leading dim ld) = src[(row0 + r) * d + c0 + c] where
-// row0 + r < nrows and c0 + c < d, else 0. All threads of the block take part. With bad_rows (a
-// product operand that masked entries multiply by an exact 0), non-finite values are stored as 0 and
-// their rows flagged: bad_rows[r] = 1 and *bad_any = 1 (plain stores of 1, zeroed by the caller
-// beforehand); the kernel then makes the rows that attend a flagged key NaN, so masked entries never
-// contribute.
+// Issues the copy of a tile: dst[r][c] (r < R, c < width of the walk, leading dim ld) =
+// src[(row0 + r) * d + c0 + c] where row0 + r < nrows and c0 + c < d, else 0. All threads of the
+// block take part. 16-byte chunks go by cp.async, with zero fill outside the sequence: they land at
+// the thread's cp_async_wait covering them and are visible to the block after a barrier that follows
+// every thread's wait. Unaligned rows (a walk of single elements) are copied at once.
 template <typename T>
-__device__ void load_tile(T* dst, int ld, const T* src, int d, int64_t row0, int64_t nrows, int R, int c0,
-                          const TileWalk& w, unsigned char* bad_rows = nullptr, int* bad_any = nullptr) {
+__device__ void copy_tile(T* dst, int ld, const T* src, int d, int64_t row0, int64_t nrows, int R, int c0,
+                          const TileWalk& w) {
   for (int r = w.r, cv = w.c; r < R;) {
     const int c = cv * w.vec;
     const bool in = row0 + r < nrows && c0 + c < d;
     const T* from = src + (row0 + r) * d + c0 + c;
+    if (w.vec > 1)
+      cp_async16(dst + r * ld + c, in ? from : src, in ? 16 : 0);
+    else
+      dst[r * ld + c] = in ? *from : Cvt<T>::from_f(0.0f);
+    cv += w.dc;
+    r += w.dr;
+    if (cv >= w.chunks) {
+      cv -= w.chunks;
+      ++r;
+    }
+  }
+}
+
+// For a product operand that masked entries multiply by an exact 0 (V, V'), after the thread's wait
+// for its copy_tile of the same walk: non-finite values of the chunks this thread copied are stored
+// as 0 and their rows flagged, bad_rows[r] = 1 and *bad_any = 1 (plain stores of 1, zeroed by the
+// caller beforehand). The kernel then makes the rows that attend a flagged key NaN, so masked
+// entries never contribute.
+template <typename T>
+__device__ void clear_nonfinite_tile(T* dst, int ld, int R, const TileWalk& w, unsigned char* bad_rows, int* bad_any) {
+  for (int r = w.r, cv = w.c; r < R;) {
+    T* at = dst + r * ld + cv * w.vec;
     if (w.vec > 1) {
-      int4 val = make_int4(0, 0, 0, 0);
-      if (in) val = *reinterpret_cast<const int4*>(from);
-      if (bad_rows != nullptr) {
-        uint32_t x[4] = {(uint32_t)val.x, (uint32_t)val.y, (uint32_t)val.z, (uint32_t)val.w};
-        bool bad = false;
+      int4 val = *reinterpret_cast<const int4*>(at);
+      uint32_t x[4] = {(uint32_t)val.x, (uint32_t)val.y, (uint32_t)val.z, (uint32_t)val.w};
+      bool bad = false;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) bad |= clear_nonfinite<T>(x[i]);
-        if (bad) {
-          val = make_int4((int)x[0], (int)x[1], (int)x[2], (int)x[3]);
-          bad_rows[r] = 1;
-          *bad_any = 1;
-        }
-      }
-      *reinterpret_cast<int4*>(dst + r * ld + c) = val;
-    } else {
-      T val = in ? *from : Cvt<T>::from_f(0.0f);
-      if (bad_rows != nullptr && !isfinite(Cvt<T>::to_f(val))) {
-        val = Cvt<T>::from_f(0.0f);
+      for (int i = 0; i < 4; ++i) bad |= clear_nonfinite<T>(x[i]);
+      if (bad) {
+        *reinterpret_cast<int4*>(at) = make_int4((int)x[0], (int)x[1], (int)x[2], (int)x[3]);
         bad_rows[r] = 1;
         *bad_any = 1;
       }
-      dst[r * ld + c] = val;
+    } else if (!isfinite(Cvt<T>::to_f(*at))) {
+      *at = Cvt<T>::from_f(0.0f);
+      bad_rows[r] = 1;
+      *bad_any = 1;
     }
     cv += w.dc;
     r += w.dr;

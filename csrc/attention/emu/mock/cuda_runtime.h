@@ -56,6 +56,16 @@ struct EmuBarrier {
   unsigned n = 0, count = 0;
   uint64_t gen = 0;
 };
+// cp.async copies of one thread (cp_async.h).
+struct EmuCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+};
+struct EmuAsync {
+  std::vector<EmuCopy> open;                 // issued, not committed
+  std::vector<std::vector<EmuCopy>> groups;  // committed, oldest first
+};
 struct EmuCTA {
   EmuBarrier block;
   std::vector<EmuBarrier> warps;
@@ -63,8 +73,10 @@ struct EmuCTA {
   std::vector<uint32_t> mbuf;    // mma.sync: 6 registers per thread
   std::vector<const void*> pbuf; // ldmatrix: one row address per thread
   std::vector<unsigned char> smem;
+  std::vector<EmuAsync> async;
   std::vector<ucontext_t> ctx;
   std::vector<char> done;
+  std::vector<uint64_t> block_wait;  // per thread: the block barrier generation it waits for
   ucontext_t sched;
   unsigned current = 0;
   uint64_t progress = 0;
@@ -86,7 +98,10 @@ inline void emu_arrive(EmuBarrier& b) {
     while (b.gen == gen) emu_yield();
   }
 }
-inline void __syncthreads() { emu_arrive(g_cta->block); }
+inline void __syncthreads() {
+  g_cta->block_wait[g_cta->current] = g_cta->block.gen + 1;  // blocked until the barrier's next generation
+  emu_arrive(g_cta->block);
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_arrive(g_cta->warps[threadIdx.x / 32]); }
 inline float __shfl_xor_sync(unsigned, float x, int o) {
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -105,6 +120,11 @@ inline std::vector<char>& emu_stacks() {  // one stack per thread, shared by eve
 
 inline void emu_fiber_entry() {
   g_cta->body(g_cta->arg);
+  const EmuAsync& a = g_cta->async[g_cta->current];
+  if (!a.open.empty() || !a.groups.empty()) {  // its data may land after the thread ended
+    fprintf(stderr, "cp.async emulation: thread %u ended with copies it never waited for\n", g_cta->current);
+    abort();
+  }
   g_cta->done[g_cta->current] = 1;
   ++g_cta->progress;
 }  // returns to uc_link = the scheduler
@@ -133,8 +153,10 @@ void emu_launch(K kern, dim3 grid, unsigned block, size_t smem, cudaStream_t, co
         cta.mbuf.assign(block * 6, 0u);
         cta.pbuf.assign(block, nullptr);
         cta.smem.assign(smem + 128, 0xFF);
+        cta.async.assign(block, EmuAsync{});
         cta.ctx.resize(block);
         cta.done.assign(block, 0);
+        cta.block_wait.assign(block, 0);
         cta.body = &Call::run;
         cta.arg = &call;
         g_cta = &cta;
@@ -147,15 +169,30 @@ void emu_launch(K kern, dim3 grid, unsigned block, size_t smem, cudaStream_t, co
           cta.ctx[t].uc_link = &cta.sched;
           makecontext(&cta.ctx[t], emu_fiber_entry, 0);
         }
+        // Warp by warp: each warp runs until all its threads have ended or wait at __syncthreads, the
+        // first warp changing with every block barrier. Warps thus run ahead of each other as far as
+        // the block barriers allow (as they may on a GPU): a shared buffer overwritten, or a cp.async
+        // issued into it, while another warp still reads it shows up as wrong data.
         unsigned remaining = block;
+        const unsigned nwarps = block / 32;
         while (remaining > 0) {
           const uint64_t before = cta.progress;
-          for (unsigned t = 0; t < block; ++t) {
-            if (cta.done[t]) continue;
-            cta.current = t;
-            threadIdx = dim3(t, 0, 0);
-            swapcontext(&cta.sched, &cta.ctx[t]);
-            remaining -= cta.done[t];
+          const unsigned first = (unsigned)(cta.block.gen % nwarps);
+          for (unsigned k = 0; k < nwarps; ++k) {
+            const unsigned w = (first + k) % nwarps;
+            for (;;) {
+              const uint64_t at = cta.progress;
+              bool ran = false;
+              for (unsigned t = 32 * w; t < 32 * w + 32; ++t) {
+                if (cta.done[t] || cta.block_wait[t] > cta.block.gen) continue;
+                cta.current = t;
+                threadIdx = dim3(t, 0, 0);
+                swapcontext(&cta.sched, &cta.ctx[t]);
+                remaining -= cta.done[t];
+                ran = true;
+              }
+              if (!ran || cta.progress == at) break;
+            }
           }
           if (remaining > 0 && cta.progress == before) {
             fprintf(stderr, "emulated kernel: deadlock (threads wait at barriers no other thread reaches)\n");
