@@ -22,7 +22,7 @@ __all__ = ["find_attention", "discover", "discover_for_writing", "check_model", 
 
 
 class UncoveredAttentionWarning(UserWarning):
-    """:func:`apply` left attention-like modules unconditioned (listed in ``report.uncovered``)."""
+    """:func:`condinit.apply` left attention-like modules unconditioned (listed in ``report.uncovered``)."""
 
 
 class UncoveredAttentionError(ValueError):
@@ -57,7 +57,7 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class Uncovered:
-    """An attention-like module that :func:`apply` does not condition, and why."""
+    """An attention-like module that :func:`condinit.apply` does not condition, and why."""
 
     name: str
     cls: str
