@@ -11,7 +11,8 @@ rotary, biases) and BERT (``BertSelfAttention``, bidirectional, biases) layers. 
 at the defaults, that ``[lo, hi]`` of sigma_max, sigma_min and kappa holds the reference for
 ``condition_number`` (``method="auto"``) and ``lanczos_svd`` (Lanczos, 300 steps, tol 0.1), and that
 Lanczos run to the end equals the reference to 1e-6. Where ``J`` is block diagonal over its
-key/value groups the estimates run per block (the default); Lanczos without blocks is checked too.
+key/value groups, ``condition_number`` runs per block (its dense path), and Lanczos per block
+(``blocks=True``) is checked too.
 
 A reference with singular values in ``(1e-13, 1e-10] sigma_max`` (a near-degeneracy, not a null
 direction: those sit near 1e-16) has no kappa; there an exact estimate must say rank-deficient.
@@ -132,7 +133,7 @@ def _run(cases, seed):
         assert auto.converged, (what, auto.method, auto.notes)     # dense, or Lanczos where that is cheaper
         kinds[_check(auto, s, what)] += 1
         _check(lanczos_svd(op, seed=seed % 1000), s, what)
-        _check(lanczos_svd(op, seed=seed % 1000, blocks=False), s, what)
+        _check(lanczos_svd(op, seed=seed % 1000, blocks=True), s, what)
         full = lanczos_svd(op, steps=10_000, tol=0.0, seed=seed % 1000)
         _check(full, s, what)
         nz = s[s > 1e-10 * float(s[0])]

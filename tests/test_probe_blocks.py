@@ -72,7 +72,7 @@ def test_combined_brackets_hold_the_whole_spectrum(wrt, seed):
         s = torch.linalg.svdvals(reference_jacobian(m, x, wrt, causal))
         nz = s[s > 1e-10 * s[0]]
         what = f"case {i}: H={H} Hkv={Hkv} causal={causal} seed={s0}"
-        full = lanczos_svd(op, steps=10_000, tol=0.0, seed=i)
+        full = lanczos_svd(op, steps=10_000, tol=0.0, seed=i, blocks=True)
         assert full.exact and full.iterations > 0, (what, full.notes)
         assert abs(full.sigma_max - float(s[0])) <= 1e-8 * float(s[0]), what
         assert abs(full.sigma_min - float(nz[-1])) <= 1e-8 * float(nz[-1]), what
@@ -80,11 +80,22 @@ def test_combined_brackets_hold_the_whole_spectrum(wrt, seed):
         assert full.bracket.startswith("J = diag(J_1, ..., J_") and "block diagonal" in full.subspace
         one = lanczos_svd(op, steps=10_000, tol=0.0, seed=i, blocks=False)
         assert abs(one.kappa - full.kappa) <= 1e-8 * full.kappa, what
-        for est in (lanczos_svd(op, seed=i), condition_number(op, seed=i)):     # the defaults
+        for est in (lanczos_svd(op, seed=i, blocks=True), condition_number(op, seed=i, blocks=True)):
             assert est.sigma_max_lo <= float(s[0]) <= est.sigma_max_hi, (what, est.method)
             assert est.sigma_min_lo <= float(nz[-1]) <= est.sigma_min_hi, (what, est.method)
             assert est.kappa_lo <= float(s[0] / nz[-1]) <= est.kappa_hi, (what, est.method)
             hits += est.converged
-        dense = condition_number(op, method="dense")
-        assert dense.method == "dense-svd" and abs(dense.kappa - full.kappa) <= 1e-8 * full.kappa, what
+        dense = condition_number(op, method="dense")         # blocks="auto": by blocks
+        assert dense.method == "dense-svd" and dense.bracket.startswith("J = diag(J_1, ..., J_"), what
+        assert abs(dense.kappa - full.kappa) <= 1e-8 * full.kappa, what
     assert hits >= 6      # most default runs end within tol
+
+
+def test_blocks_auto_takes_them_for_the_dense_path_only():
+    _, _, op = make("weights", True, H=4, Hkv=2, d=3, D=7, N=5)
+    assert condition_number(op).bracket.startswith("J = diag(J_1, ..., J_2)")          # dense per block
+    assert not lanczos_svd(op).bracket.startswith("J = diag")                          # Lanczos on J whole
+    assert lanczos_svd(op, blocks=True).bracket.startswith("J = diag(J_1, ..., J_2)")
+    assert not condition_number(op, blocks=False).bracket.startswith("J = diag")
+    with pytest.raises(ValueError, match="blocks must be False, True or 'auto'"):
+        lanczos_svd(op, blocks="yes")

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from condinit._validate import check_bool, check_choice, check_int, check_real, check_seed
+from condinit._validate import check_choice, check_int, check_real, check_seed
 
 from .blocks import blocks_estimate
 from .brackets import _TOL
@@ -85,7 +85,7 @@ def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
 
 def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: Optional[int] = None, seed: int = 0, *,
                 tol: float = _TOL, time_budget: Optional[float] = None, confidence: float = _CONFIDENCE,
-                rank_rtol: Optional[float] = None, dense: Union[bool, str] = False, blocks: bool = True):
+                rank_rtol: Optional[float] = None, dense: Union[bool, str] = False, blocks: Union[bool, str] = "auto"):
     """sigma_max and the smallest nonzero sigma_min of ``J``, with brackets, by Golub-Kahan-Lanczos.
 
     The bidiagonalization starts from ``J^T J e`` (``e`` random) and forms each new vector as one fresh
@@ -105,11 +105,15 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     cost in ``notes``) when it is cheaper than the ``r`` Lanczos steps exactness would take (than
     ``min(steps, r)`` steps when ``steps`` is given; default 300 Lanczos steps) and small
     (:func:`dense_preferred`); True always takes it. The dense path is not bounded by ``steps`` or
-    ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). ``blocks`` (default True):
-    where ``J`` is block diagonal over its key/value groups (:attr:`JacobianOperator.kv_blocks_exact`:
-    ``wrt="weights"`` or ``"qkv"`` without ``W_O``, more than one key/value head), each block is
-    estimated on its own (the step and time budgets shared) and the brackets combined
-    (:mod:`condinit.probe.blocks`); ``iterations`` is then the sum over the blocks. Returns a
+    ``time_budget`` (its cost is: about 2e11 flops at most under ``"auto"``). ``blocks``: where ``J`` is block
+    diagonal over its key/value groups (:attr:`JacobianOperator.kv_blocks_exact`: ``wrt="weights"``
+    or ``"qkv"`` without ``W_O``, more than one key/value head), True estimates each block on its own
+    (the step and time budgets shared) and combines the brackets (:mod:`condinit.probe.blocks`;
+    ``iterations`` is then the sum over the blocks); False runs on ``J`` whole; ``"auto"`` (the
+    default) takes the blocks where the dense path is taken for every block (``dense`` not False and
+    :func:`dense_preferred`; it costs ``1 / Hkv^2`` of the whole's dense SVD), else ``J`` whole: on a
+    layer Lanczos does not finish, one run on ``J`` reaches a higher ``kappa_lo`` in the same time
+    than the blocks sharing it. Returns a
     :class:`SpectrumEstimate` (a list for a sequence of operators).
 
     Examples:
@@ -123,13 +127,13 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     ops = _check_operators(op)
     kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
-    check_bool("blocks", blocks)
+    blocks = _check_blocks(blocks)
     return _many(op, ops, _run, one=_lanczos_one, blocks=blocks, seed=seed, dense=check_dense(dense), **kw)
 
 
 def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: Optional[int] = None, seed: int = 0,
                      *, method: str = "auto", tol: float = _TOL, time_budget: Optional[float] = None,
-                     confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None, blocks: bool = True):
+                     confidence: float = _CONFIDENCE, rank_rtol: Optional[float] = None, blocks: Union[bool, str] = "auto"):
     """kappa(J) = sigma_max / sigma_min over the nonzero singular values of ``J``, with its bracket.
 
     ``method="lanczos"``: :func:`lanczos_svd` (``steps``, ``seed``, ``tol``, ``time_budget``,
@@ -155,9 +159,9 @@ def condition_number(op: Union[JacobianOperator, Sequence[JacobianOperator]], st
     kw = _check_budget(steps, tol, time_budget, confidence, rank_rtol)
     check_seed("seed", seed)
     check_choice("method", method, ("auto", "lanczos", "dense"))
-    check_bool("blocks", blocks)
+    blocks = _check_blocks(blocks)
     if method == "dense":
-        return _many(op, ops, _run, one=_dense_block, blocks=blocks, seed=seed, **kw)
+        return _many(op, ops, _run, one=_dense_block, blocks=blocks, seed=seed, dense=True, **kw)
     return _many(op, ops, _run, one=_lanczos_one, blocks=blocks, seed=seed,
                  dense="auto" if method == "auto" else False, **kw)
 
@@ -166,7 +170,17 @@ def _dense_block(op: JacobianOperator, *, rank_rtol, tol, **_):
     return _dense_one(op, rank_rtol=rank_rtol, tol=tol)
 
 
-def _run(op: JacobianOperator, *, one, blocks: bool, **kw):
-    """``one`` on ``op``, or on each key/value block of ``op`` combined (``blocks``)."""
-    return blocks_estimate(op, one, **kw) if blocks else one(op, **kw)
+def _check_blocks(blocks):
+    if blocks not in (False, True, "auto") or not isinstance(blocks, (bool, str)):
+        raise ValueError(f"blocks must be False, True or 'auto', got {blocks!r}")
+    return blocks
 
+
+def _run(op: JacobianOperator, *, one, blocks, **kw):
+    """``one`` on ``op``, or on each key/value block of ``op`` combined (``blocks``; ``"auto"``: where
+    every block takes the dense path)."""
+    if blocks == "auto":
+        dense = kw.get("dense", False)
+        steps = None if kw.get("steps_given") is None else kw["steps"]
+        blocks = dense is True or (dense == "auto" and len(op.kv_blocks()) > 1 and dense_preferred(op, steps))
+    return blocks_estimate(op, one, **kw) if blocks else one(op, **kw)
