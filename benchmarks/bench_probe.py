@@ -24,7 +24,8 @@ Side by side, in one run on the CPU:
    (hidden 64, 4 heads / 2 key-value heads, 2 layers, 32 tokens; its records: method, steps, kappa's
    bracket, converged, seconds), and a Llama-1B-shaped layer (hidden 2048, 32 heads / 8 key-value
    heads of 64, RoPE, causal; a one-layer ``LlamaModel`` with random init, then ``condinit.apply``)
-   at 512 tokens: the bracket reached within each ``--time-budgets`` (default 10, 30, 60 s).
+   at 512 tokens: the bracket reached within each ``--time-budgets`` (default 10, 30, 60 s), by one
+   run on ``J`` whole and block by block over its 8 key/value groups (``blocks=True``).
 
 The machine these numbers come from is shared: timings are medians of a few repeats and still noisy.
 """
@@ -222,21 +223,30 @@ def llama1b_layer_operator(tokens=512, seed=0):
                                      spec=layer.spec)
 
 
-def bench_llama1b_convergence(budgets=(10.0, 30.0, 60.0), tokens=512, log=print):
-    """The bracket of kappa reached by ``lanczos_svd`` at its defaults within each time budget."""
+def bench_llama1b_convergence(budgets=(10.0, 30.0, 60.0), tokens=512, log=print, blocks=(False, True)):
+    """The bracket of kappa reached by ``lanczos_svd`` at its defaults within each time budget, on ``J``
+    whole and block by block over its key/value groups."""
     from condinit.probe import lanczos_svd
 
     t0 = time.perf_counter()
     op = llama1b_layer_operator(tokens)
     log(f"  Llama-1B layer, {tokens} tokens: J is {op.m} x {op.n}, known nulls {op.null_dims} "
         f"(built in {time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    dims = [b.null_dims for b in op.kv_blocks()]
+    log(f"  its {len(dims)} key/value blocks: {op.kv_blocks()[0].shape} each, known nulls {dims[0]} "
+        f"(set up in {time.perf_counter() - t0:.1f} s)")
     rows = []
-    for b in budgets:
-        e = lanczos_svd(op, seed=0, time_budget=b)
-        rows.append(dict(budget=b, steps=e.iterations, kappa=e.kappa, kappa_lo=e.kappa_lo, kappa_hi=e.kappa_hi,
-                         sigma_max=(e.sigma_max_lo, e.sigma_max_hi), sigma_min=(e.sigma_min_lo, e.sigma_min_hi),
-                         converged=e.converged, wall=e.wall_s, method=e.method))
-        log(f"  time_budget {b:g} s: {_fmt_est(e)}")
+    for blk in blocks:
+        for b in budgets:
+            e = lanczos_svd(op, seed=0, time_budget=b, blocks=blk)
+            rows.append(dict(blocks=blk, budget=b, steps=e.iterations, kappa=e.kappa, kappa_lo=e.kappa_lo,
+                             kappa_hi=e.kappa_hi, sigma_max=(e.sigma_max_lo, e.sigma_max_hi),
+                             sigma_min=(e.sigma_min_lo, e.sigma_min_hi), converged=e.converged, wall=e.wall_s,
+                             method=e.method, cpu=time.process_time()))
+            log(f"  blocks={blk} time_budget {b:g} s ({e.wall_s:.1f} s): {_fmt_est(e)}; sigma_min in "
+                f"[{e.sigma_min_lo:.4g}, {e.sigma_min_hi:.4g}], sigma_max in [{e.sigma_max_lo:.4g}, "
+                f"{e.sigma_max_hi:.4g}]")
     return rows
 
 
