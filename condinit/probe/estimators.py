@@ -34,7 +34,8 @@ off (in the operator's dtype), also when called inside an autocast region.
 Layout: :mod:`~condinit.probe.results` (the results), :mod:`~condinit.probe.krylov` (the effective
 operator and the bases), :mod:`~condinit.probe.lanczos` (one run), :mod:`~condinit.probe.brackets`
 (its certified brackets), :mod:`~condinit.probe.dense_svd` (the exact path), :mod:`~condinit.probe.norms`
-(power iteration, Hutchinson); this module is the front-end.
+(power iteration, Hutchinson), :mod:`~condinit.probe.blocks` (per key/value block); this module is the
+front-end.
 
 Randomness comes from a private ``torch.Generator`` seeded with ``seed``: the user's RNG streams
 are never touched, and results are deterministic given the seed. Each function takes one operator
