@@ -5,8 +5,9 @@ are in tests/test_attention.py and tests/test_attention_jvp.py):
 * the custom ops' fake kernels and the native (C++) ``condinit_C`` ops: output shapes and dtypes
   on meta tensors, and the layout checks that guard the kernels' memory accesses;
 * the Triton kernels: unequal query / key tiles on the causal diagonal, an odd probe count
-  against single-probe calls bit for bit, a deterministic backward, the GPU autotune lists, and
-  the layout checks raised before a launch;
+  against single-probe calls bit for bit, a deterministic backward, the GPU autotune lists, the
+  JVP at the first tiles of the 16-bit GPU lists (64-key tiles), and the layout checks raised
+  before a launch;
 * the Triton kernels with masks (causal, sliding and two-sided windows, per-sequence lengths)
   called directly: forward, flash backward, JVP and the backward through the tangent output
   against float64 autograd of a naive masked attention written here, rows and keys that nothing
@@ -338,6 +339,45 @@ def test_triton_masked_kernels_against_float64(triton_kernels, name, rng, nan_po
         assert (x[unseen_keys] == 0).all(), f"{what} is not exactly 0 on keys no query attends"
     for what, x in (("dtk", grads[4]), ("dtv", grads[5])):
         assert (x[:, unseen_keys] == 0).all(), f"{what} is not exactly 0 on keys no query attends"
+
+
+# (d, P, causal, window_left, kv_lens, GQA group): the 16-bit JVP lists' first GPU tiles, with a
+# ragged last key tile, a padded head dim, key padding, a window, and two probes per program.
+GPU_TILE_CASES = {
+    "d128-causal-ragged": (128, 2, True, -1, None, 1),
+    "d72-window-key-padding-gqa2": (72, 1, True, 40, [150, 77], 2),
+    "d64-two-probes-odd-p": (64, 3, False, -1, [131, 150], 2),
+}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP32])
+@pytest.mark.parametrize("name", list(GPU_TILE_CASES))
+def test_triton_jvp_at_the_gpu_key_tiles(triton_kernels, name, dtype, rng, nan_poison, monkeypatch):
+    """The JVP with the first (BLOCK_M, BLOCK_N) of the 16-bit GPU list for its head dim (64-key
+    tiles) under the interpreter, against float64 autograd of the masked naive attention: the
+    tangent products of a tile, the rescaling across wide tiles, ragged and masked tails."""
+    d, P, causal, wl, kv_lens, group = GPU_TILE_CASES[name]
+    block_d = triton_kernels.configs.common_meta(d)["BLOCK_D"]
+    ppp = triton_kernels.configs.probes_per_program(2, block_d, True, P)
+    first = triton_kernels.configs.configs("jvp", 2, block_d, ppp)[0].kwargs
+    block_m, block_n = first["BLOCK_M"], first["BLOCK_N"]
+    assert block_n >= 32
+    monkeypatch.setattr(triton_kernels.configs, "INTERPRET_CONFIG", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    B, Hkv, n_q, n_k = 2, 1, 140, 150
+    q, k, v = make_qkv(B, Hkv * group, Hkv, n_q, n_k, d, dtype, rng)
+    tq, tk, tv = make_tangents(q, k, v, P, rng)
+    mask = (wl, -1, None, _lens(kv_lens))
+    allowed = allowed_pairs(B, n_q, n_k, causal, *mask)
+    scale = 1.0 / d ** 0.5
+    f = lambda a, b, c: masked_attention(a, b, c, allowed, scale)[0]  # noqa: E731
+    ref = [torch.func.jvp(f, f64(q, k, v), f64(tq[p], tk[p], tv[p])) for p in range(P)]
+    out, tout, lse = triton_kernels.attention_jvp(q, k, v, tq, tk, tv, causal, scale, *mask)
+    assert out.dtype == tout.dtype == dtype and tout.shape == tq.shape
+    assert_close(out, ref[0][0], dtype, "out")
+    for p in range(P):
+        assert_close(tout[p], ref[p][1], dtype, f"tangent {p}")
+    assert torch.equal(out, triton_kernels.attention_fwd(q, k, v, causal, scale, *mask)[0])
 
 
 @pytest.mark.triton
