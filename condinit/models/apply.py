@@ -213,7 +213,7 @@ def apply(model: nn.Module, *, seed: Optional[int] = None, generator: Optional[t
     sharded = any(p.distributed for l in layers for _, p in l.spec.projections())
     with torch.no_grad():
         plan, reports = plan_blocks(layers, v_mode, measure_before=report and not meta and not sharded,
-                              qk_gain=qk_gain, v_gain=v_gain)
+                                    qk_gain=qk_gain, v_gain=v_gain)
         after: dict = {}   # (layer position, stream) -> [(first block id, Spectrum)]
 
         def observe(run, first, stop, blocks):

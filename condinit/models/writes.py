@@ -113,7 +113,7 @@ def covered_tensors(layers: Sequence[AttentionLayer]) -> list[torch.Tensor]:
 
 
 def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before: bool, qk_gain: float = 1.0,
-          v_gain: float = 1.0):
+                v_gain: float = 1.0):
     """The :class:`InitPlan` writing the local part of every layer's Q/K/V (Q/K times ``qk_gain``,
     V ``v_gain`` times the identity) and biases (owner: the layer's position in ``layers``), and
     one :class:`LayerReport` per layer (``before`` measured when asked). A projection in several
