@@ -158,6 +158,15 @@ def test_bench_json_that_is_a_directory_is_refused_before_running(tmp_path, caps
     assert f"output {tmp_path} is a directory" in _one_line(err)
 
 
+@pytest.mark.parametrize("flag, name", [("--json", "r.json"), ("--plot", "r.png")])
+def test_probe_outputs_are_checked_before_the_checkpoint_is_read(tmp_path, capsys, flag, name):
+    target = tmp_path / "missing" / name
+    rc, out, err = run_cli(capsys, "probe", str(tmp_path / "absent.safetensors"), "--preset", "tiny-llama",
+                           flag, str(target))
+    assert rc == 2 and out == ""
+    assert _one_line(err) == f"condinit probe: error: output directory {target.parent} does not exist"
+
+
 def test_init_directory_under_a_file_is_refused_before_building_the_model(tmp_path, capsys, monkeypatch):
     import condinit.models.presets as presets
 
