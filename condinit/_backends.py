@@ -145,7 +145,7 @@ class Op:
         """The backend that runs this call: ``backend`` (or the environment's) when forced, else
         the first available, supporting, deterministic one in the device's preference order."""
         device_type = torch.device(device).type
-        forced = backend if backend is not None else _forced_from_env().get(self.name)
+        forced = backend if backend is not None else forced_from_env().get(self.name)
         if forced is not None and forced != "auto":
             if forced not in BACKENDS:
                 raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {forced!r}")
@@ -175,7 +175,7 @@ def get(name: str) -> Op:
 
 
 @functools.lru_cache(maxsize=None)
-def _forced_from_env() -> dict:
+def forced_from_env() -> dict:
     """``CONDINIT_BACKEND`` parsed: op name -> forced backend."""
     env = os.environ.get(ENV_VAR, "").strip()
     if not env or env == "auto":
@@ -246,7 +246,7 @@ def available(backend: str, device_type: str, native_op: Optional[str] = None,
 
 def reset() -> None:
     """Forget cached availability and re-read ``CONDINIT_BACKEND``."""
-    _forced_from_env.cache_clear()
+    forced_from_env.cache_clear()
     available.cache_clear()
 
 

@@ -145,7 +145,7 @@ def _passed_over(op_name: str, chosen: str, q: Tensor, masks: tuple[str, ...]) -
 def _is_forced(backend: Optional[str], op_names) -> bool:
     if backend is not None:
         return backend != "auto"
-    env = _backends._forced_from_env()
+    env = _backends.forced_from_env()
     return any(env.get(name) not in (None, "auto") for name in op_names)
 
 
