@@ -75,7 +75,6 @@ template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return bits16(Cvt<T>::from_f(lo)) | (bits16(Cvt<T>::from_f(hi)) << 16);
 }
-__device__ __forceinline__ uint32_t ld32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -113,13 +112,32 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 #endif
 }
 
+// Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix): lane 8 i + j gives the address
+// of row j of matrix i (16-byte aligned); register i of lane 4 g + t receives elements (g, 2 t) and
+// (g, 2 t + 1) of matrix i: an m16n8k16 A fragment of a row-major [m][k] tile, or B fragments of a
+// row-major [n][k] one.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef CONDINIT_ATTN_EMU
+  emu_ldmatrix_x4(r, row, false);
+#else
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#endif
+#else
+  __trap();
+#endif
+}
+
 // Four 8 x 8 matrices of 16-bit values from shared memory, transposed (ldmatrix .trans): lane 8 i + j
 // gives the address of row j of matrix i (16-byte aligned); register i of lane 4 g + t receives
 // elements (2 t, g) and (2 t + 1, g) of matrix i: an m16n8k16 B fragment of a row-major [k][n] tile.
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #ifdef CONDINIT_ATTN_EMU
-  emu_ldmatrix_x4_trans(r, row);
+  emu_ldmatrix_x4(r, row, true);
 #else
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -5,9 +5,9 @@
 // the row statistics in registers, as mma.sync C fragments. Scores never leave registers: the C
 // fragment of S = Q K^T is, element for element, the A fragment of P V (FlashAttention-2's register
 // reuse), so fp16/bf16 need no shared memory for P; fp32 passes P through a per-warp shared scratch
-// tile. Row reductions are two quad shuffles. A and B fragments of shared tiles are 32-bit loads
-// where the reduced dim is contiguous, ldmatrix.trans where it is not (the B operand of P V,
-// P^T dO, dS K, ...). The head dim d (1..256) is padded to dpad, a multiple of 16, and rows outside
+// tile. Row reductions are two quad shuffles. Every A and B fragment of a shared tile is an
+// ldmatrix.x4: plain where the reduced dim is contiguous (Q, K of S = Q K^T, ...), .trans where it
+// is not (the B operand of P V, P^T dO, dS K, ...). The head dim d (1..256) is padded to dpad, a multiple of 16, and rows outside
 // the sequence lengths and the padded columns are zero-filled, so products over padding add exact
 // zeros; the output columns are split into chunks of kCols columns (a grid dimension), so
 // accumulators have a fixed size in registers.
@@ -44,14 +44,22 @@ __device__ __forceinline__ void mma_abt(float (&c)[NT][4], const T* A, int lda, 
       }
     }
   } else {
+    static_assert(NT % 2 == 0, "n-tiles come in pairs (one ldmatrix.x4 of B)");
+    // ldmatrix rows: lane 8 m + j reads A row j + 8 (m & 1), columns k0 + 8 (m >> 1) (the A fragment
+    // a0..a3), and B row 8 (m >> 1) + j, columns k0 + 8 (m & 1) of an n-tile pair (b0, b1 of each).
+    const int m = lane >> 3, j = lane & 7;
+    const T* arow = A + (j + 8 * (m & 1)) * lda + 8 * (m >> 1);
+    const T* brow = B + (j + 8 * (m >> 1)) * ldb + 8 * (m & 1);
     for (int k0 = 0; k0 < K; k0 += 16) {
-      const uint32_t a[4] = {ld32(A + g * lda + k0 + 2 * t), ld32(A + (g + 8) * lda + k0 + 2 * t),
-                             ld32(A + g * lda + k0 + 8 + 2 * t), ld32(A + (g + 8) * lda + k0 + 8 + 2 * t)};
+      uint32_t a[4];
+      ldsm_x4(a, arow + k0);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const T* brow = B + (nt * 8 + g) * ldb + k0 + 2 * t;
-        const uint32_t b[2] = {ld32(brow), ld32(brow + 8)};
-        mma_16816<T>(c[nt], a, b);
+      for (int nt = 0; nt < NT; nt += 2) {
+        uint32_t r[4];
+        ldsm_x4(r, brow + nt * 8 * ldb + k0);
+        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        mma_16816<T>(c[nt], a, b0);
+        mma_16816<T>(c[nt + 1], a, b1);
       }
     }
   }

@@ -50,11 +50,11 @@ inline void emu_mma_m16n8k16(bool f16, float (&c)[4], const uint32_t (&a)[4], co
   for (int e = 0; e < 4; ++e) c[e] = d[e];
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 (PTX ISA, "ldmatrix"): lane 8 i + j gives the
-// address of row j of 8 x 8 matrix i (16-byte aligned); with .trans, register i of lane 4 g + t
-// holds elements (row 2 t, column g) and (row 2 t + 1, column g) of matrix i, the lower row in the
-// lower half.
-inline void emu_ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (PTX ISA, "ldmatrix"): lane 8 i + j gives the
+// address of row j of 8 x 8 matrix i (16-byte aligned); register i of lane 4 g + t holds elements
+// (row g, columns 2 t and 2 t + 1) of matrix i, or with .trans (rows 2 t and 2 t + 1, column g), the
+// lower index in the lower half.
+inline void emu_ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
     fprintf(stderr, "ldmatrix emulation: row address %p is not 16-byte aligned\n", row);
@@ -64,9 +64,14 @@ inline void emu_ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
   buf[lane] = row;
   __syncwarp();
   for (int i = 0; i < 4; ++i) {
-    const uint16_t* lo = static_cast<const uint16_t*>(buf[8 * i + 2 * t]);
-    const uint16_t* hi = static_cast<const uint16_t*>(buf[8 * i + 2 * t + 1]);
-    r[i] = (uint32_t)lo[g] | ((uint32_t)hi[g] << 16);
+    if (trans) {
+      const uint16_t* lo = static_cast<const uint16_t*>(buf[8 * i + 2 * t]);
+      const uint16_t* hi = static_cast<const uint16_t*>(buf[8 * i + 2 * t + 1]);
+      r[i] = (uint32_t)lo[g] | ((uint32_t)hi[g] << 16);
+    } else {
+      const uint16_t* at = static_cast<const uint16_t*>(buf[8 * i + g]);
+      r[i] = (uint32_t)at[2 * t] | ((uint32_t)at[2 * t + 1] << 16);
+    }
   }
   __syncwarp();
 }
