@@ -341,3 +341,33 @@ def test_in_place_functions_work_on_parameters_that_require_grad():
     assert torch.count_nonzero(q.bias) == 0
     (q(torch.randn(2, 256)).sum()).backward()  # still trainable
     assert q.weight.grad is not None
+
+
+@pytest.mark.parametrize("method", ["auto", "householder", "svd"])
+def test_batched_init_draws_inside_the_factorization_with_randns_bits(method, monkeypatch):
+    """On the CPU the native factorizations draw each block's Gaussians themselves (one team per
+    chunk); the weights equal those of the same call with the generator forced to the PyTorch
+    reference (which fills every chunk before factoring it), bit for bit, also with chunks of one
+    block padded to two and layers of different head counts in one group."""
+    from condinit import _backends
+    import random as _random
+    seed = _random.getrandbits(63)
+
+    def run():
+        layers = [{"q": torch.empty(6 * 16, 80), "k": torch.empty(2 * 16, 80), "v": torch.empty(2 * 16, 80)}
+                  for _ in range(3)]
+        conditioned_init_layers_(layers, num_heads=6, num_kv_heads=2, seed=seed, method=method,
+                                 memory_budget=3 * 4 * 16 * 80)
+        return layers
+
+    fused = run()
+    monkeypatch.setenv("CONDINIT_BACKEND", "randn=torch")
+    _backends.reset()
+    try:
+        filled = run()
+    finally:
+        monkeypatch.delenv("CONDINIT_BACKEND")
+        _backends.reset()
+    for a, b in zip(fused, filled):
+        for name in ("q", "k", "v"):
+            assert torch.equal(a[name], b[name]), name

@@ -611,6 +611,67 @@ def test_native_cholqr2_matches_the_batched_reference(rng, monkeypatch):
 
 
 @native
+@pytest.mark.parametrize("method", ["cholqr2", "householder", "svd"])
+def test_native_kernels_draw_their_inputs_as_philox_randn_does(method):
+    """With ``draws``, each block is drawn by the thread that factors it: the result equals
+    philox_randn into A followed by the kernel without draws, bit for bit (blocks of different
+    streams and ids in one batch, a repeated block, a seed with both 32-bit words set), and A then
+    holds those Gaussians."""
+    import random as _random
+    r = _random.Random()
+    seed = r.getrandbits(64)
+    C, m, n = 5, 16, 96
+    rows = torch.tensor([[r.getrandbits(32), r.getrandbits(40)] for _ in range(C - 1)], dtype=torch.int64)
+    rows = torch.cat([rows, rows[-1:]])                    # the padding of a short chunk repeats a block
+    want_A = torch.empty(C, m, n)
+    for b in range(C):
+        torch.ops.condinit_C.philox_randn(seed & 0xFFFFFFFF, seed >> 32, int(rows[b, 0]), rows[b, 1:], m, n,
+                                          want_A[b:b + 1])
+    want = torch.empty(C, m, n)
+    got_A, got = torch.full((C, m, n), float("nan")), torch.empty(C, m, n)
+    args = (torch.float32,) if method != "cholqr2" else (torch.float32,) + _cholqr2_thresholds(m)
+    if method == "cholqr2":
+        torch.ops.condinit_C.cholqr2_blocks_(want_A.clone(), want, *args)
+        torch.ops.condinit_C.cholqr2_blocks_(got_A, got, *args, rows, seed & 0xFFFFFFFF, seed >> 32)
+    else:
+        torch.ops.condinit_C.orthonormal_blocks_(want_A.clone(), want, method, *args)
+        torch.ops.condinit_C.orthonormal_blocks_(got_A, got, method, *args, rows, seed & 0xFFFFFFFF, seed >> 32)
+    assert torch.equal(got_A, want_A) and torch.equal(got, want)
+    assert torch.equal(got[-1], got[-2])
+    inplace = torch.empty(C, m, n)                         # out aliasing A, as the chunks run
+    if method == "cholqr2":
+        torch.ops.condinit_C.cholqr2_blocks_(inplace, inplace, *args, rows, seed & 0xFFFFFFFF, seed >> 32)
+    else:
+        torch.ops.condinit_C.orthonormal_blocks_(inplace, inplace, method, *args, rows, seed & 0xFFFFFFFF,
+                                                 seed >> 32)
+    assert torch.equal(inplace, want)
+
+
+def _cholqr2_thresholds(m):
+    return (reference_mod.CHOLQR_MAX_DIAG_RATIO, reference_mod.CHOLQR_MAX_GRAM2_DEVIATION,
+            reference_mod._first_order_max(m))
+
+
+@native
+@pytest.mark.parametrize("rows, words, match", [
+    (torch.zeros(3, 2, dtype=torch.int64), (0, 0), "draws must be"),            # C rows expected
+    (torch.zeros(4, 3, dtype=torch.int64), (0, 0), "draws must be"),
+    (torch.zeros(4, 2, dtype=torch.int32), (0, 0), "draws must be"),
+    (torch.tensor([[0, 0], [0, -1], [0, 0], [0, 0]]), (0, 0), r"draws\[1\]"),
+    (torch.tensor([[1 << 32, 0]] * 4), (0, 0), r"draws\[0\]"),
+    (torch.zeros(4, 2, dtype=torch.int64), (1 << 32, 0), "seed_lo and seed_hi"),
+])
+def test_native_draws_are_checked_before_anything_is_written(rows, words, match):
+    A = torch.full((4, 8, 40), 3.0)
+    out = torch.full((4, 8, 40), 5.0)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.condinit_C.cholqr2_blocks_(A, out, torch.float32, *_cholqr2_thresholds(8), rows, *words)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.condinit_C.orthonormal_blocks_(A, out, "householder", torch.float32, rows, *words)
+    assert bool((A == 3).all()) and bool((out == 5).all())
+
+
+@native
 def test_native_kernels_one_team_no_pool(rng):
     """No Python worker threads: the factorizations of a call run in the caller's OpenMP team."""
     before = {t.name for t in threading.enumerate()}

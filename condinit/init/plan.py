@@ -207,13 +207,25 @@ def run_group(seed: int, runs: Sequence[BlockRun], wide_shape, method: str, devi
             if lo < hi:
                 yield r, lo - offsets[i], hi - offsets[i], lo - start
 
-    def fill(start, stop, A):
-        for r, a, b, c in segments(start, stop):
-            RANDN(rng_backend, seed, r.stream, r.ids[a:b], m, n, A[c:c + b - a])
+    def count(start, stop):
         with lock:
             chunks[0] += 1
             if on_chunk is not None:
                 on_chunk(stop - start)
+
+    def fill(start, stop, A):
+        for r, a, b, c in segments(start, stop):
+            RANDN(rng_backend, seed, r.stream, r.ids[a:b], m, n, A[c:c + b - a])
+        count(start, stop)
+
+    def draw(start, stop):
+        # the blocks RANDN's C++ CPU kernel would fill, for a factorization that draws them itself
+        if rng_backend != "cpp-cpu":
+            return None
+        rows = torch.cat([torch.stack((torch.full_like(r.ids[a:b], r.stream), r.ids[a:b]), 1)
+                          for r, a, b, _ in segments(start, stop)])
+        count(start, stop)
+        return seed, rows
 
     def sink(start, stop, R):
         if collect is not None:
@@ -244,7 +256,7 @@ def run_group(seed: int, runs: Sequence[BlockRun], wide_shape, method: str, devi
         return d if d.dtype == torch.float32 and d.is_contiguous() else None
 
     run_chunks(total, (m, n), method, device, fill, sink, memory_budget=memory_budget,
-               backend=backend, direct=direct, breaks=offsets if collect is None else ())
+               backend=backend, direct=direct, breaks=offsets if collect is None else (), draw=draw)
     return chunks[0]
 
 

@@ -1,14 +1,19 @@
 // The CPU kernels of condinit/ops/orthogonalize/reference.py's factorizations, one block per call,
 // all blocks of a batch in one OpenMP team:
 //
-//   orthonormal_blocks_(Tensor A, Tensor(a!) out, str method, ScalarType gemm) -> ()
+//   orthonormal_blocks_(Tensor(a!) A, Tensor(b!) out, str method, ScalarType gemm, Tensor? draws=None,
+//                       int seed_lo=0, int seed_hi=0) -> ()
 //       out[b] = the sign-fixed Householder Q^T of A[b] ("householder") or U V^T of its SVD ("svd",
 //       the product in `gemm`); float32 contiguous [C, m, n], m <= n; out may be A.
-//   cholqr2_blocks_(Tensor A, Tensor(a!) out, ScalarType gemm, float max_diag_ratio,
-//                   float max_deviation, float first_order_max) -> ()
+//   cholqr2_blocks_(Tensor(a!) A, Tensor(b!) out, ScalarType gemm, float max_diag_ratio,
+//                   float max_deviation, float first_order_max, Tensor? draws=None, int seed_lo=0,
+//                   int seed_hi=0) -> ()
 //       out[b] = CholeskyQR2 of A[b] (reference.py: _cholqr2_, _chol_inverse,
 //       _near_identity_chol_inverse, the same steps and thresholds), its GEMMs in `gemm`; a block
 //       that fails a check is redone by the Householder kernel, alone.
+//   With `draws` (int64 [C, 2]: stream and block id per block), A[b] is first overwritten with
+//   the Gaussians philox_randn draws for that block under key (seed_lo, seed_hi), by the thread
+//   that then factors it: drawing and factoring are one team instead of two, one region per chunk.
 //   per_block_single_thread() -> bool
 //       whether every call above runs single-threaded: MKL's per-thread setter was found, or torch
 //       has no MKL. (An MKL whose setter were missing would open nested teams inside this one.)
@@ -32,6 +37,8 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "random/philox_cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -104,18 +111,51 @@ struct OneMklThread {
 // Attempts at a block whose factorization ran without the one-thread setting (see OneMklThread).
 constexpr int kAttempts = 3;
 
-// out[b] = fn(b) (a float32 [m, n] result) for every block b < C, on one OpenMP team; threads take
+// out[b] = fn(b) (a float32 [m, n] result of A[b], drawn first with draws) for every block b < C, on one
+// OpenMP team; threads take
 // blocks from a shared counter. A block is written only once MKL confirms that it ran on one
 // thread; otherwise it is recomputed (it reads its input again, so out may alias the input).
+// With draws, A[b] is drawn first (see the header comment).
+struct Draws {
+  const int64_t* rows = nullptr;  // [C, 2]: stream, block id; nullptr: A holds the inputs
+  int64_t seed_lo = 0, seed_hi = 0;
+  at::Tensor keep;  // the contiguous copy rows points into
+};
+
+Draws check_draws(const c10::optional<at::Tensor>& draws, const at::Tensor& A, int64_t seed_lo, int64_t seed_hi) {
+  Draws d;
+  if (!draws.has_value()) return d;
+  const at::Tensor& t = *draws;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 2 && t.size(0) == A.size(0) &&
+                  t.size(1) == 2,
+              "draws must be a CPU int64 tensor [C, 2] with C = ", A.size(0), ", got ", t.scalar_type(), " ",
+              t.sizes(), " on ", t.device());
+  TORCH_CHECK(seed_lo >= 0 && seed_lo < (int64_t(1) << 32) && seed_hi >= 0 && seed_hi < (int64_t(1) << 32),
+              "seed_lo and seed_hi must be 32-bit words, got ", seed_lo, " and ", seed_hi);
+  d.keep = t.contiguous();
+  d.rows = d.keep.data_ptr<int64_t>();
+  for (int64_t b = 0; b < A.size(0); ++b)
+    TORCH_CHECK(d.rows[2 * b] >= 0 && d.rows[2 * b] < (int64_t(1) << 32) && d.rows[2 * b + 1] >= 0,
+                "draws[", b, "] must hold a 32-bit stream and a block id >= 0, got (", d.rows[2 * b], ", ",
+                d.rows[2 * b + 1], ")");
+  d.seed_lo = seed_lo;
+  d.seed_hi = seed_hi;
+  return d;
+}
+
 template <typename F>
-void for_each_block(int64_t C, const at::Tensor& out, const F& fn) {
+void for_each_block(int64_t C, const at::Tensor& A, const Draws& draws, const at::Tensor& out, const F& fn) {
   std::atomic<int64_t> next{0};
   std::atomic<bool> unconfirmed{false};
   const int64_t slots = std::min<int64_t>(C, at::get_num_threads());
   at::parallel_for(0, slots, 1, [&](int64_t, int64_t) {
     at::NoGradGuard no_grad;
     OneMklThread one;
+    const int64_t mn = A.size(1) * A.size(2);
     for (int64_t b = next.fetch_add(1); b < C; b = next.fetch_add(1)) {
+      if (draws.rows != nullptr)
+        philox_randn_block(draws.seed_lo, draws.seed_hi, draws.rows[2 * b], draws.rows[2 * b + 1], mn,
+                           A.data_ptr<float>() + b * mn);
       at::Tensor r;
       for (int attempt = 0; attempt < kAttempts; ++attempt) {
         r = fn(b);
@@ -167,11 +207,13 @@ at::Tensor householder_one(const at::Tensor& a) {
 }
 
 void orthonormal_blocks_(const at::Tensor& A, const at::Tensor& out, c10::string_view method,
-                         at::ScalarType gemm) {
+                         at::ScalarType gemm, const c10::optional<at::Tensor>& draws, int64_t seed_lo,
+                         int64_t seed_hi) {
   check_pair(A, out, gemm);
+  const Draws d = check_draws(draws, A, seed_lo, seed_hi);
   const bool householder = method == "householder";
   TORCH_CHECK(householder || method == "svd", "method must be 'householder' or 'svd', got '", method, "'");
-  for_each_block(A.size(0), out, [&](int64_t b) {
+  for_each_block(A.size(0), A, d, out, [&](int64_t b) {
     at::Tensor a = A.select(0, b);
     if (householder) return householder_one(a);
     auto [U, S, Vh] = at::linalg_svd(a, /*full_matrices=*/false);  // U [m, m], Vh [m, n]
@@ -258,10 +300,12 @@ at::Tensor cholqr2_one(const at::Tensor& a, at::ScalarType gemm, double max_diag
 }
 
 void cholqr2_blocks_(const at::Tensor& A, const at::Tensor& out, at::ScalarType gemm, double max_diag_ratio,
-                     double max_deviation, double first_order_max) {
+                     double max_deviation, double first_order_max, const c10::optional<at::Tensor>& draws,
+                     int64_t seed_lo, int64_t seed_hi) {
   check_pair(A, out, gemm);
+  const Draws d = check_draws(draws, A, seed_lo, seed_hi);
   AT_DISPATCH_FLOATING_TYPES(gemm, "cholqr2_blocks_", [&] {
-    for_each_block(A.size(0), out, [&](int64_t b) {
+    for_each_block(A.size(0), A, d, out, [&](int64_t b) {
       return cholqr2_one<scalar_t>(A.select(0, b), gemm, max_diag_ratio, max_deviation, first_order_max);
     });
   });
@@ -271,9 +315,10 @@ void cholqr2_blocks_(const at::Tensor& A, const at::Tensor& out, at::ScalarType 
 }  // namespace condinit
 
 TORCH_LIBRARY_FRAGMENT(condinit_C, m) {
-  m.def("orthonormal_blocks_(Tensor A, Tensor(a!) out, str method, ScalarType gemm) -> ()");
-  m.def("cholqr2_blocks_(Tensor A, Tensor(a!) out, ScalarType gemm, float max_diag_ratio, float max_deviation, "
-        "float first_order_max) -> ()");
+  m.def("orthonormal_blocks_(Tensor(a!) A, Tensor(b!) out, str method, ScalarType gemm, Tensor? draws=None, "
+        "int seed_lo=0, int seed_hi=0) -> ()");
+  m.def("cholqr2_blocks_(Tensor(a!) A, Tensor(b!) out, ScalarType gemm, float max_diag_ratio, float max_deviation, "
+        "float first_order_max, Tensor? draws=None, int seed_lo=0, int seed_hi=0) -> ()");
   m.def("per_block_single_thread() -> bool", &condinit::per_block_single_thread);
 }
 

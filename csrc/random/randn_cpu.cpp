@@ -41,6 +41,7 @@
 #pragma GCC optimize("fp-contract=off", "no-math-errno")
 
 #include "random/philox.h"
+#include "random/philox_cpu.h"
 #include "random/randn_checks.h"
 
 namespace condinit {
@@ -303,6 +304,27 @@ void for_quad_chunks(int64_t total, int64_t Q, const Body& body) {
   });
 }
 
+// Quads [q, q_end) of block g (mn normals at blk): whole tiles straight into blk, the rest (fewer
+// than kLanes quads, or the block's tail) through a tile buffer.
+void fill_quads(const Kernels& kern, uint32_t k0, uint32_t k1, uint32_t s, uint64_t g, int64_t mn, int64_t q,
+                int64_t q_end, float* blk) {
+  const uint32_t g_lo = (uint32_t)g, g_hi = (uint32_t)(g >> 32);
+  const int64_t full_quads = std::min(q_end, mn / 4);  // quads entirely inside the block
+  const int64_t n_tiles = full_quads > q ? (full_quads - q) / kLanes : 0;
+  if (n_tiles > 0) {
+    kern.run((uint32_t)q, n_tiles, s, g_lo, g_hi, k0, k1, blk + 4 * q);
+    q += n_tiles * kLanes;
+  }
+  alignas(64) float tile[4 * kLanes];
+  while (q < q_end) {
+    kern.tile((uint32_t)q, s, g_lo, g_hi, k0, k1, tile);
+    const int64_t nq = std::min<int64_t>(kLanes, q_end - q);
+    const int64_t n_el = std::min<int64_t>(4 * nq, mn - 4 * q);
+    std::memcpy(blk + 4 * q, tile, sizeof(float) * n_el);
+    q += nq;
+  }
+}
+
 void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at::Tensor& block_ids,
                       int64_t m, int64_t n, at::Tensor& out) {
   TORCH_CHECK(block_ids.device().is_cpu() && out.device().is_cpu(), "philox_randn: CPU tensors expected");
@@ -319,25 +341,7 @@ void philox_randn_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const at
   const uint32_t k0 = (uint32_t)seed_lo, k1 = (uint32_t)seed_hi, s = (uint32_t)stream;
 
   for_quad_chunks(B * Q, Q, [&](int64_t b, int64_t q, int64_t q_end) {
-    const uint64_t g = (uint64_t)gid[b];
-    const uint32_t g_lo = (uint32_t)g, g_hi = (uint32_t)(g >> 32);
-    float* blk = dst + b * mn;
-    // whole tiles whose 4 * kLanes elements all lie inside the block: straight into out
-    const int64_t full_quads = std::min(q_end, mn / 4);  // quads entirely inside the block
-    const int64_t n_tiles = full_quads > q ? (full_quads - q) / kLanes : 0;
-    if (n_tiles > 0) {
-      kern.run((uint32_t)q, n_tiles, s, g_lo, g_hi, k0, k1, blk + 4 * q);
-      q += n_tiles * kLanes;
-    }
-    // the rest (< kLanes quads, or a block tail): through a tile buffer
-    alignas(64) float tile[4 * kLanes];
-    while (q < q_end) {
-      kern.tile((uint32_t)q, s, g_lo, g_hi, k0, k1, tile);
-      const int64_t nq = std::min<int64_t>(kLanes, q_end - q);
-      const int64_t n_el = std::min<int64_t>(4 * nq, mn - 4 * q);
-      std::memcpy(blk + 4 * q, tile, sizeof(float) * n_el);
-      q += nq;
-    }
+    fill_quads(kern, k0, k1, s, (uint64_t)gid[b], mn, q, q_end, dst + b * mn);
   });
 }
 
@@ -515,6 +519,13 @@ void philox_normal_cpu(int64_t seed_lo, int64_t seed_hi, int64_t stream, const a
 }
 
 }  // namespace
+
+void philox_randn_block(int64_t seed_lo, int64_t seed_hi, int64_t stream, int64_t block_id, int64_t mn,
+                        float* dst) {
+  fill_quads(pick_kernels(), (uint32_t)seed_lo, (uint32_t)seed_hi, (uint32_t)stream, (uint64_t)block_id, mn, 0,
+             (mn + 3) / 4, dst);
+}
+
 }  // namespace condinit
 
 #pragma GCC pop_options

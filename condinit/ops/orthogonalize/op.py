@@ -41,7 +41,7 @@ import torch
 
 from condinit import _backends
 from condinit._validate import check_choice, check_int, check_no_internal_overlap, check_tensor, overlaps
-from condinit.ops.orthogonalize.reference import polar_iterate_, torch_chunk
+from condinit.ops.orthogonalize.reference import draws_inside as _draws_inside, polar_iterate_, torch_chunk
 
 __all__ = ["orthogonalize", "METHODS", "ORTHOGONALIZE", "resolve_method", "chunk_blocks",
            "gemm_dtype", "run_chunks"]
@@ -155,7 +155,9 @@ class _Job:
 
     ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A``; ``sink(start,
     stop, R)`` receives their results; ``direct(start, stop)`` may return a contiguous fp32 tensor
-    to write a whole chunk's result into (then ``sink`` is not called for it)."""
+    to write a whole chunk's result into (then ``sink`` is not called for it); ``draw(start,
+    stop)`` may return ``(seed, rows)`` for a factorization that draws the inputs itself (see
+    :func:`run_chunks`; then ``fill`` is not called for that chunk)."""
     method: str
     shape: tuple[int, int]
     device: torch.device
@@ -167,6 +169,7 @@ class _Job:
     sink: Callable
     direct: Optional[Callable]
     width: int = 0                 # columns of the work buffer: n, or n rounded up (see buffers)
+    draw: Optional[Callable] = None
 
     def __post_init__(self):
         m, n = self.shape
@@ -201,9 +204,10 @@ class _Job:
             for t in taken:
                 _WORKSPACE.give(t)
 
-    def run(self, index: int, buffers, chunk_math: Callable) -> None:
+    def run(self, index: int, buffers, chunk_math: Callable, draws_inside: bool = False) -> None:
         """Chunk ``index``, in ``buffers``, by ``chunk_math`` (:func:`torch_chunk` or
-        :func:`_triton_chunk`)."""
+        :func:`_triton_chunk`). ``draws_inside``: ``chunk_math`` takes a ``draw`` argument where
+        :func:`~condinit.ops.orthogonalize.reference.draws_inside` holds."""
         start, stop = self.chunks[index]
         k = stop - start
         if self.padded is not None:
@@ -214,23 +218,33 @@ class _Job:
         A = A_full[:size]
         S = S_full[:size] if S_full is not None else None
         n = self.shape[1]
-        if staging is None:
+        draw = None
+        if (draws_inside and self.draw is not None and staging is None
+                and _draws_inside(A, self.method)):
+            draw = self.draw(start, stop)
+        if draw is not None:
+            seed, rows = draw
+            if k < size:  # pad with draws of a real block; their results are discarded
+                rows = torch.cat([rows, rows[-1:].expand(size - k, 2)])
+            draw = (seed, rows)
+        elif staging is None:
             self.fill(start, stop, A[:k])
         else:
             self.fill(start, stop, staging[:k])
             A[:k, :, :n].copy_(staging[:k])
             A[:k, :, n:].zero_()
-        if k < size:  # pad with copies of a real block; their results are discarded
+        if draw is None and k < size:  # pad with copies of a real block; their results are discarded
             A[k:].copy_(A[k - 1:k].expand(size - k, *A.shape[1:]))
         dest = (self.direct(start, stop) if (self.direct is not None and k == size and staging is None)
                 else None)
-        chunk_math(A, self.method, dest if dest is not None else A, S, self.gemm)
+        extra = {} if draw is None else {"draw": draw}
+        chunk_math(A, self.method, dest if dest is not None else A, S, self.gemm, **extra)
         if dest is None:
             self.sink(start, stop, A[:k] if staging is None else staging[:k].copy_(A[:k, :, :n]))
 
 
 def _plan(num_blocks: int, block_shape, method: str, device: torch.device, fill, sink, direct,
-          memory_budget, breaks) -> _Job:
+          memory_budget, breaks, draw=None) -> _Job:
     m, n = block_shape
     gemm = gemm_dtype(device.type)
     C = chunk_blocks(m, n, device.type, memory_budget, gemm)
@@ -245,11 +259,11 @@ def _plan(num_blocks: int, block_shape, method: str, device: torch.device, fill,
         chunks.append((start, stop))
         start = stop
     rows = min(C, max(2, num_blocks)) if cpu else C
-    return _Job(method, (m, n), device, chunks, rows, None if cpu else C, gemm, fill, sink, direct)
+    return _Job(method, (m, n), device, chunks, rows, None if cpu else C, gemm, fill, sink, direct, draw=draw)
 
 
 def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
-               memory_budget=None, backend=None, direct=None, breaks=()) -> None:
+               memory_budget=None, backend=None, direct=None, breaks=(), draw=None) -> None:
     """Orthogonalize ``num_blocks`` blocks of wide shape ``block_shape`` chunk by chunk.
 
     ``fill(start, stop, A)`` writes the inputs of blocks [start, stop) into ``A`` (contiguous fp32
@@ -259,6 +273,13 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     end (destination boundaries, so that chunks can be written directly). The callbacks of
     different chunks may run concurrently (CPU) and must touch disjoint memory. ``method`` is
     concrete (not ``"auto"``); ``backend`` is chosen here, once for the whole call.
+
+    ``draw(start, stop)``, optional, returns ``(seed, rows)`` when the inputs ``fill`` would write
+    are the Gaussians of ``condinit_C::philox_randn`` (block ``rows[i, 1]`` of stream ``rows[i,
+    0]``, int64 ``[stop - start, 2]``, under ``seed``), or None. Where the chunk's factorization
+    runs on the native per-block kernels (``reference.draws_inside``), each block is then drawn
+    by the thread that factors it, in the same OpenMP team, instead of in a region of its own
+    before (same bits); elsewhere ``fill`` runs as usual.
 
     Batched BLAS may pick another algorithm for another batch size (and on the CPU a batch of one
     goes through a multithreaded GEMM): on GPUs every chunk is padded to exactly
@@ -277,7 +298,7 @@ def run_chunks(num_blocks: int, block_shape, method: str, device, fill, sink, *,
     device = torch.device(device)
     name = ORTHOGONALIZE.choose(device, backend, method=method)
     ORTHOGONALIZE(name, _plan(num_blocks, block_shape, method, device, fill, sink, direct,
-                              memory_budget, breaks))
+                              memory_budget, breaks, draw))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,7 +312,7 @@ ORTHOGONALIZE = _backends.Op("orthogonalize")
 def _orthogonalize_torch(job: _Job) -> None:
     with job.buffers() as buffers:
         for index in range(len(job.chunks)):
-            job.run(index, buffers, torch_chunk)
+            job.run(index, buffers, torch_chunk, draws_inside=True)
 
 
 @ORTHOGONALIZE.register("triton", devices=("cuda", "cpu"), limits={"method": ("polar",)})

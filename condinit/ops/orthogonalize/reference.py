@@ -102,9 +102,9 @@ def _householder_serial_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _householder_(A: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _householder_(A: torch.Tensor, out: torch.Tensor, draw=None) -> torch.Tensor:
     if _per_block_lapack(A):
-        torch.ops.condinit_C.orthonormal_blocks_(A, out, "householder", torch.float32)
+        torch.ops.condinit_C.orthonormal_blocks_(A, out, "householder", torch.float32, *_draw_args(draw))
         return out
     return _householder_serial_(A, out)
 
@@ -114,9 +114,9 @@ def _svd_serial_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch
     return _bmm(U, Vh, out, gemm)
 
 
-def _svd_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
+def _svd_(A: torch.Tensor, out: torch.Tensor, gemm: torch.dtype, draw=None) -> torch.Tensor:
     if _per_block_lapack(A):
-        torch.ops.condinit_C.orthonormal_blocks_(A, out, "svd", gemm)
+        torch.ops.condinit_C.orthonormal_blocks_(A, out, "svd", gemm, *_draw_args(draw))
         return out
     return _svd_serial_(A, out, gemm)
 
@@ -205,10 +205,10 @@ def _near_identity_chol_inverse(G: torch.Tensor):
 
 
 def _cholqr2_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor],
-              gemm: torch.dtype) -> torch.Tensor:
+              gemm: torch.dtype, draw=None) -> torch.Tensor:
     if _per_block_lapack(A):
         torch.ops.condinit_C.cholqr2_blocks_(A, out, gemm, CHOLQR_MAX_DIAG_RATIO, CHOLQR_MAX_GRAM2_DEVIATION,
-                                             _first_order_max(A.shape[1]))
+                                             _first_order_max(A.shape[1]), *_draw_args(draw))
         return out
     B = scratch if scratch is not None else torch.empty_like(A)
     Linv, bad = _chol_inverse(_gram(A, gemm), near_identity=False)
@@ -322,13 +322,32 @@ def _polar_(A: torch.Tensor, out: torch.Tensor, scratch: Optional[torch.Tensor],
     return polar_iterate_(A, out, lambda X: _gram(X, gemm), step, scratch, gemm)
 
 
+def draws_inside(A: torch.Tensor, method: str) -> bool:
+    """Whether :func:`torch_chunk` can draw the chunk's Gaussians itself (its ``draw`` argument):
+    the factorizations that run on the native per-block kernels, which draw each block on the
+    thread that factors it (one OpenMP team per chunk instead of two)."""
+    return method in ("householder", "svd", "cholqr2") and _per_block_lapack(A)
+
+
+def _draw_args(draw):
+    if draw is None:
+        return ()
+    seed, rows = draw
+    return rows, seed & 0xFFFFFFFF, seed >> 32
+
+
 def torch_chunk(A: torch.Tensor, method: str, out: torch.Tensor, scratch: Optional[torch.Tensor],
-                 gemm: torch.dtype) -> torch.Tensor:
-    """One chunk, PyTorch math (the ``torch`` backend)."""
+                 gemm: torch.dtype, draw=None) -> torch.Tensor:
+    """One chunk, PyTorch math (the ``torch`` backend). ``draw`` = ``(seed, rows)``, only where
+    :func:`draws_inside` holds: A's contents are ignored and block ``b`` is first drawn as
+    ``condinit_C::philox_randn`` draws block ``rows[b, 1]`` of stream ``rows[b, 0]`` (int64 ``[C,
+    2]``) under ``seed``."""
+    if draw is not None and not draws_inside(A, method):
+        raise ValueError(f"torch_chunk: draw= needs the native per-block kernels, not method {method!r} here")
     if method == "householder":
-        return _householder_(A, out)
+        return _householder_(A, out, draw)
     if method == "svd":
-        return _svd_(A, out, gemm)
+        return _svd_(A, out, gemm, draw)
     if method == "cholqr2":
-        return _cholqr2_(A, out, scratch, gemm)
+        return _cholqr2_(A, out, scratch, gemm, draw)
     return _polar_(A, out, scratch, gemm)
