@@ -38,7 +38,8 @@ paper's bare ``A(X)``.
 ``mv`` is one fused JVP (:func:`condinit.attention_jvp`), ``matmat`` one multi-probe launch of it
 (``P`` tangents share the primal tiles), ``rmv`` / ``rmatmat`` the flash VJP (the backward of
 :func:`condinit.attention`, called on the saved log-sum-exp; probes are folded into the batch) and
-then ``X^T dQ`` (weights) or ``dQ W_Q`` (input).
+then ``X^T dQ`` (weights) or ``dQ W_Q`` (input); they live in :mod:`condinit.probe.products`. Where ``J``
+is block diagonal over the key/value groups, :meth:`JacobianOperator.kv_blocks` gives the blocks.
 
 Known null directions (:mod:`condinit.probe.nulls`) are exposed as orthogonal projectors
 (``project_input``, ``project_output``, ``null_dims``, ``null_description``), so the estimators can
