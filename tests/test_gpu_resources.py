@@ -161,7 +161,8 @@ def _compile_one(attn, job: dict) -> dict:
     kwargs = dict(meta)
     rec = dict(job)
     if kind != "pre":
-        cfgs = attn.configs.configs(kind, DTYPES[job["dtype"]], meta["BLOCK_D"], meta.get("PROBES_PER_PROGRAM", 1))
+        cfgs = attn.configs.configs(kind, DTYPES[job["dtype"]], meta["BLOCK_D"], meta.get("PROBES_PER_PROGRAM", 1),
+                                    job["arch"])
         c = job["config"]
         if isinstance(c, int):
             cfg = dict(cfgs[c].kwargs, num_warps=cfgs[c].num_warps, num_stages=cfgs[c].num_stages)
@@ -339,9 +340,10 @@ def _probes_per_program(kind, dtype, head_dim, n_probes):
     return block_d, attn.configs.probes_per_program(DTYPES[dtype], block_d, kind == "jvp", n_probes)
 
 
-def _list_length(kind, dtype, head_dim, n_probes):
+def _list_length(kind, dtype, head_dim, n_probes, arch):
     from condinit.kernels import attention as attn
-    return len(attn.configs.configs(kind, DTYPES[dtype], *_probes_per_program(kind, dtype, head_dim, n_probes)))
+    return len(attn.configs.configs(kind, DTYPES[dtype], *_probes_per_program(kind, dtype, head_dim, n_probes),
+                                    arch))
 
 
 def _runs_one_probe_per_program(kind, dtype, head_dim, n_probes):
@@ -383,9 +385,9 @@ def full_jobs() -> list:
     for kind, dtype, d, n_probes in _kernel_cases((16, 32, 64, 80, 96, 128, 256), tuple(DTYPES)):
         if _runs_one_probe_per_program(kind, dtype, d, n_probes):
             continue
-        for i in range(_list_length(kind, dtype, d, n_probes)):
-            for causal in (True, False):
-                for arch in (90, 80):
+        for arch in (90, 80):
+            for i in range(_list_length(kind, dtype, d, n_probes, arch)):
+                for causal in (True, False):
                     jobs.append(dict(kind=kind, dtype=dtype, head_dim=d, causal=causal,
                                      n_probes=n_probes, arch=arch, config=i))
     for dtype in DTYPES:
@@ -470,7 +472,8 @@ def test_config_lists_cover_every_launch():
     """Every (kernel, dtype size, head-dim bucket) has a list with one probe per program; lists
     hold tl.dot-sized power-of-two tiles; two probes per program only where a list exists."""
     attn = _kernels()
-    for (kind, elem_bytes, bucket, ppp), cfgs in attn.configs.CONFIGS.items():
+    assert set(attn.configs.SM80_CONFIGS) <= set(attn.configs.CONFIGS)
+    for (kind, elem_bytes, bucket, ppp), cfgs in [*attn.configs.CONFIGS.items(), *attn.configs.SM80_CONFIGS.items()]:
         assert kind in attn.configs.KERNELS and elem_bytes in (2, 4) and bucket in (64, 128, 256)
         assert ppp == 1 or (kind == "jvp" and ppp == 2)
         assert cfgs and len(set(cfgs)) == len(cfgs)
@@ -488,10 +491,11 @@ def test_config_lists_cover_every_launch():
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
+def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype, arch):
     """With CONDINIT_ATTN_AUTOTUNE=0 each GPU launch takes the first config of the list for its
-    own dtype, head dim and probes per program (the kernels are replaced by recorders)."""
+    own dtype, head dim, probes per program and GPU (the kernels are replaced by recorders)."""
     import torch
     attn = _kernels()
     seen = []
@@ -507,6 +511,7 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
     monkeypatch.setenv("CONDINIT_ATTN_AUTOTUNE", "0")
     monkeypatch.setattr(attn.configs, "KERNELS", {name: _Kernel(name) for name in attn.configs.KERNELS})
     monkeypatch.setattr(attn.bwd, "attn_bwd_preprocess_kernel", _Kernel("pre"))
+    monkeypatch.setattr(attn.configs, "device_arch", lambda t: arch)
     t = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     q = torch.empty(1, 2, 64, 80, dtype=t)
     k = torch.empty(1, 1, 64, 80, dtype=t)
@@ -525,7 +530,7 @@ def test_autotune_off_launches_the_first_config_of_its_list(monkeypatch, dtype):
         assert size == q.element_size() and kw["BLOCK_D"] == 128 and kw["HEAD_DIM"] == 80
         ppp = kw.get("PROBES_PER_PROGRAM", 1)
         assert ppp == attn.configs.probes_per_program(size, 128, name == "jvp", 3)
-        first = attn.configs.configs(name, size, 128, ppp)[0]
+        first = attn.configs.configs(name, size, 128, ppp, arch)[0]
         got = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
         assert got == (first.kwargs["BLOCK_M"], first.kwargs["BLOCK_N"], first.num_warps, first.num_stages)
 
@@ -535,12 +540,12 @@ def test_autotuners_key_on_head_dim_dtype_probes_and_causal():
     attn = _kernels()
     for kind in attn.configs.KERNELS:
         for elem_bytes in (2, 4):
-            tuner = attn.configs.tuned(kind, elem_bytes, 128, 1)
+            tuner = attn.configs.tuned(kind, elem_bytes, 128, 1, 90)
             assert {"tune_q", "tune_k", "BLOCK_D", "CAUSAL", "HAS_LENS"} <= set(tuner.keys)
             if kind in ("fwd", "jvp"):
                 assert {"JVP", "PROBES_PER_PROGRAM"} <= set(tuner.keys)
             assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuner.configs] == [
-                (c.kwargs, c.num_warps, c.num_stages) for c in attn.configs.configs(kind, elem_bytes, 128, 1)]
+                (c.kwargs, c.num_warps, c.num_stages) for c in attn.configs.configs(kind, elem_bytes, 128, 1, 90)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -725,16 +730,17 @@ def test_cuda_check_rejects_a_launch_over_the_limit(cuda_usage):
 # ------------------------------------------------------------------------------------------------
 
 def table_jobs(head_dims=(64, 128, 256), dtypes=("bf16", "fp32")) -> list:
-    """Every config of every list for the BENCHMARKS.md tables (causal, both targets), one job
-    per distinct (kernel, dtype, head dim, probes per program, config)."""
+    """Every config of every list for the BENCHMARKS.md tables (causal, the list of each target
+    on that target), one job per distinct (kernel, dtype, head dim, probes per program, target,
+    config)."""
     jobs, seen = [], set()
     for kind, dtype, d, n_probes in _kernel_cases(head_dims, dtypes):
         ppp = _probes_per_program(kind, dtype, d, n_probes)[1]
-        for i in range(_list_length(kind, dtype, d, n_probes)):
-            if (kind, dtype, d, ppp, i) in seen:
-                continue
-            seen.add((kind, dtype, d, ppp, i))
-            for arch in (90, 80):
+        for arch in (90, 80):
+            for i in range(_list_length(kind, dtype, d, n_probes, arch)):
+                if (kind, dtype, d, ppp, arch, i) in seen:
+                    continue
+                seen.add((kind, dtype, d, ppp, arch, i))
                 jobs.append(dict(kind=kind, dtype=dtype, head_dim=d, causal=True, n_probes=n_probes,
                                  arch=arch, config=i))
     return jobs
@@ -748,6 +754,12 @@ def _tool_versions() -> str:
     return f"triton {triton.__version__}, its ptxas {release.group(1) if release else '?'}"
 
 
+def _list_position(per_arch: dict) -> int:
+    """Where a table row sorts: its sm_90 list position, then those only in sm_80's list."""
+    pos = {arch: r["config"] if isinstance(r["config"], int) else 0 for arch, r in per_arch.items()}
+    return pos[90] if 90 in pos else 100 + pos[80]
+
+
 def print_tables(recs: list, cuda=None) -> None:
     """Markdown tables: one per Triton kernel (sm_90 and sm_80 side by side), one for CUDA."""
     from condinit.kernels import attention as attn
@@ -756,21 +768,24 @@ def print_tables(recs: list, cuda=None) -> None:
         if "error" in r:
             print(f"ERROR {_job_id(r)}: {r['error'][:300]}")
             continue
-        key = (r["kind"], r["dtype"], r["head_dim"], r["probes_per_program"], r["config"], r["causal"],
+        # One row per tile: sm_80's list may hold it at another position, or not at all.
+        tile = (r["block_m"], r["block_n"], r["warps"], r["stages"]) if "block_m" in r else ()
+        key = (r["kind"], r["dtype"], r["head_dim"], r["probes_per_program"], tile, r["causal"],
                bool(r.get("masked")))
         by_key.setdefault(key, {})[r["arch"]] = r
     titles = {"fwd": "Forward", "jvp": "Forward + JVP", "dkdv": "Backward dK/dV", "dq": "Backward dQ",
               "pre": "Backward rowsum(dO o O)", "jvp_bwd_rows": "Tangent backward: row statistics",
               "jvp_bwd_dq": "Tangent backward: dQ, dtQ", "jvp_bwd_dkdv": "Tangent backward: dK, dV, dtK, dtV"}
     for kind, title in titles.items():
-        rows = sorted((k, v) for k, v in by_key.items() if k[0] == kind)
+        rows = sorted(((k, v) for k, v in by_key.items() if k[0] == kind),
+                      key=lambda kv: (kv[0][:4], _list_position(kv[1]), kv[0][4:]))
         if not rows:
             continue
         print(f"\n**{title}** (`{'attn_bwd_preprocess_kernel' if kind == 'pre' else attn.configs.KERNELS[kind].__name__}`)\n")
         print("| dtype | d | probes/program | list entry | BLOCK_M x BLOCK_N | warps | stages | "
               "sm_90 smem [KiB] | regs | spills [B] | blocks/SM (limit) | sm_80 smem [KiB] | regs | spills [B] |")
         print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-        for (_, dtype, d, ppp, cfg, causal, masked), per_arch in rows:
+        for (_, dtype, d, ppp, _, causal, masked), per_arch in rows:
             any_rec = next(iter(per_arch.values()))
             tile = (f"{any_rec['block_m']} x {any_rec['block_n']}" if "block_m" in any_rec else "-")
             cells = []
@@ -786,7 +801,10 @@ def print_tables(recs: list, cuda=None) -> None:
                 if arch == 90:
                     n, lim = blocks_per_sm(r)
                     cells.append(f"{n} ({lim})")
-            entry = str(cfg + 1) if kind != "pre" else "-"
+            pos = {arch: str(r["config"] + 1) if isinstance(r["config"], int) else "-" for arch, r in per_arch.items()}
+            entry = "-" if kind == "pre" else pos.get(90, "-")
+            if kind != "pre" and pos.get(80, "-") != entry:
+                entry += f" (sm_80: {pos.get(80, '-')})"
             print(f"| {dtype}{' (masked)' if masked else ''} | {d} | {ppp} | {entry} | {tile} | {any_rec['warps']} | "
                   f"{any_rec['stages']} | "
                   + " | ".join(cells) + " |")

@@ -2,8 +2,9 @@
 they were checked against, the autotuner per list and :func:`launch`.
 
 GPU launch choices (to be timed on a GPU): ``CONFIGS`` holds one short autotune list per
-(kernel, bytes per element, head-dim bucket, probes per program); fp32 has its own smaller tiles.
-Every entry fits the shared memory of both sm_80 and sm_90 and spills little there, as compiled
+(kernel, bytes per element, head-dim bucket, probes per program); fp32 has its own smaller tiles,
+and sm_80 its own list where the sm_90 tiles spill there (``SM80_CONFIGS``).
+Every entry fits the shared memory of both sm_80 and sm_90 and spills little where it runs, as compiled
 offline by tests/test_gpu_resources.py (figures in BENCHMARKS.md, "Static resource model of the
 GPU kernels"). The autotune key holds power-of-two buckets of (Nq, Nk), the padded head dim, the
 causal and lengths flags, the JVP flag and the probes per program, and the tensors' dtypes.
@@ -16,6 +17,7 @@ straddling it (or a ragged last tile); the query tiles are issued heaviest first
 import functools
 import os
 
+import torch
 import triton
 
 from condinit.kernels.attention.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
@@ -40,8 +42,9 @@ INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16)
 #
 # Every entry was compiled offline for sm_80 and sm_90 (tests/test_gpu_resources.py; figures in
 # BENCHMARKS.md, "Static resource model of the GPU kernels"): each fits both targets' shared
-# memory per block (163 KiB on sm_80, 227 KiB on sm_90), so one list serves both, and spills at
-# most spill_limit bytes per thread on either. The first entry, what runs with
+# memory per block (163 KiB on sm_80, 227 KiB on sm_90), so one list serves both (sm_80 has its
+# own where SM80_CONFIGS gives one), and spills at most spill_limit bytes per thread on the
+# targets it serves. The first entry, what runs with
 # CONDINIT_ATTN_AUTOTUNE=0, is a large tile that spills little or nothing on both targets; the
 # others are the autotuner's alternatives. Wider tiles than these spill: when ptxas (12.9, -O3)
 # cannot fit a kernel in 255 registers it often drops to 32 registers and spills 3-13 KB per
@@ -109,6 +112,14 @@ CONFIGS = {
 }
 
 
+# sm_80 (A100) takes its own list where the sm_90 tiles spill there: mma.sync keeps Q and tQ in
+# registers (sm_90's wgmma reads them from shared memory), so the 16-bit JVP at d = 128 spills
+# 464-512 B per thread on sm_80 at 128 x 64 (8-32 B on sm_90) and 72 B at 128 x 32.
+SM80_CONFIGS = {
+    ("jvp", 2, 128, 1): [(128, 32, 8, 2), (64, 64, 8, 2)],
+}
+
+
 def head_dim_bucket(block_d: int) -> int:
     return 64 if block_d <= 64 else block_d
 
@@ -136,12 +147,21 @@ def probes_per_program(elem_bytes: int, block_d: int, jvp: bool, n_probes: int) 
     return 2 if two else 1
 
 
-def configs(kind: str, elem_bytes: int, block_d: int, probes_per_program: int = 1) -> list:
+def configs(kind: str, elem_bytes: int, block_d: int, probes_per_program: int = 1, arch: int = 90) -> list:
     """The GPU launch configurations of one kernel (``"fwd"``, ``"jvp"``, ``"dkdv"``, ``"dq"``)
     for inputs of ``elem_bytes`` bytes per element, padded head dim ``block_d`` and
-    ``probes_per_program``, as :class:`triton.Config` (first one: the autotune-off choice)."""
-    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
-            for m, n, w, s in CONFIGS[(kind, elem_bytes, head_dim_bucket(block_d), probes_per_program)]]
+    ``probes_per_program`` on a GPU of compute capability ``arch`` (``10 * major + minor``: below
+    90 the ``SM80_CONFIGS`` list where there is one), as :class:`triton.Config` (first one: the
+    autotune-off choice)."""
+    key = (kind, elem_bytes, head_dim_bucket(block_d), probes_per_program)
+    entries = SM80_CONFIGS.get(key, CONFIGS[key]) if arch < 90 else CONFIGS[key]
+    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s) for m, n, w, s in entries]
+
+
+def device_arch(t) -> int:
+    """``10 * major + minor``, the compute capability of the GPU that holds ``t``."""
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return 10 * major + minor
 
 
 KERNELS = {"fwd": attn_fwd_kernel, "jvp": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel,
@@ -156,9 +176,9 @@ TUNE_KEY["fwd"] = TUNE_KEY["jvp"] = _BASE_KEY + ["JVP", "PROBES_PER_PROGRAM"]
 
 
 @functools.lru_cache(maxsize=None)
-def tuned(kind: str, elem_bytes: int, block_d: int, probes_per_program: int):
+def tuned(kind: str, elem_bytes: int, block_d: int, probes_per_program: int, arch: int):
     """One autotuner per config list."""
-    return triton.autotune(configs(kind, elem_bytes, block_d, probes_per_program),
+    return triton.autotune(configs(kind, elem_bytes, block_d, probes_per_program, arch),
                            key=TUNE_KEY[kind])(KERNELS[kind])
 
 
@@ -188,10 +208,11 @@ def launch(kind, grid_fn, args, meta):
         return
     elem_bytes = args[0].element_size()
     ppp = meta.get("PROBES_PER_PROGRAM", 1)
+    arch = device_arch(args[0])
     if os.environ.get("CONDINIT_ATTN_AUTOTUNE", "1") == "0":
-        first = configs(kind, elem_bytes, meta["BLOCK_D"], ppp)[0]
+        first = configs(kind, elem_bytes, meta["BLOCK_D"], ppp, arch)[0]
         kernel[(grid_fn(first.kwargs),)](*args, **meta, **first.kwargs,
                                          num_warps=first.num_warps, num_stages=first.num_stages)
     else:
-        tuned(kind, elem_bytes, meta["BLOCK_D"], ppp)[lambda m: (grid_fn(m),)](*args, **meta)
+        tuned(kind, elem_bytes, meta["BLOCK_D"], ppp, arch)[lambda m: (grid_fn(m),)](*args, **meta)
 
