@@ -6,7 +6,9 @@ really builds: the host function runs on CPU tensors with a recording ``_launch`
 own binder specializes those arguments (dtypes, 16-divisibility) as the JIT does on a GPU. The
 compiled kernel must fit its target: shared memory (dynamic + static) within the per-block
 opt-in limit, registers x threads within the register file, and a stack frame (spilled
-registers, bytes per thread) within ``spill_limit`` of kernels/attention/configs.py. Compiles run in
+registers, bytes per thread) within ``spill_limit`` of kernels/attention/configs.py. Each record
+also holds the static SASS instruction mix (tensor-core products, exponentials, spill loads and
+stores) for the tables. Compiles run in
 subprocesses without ``TRITON_INTERPRET`` and with an empty triton cache; their records are
 cached by a hash of kernels/attention/*.py, this file, the triton version and the job
 (``RESULT_CACHE``; ``CONDINIT_RESOURCE_CACHE=0`` turns it off), so a rerun without an edit of
@@ -783,8 +785,9 @@ def print_tables(recs: list, cuda=None) -> None:
             continue
         print(f"\n**{title}** (`{'attn_bwd_preprocess_kernel' if kind == 'pre' else attn.configs.KERNELS[kind].__name__}`)\n")
         print("| dtype | d | probes/program | list entry | BLOCK_M x BLOCK_N | warps | stages | "
-              "sm_90 smem [KiB] | regs | spills [B] | blocks/SM (limit) | sm_80 smem [KiB] | regs | spills [B] |")
-        print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+              "sm_90 smem [KiB] | regs | spills [B] | blocks/SM (limit) | sm_80 smem [KiB] | regs | spills [B] | "
+              "SASS: sm_90 HGMMA / all | sm_80 HMMA / all |")
+        print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
         for (_, dtype, d, ppp, _, causal, masked), per_arch in rows:
             any_rec = next(iter(per_arch.values()))
             tile = (f"{any_rec['block_m']} x {any_rec['block_n']}" if "block_m" in any_rec else "-")
@@ -802,12 +805,14 @@ def print_tables(recs: list, cuda=None) -> None:
                     n, lim = blocks_per_sm(r)
                     cells.append(f"{n} ({lim})")
             pos = {arch: str(r["config"] + 1) if isinstance(r["config"], int) else "-" for arch, r in per_arch.items()}
+            mix = [f"{per_arch[arch][op]} / {per_arch[arch]['sass_total']}" if arch in per_arch else "-"
+                   for arch, op in ((90, "sass_hgmma"), (80, "sass_hmma"))]
             entry = "-" if kind == "pre" else pos.get(90, "-")
             if kind != "pre" and pos.get(80, "-") != entry:
                 entry += f" (sm_80: {pos.get(80, '-')})"
             print(f"| {dtype}{' (masked)' if masked else ''} | {d} | {ppp} | {entry} | {tile} | {any_rec['warps']} | "
                   f"{any_rec['stages']} | "
-                  + " | ".join(cells) + " |")
+                  + " | ".join(cells + mix) + " |")
     if cuda is not None:
         usage, launches = cuda
         print("\n**CUDA kernels** (`nvcc --resource-usage`, per template instance)\n")
