@@ -154,6 +154,7 @@ def test_rows_name_the_backend_the_environment_forces(tmp_path, capsys, forced_b
     forced_backend("torch")
     path = tmp_path / "bench.json"
     rc, out, err = _run(capsys, "--quick", "--device", "cpu", "--sections", "init,attention", "--repeats", "1",
+                        "--init-shape", "1,64,2,1,16", "--attention-shape", "1,2,1,32,16",
                         "--skip", "orthogonal_loop,batched_qr,math_jvp,math_jvp_bwd", "--json", str(path))
     assert rc == 0, out + err
     rows = {r["key"]: r for r in json.loads(path.read_text())["rows"]}
