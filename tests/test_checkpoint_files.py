@@ -126,7 +126,7 @@ def _dead_pid():
 
 def test_sweep_removes_only_stale_temps_of_the_same_destination(tmp_path):
     out = tmp_path / "m.safetensors"
-    host = atomic._HOST_TAG
+    host = atomic.HOST_TAG
     dead = _fake_temp(tmp_path, out.name, host, _dead_pid())
     live = _fake_temp(tmp_path, out.name, host, os.getppid())                 # a live writer: kept
     foreign = _fake_temp(tmp_path, out.name, "0badc0de", 1)                   # another host, recent: kept

@@ -29,7 +29,7 @@ import threading
 import time
 
 __all__ = ["atomic_output", "check_output_path", "removing_temps_on_sigterm", "removed_on_sigterm", "process_alive",
-           "open_nofollow", "special_file", "STALE_TEMP_AGE_S"]
+           "open_nofollow", "special_file", "STALE_TEMP_AGE_S", "HOST_TAG"]
 
 _FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
@@ -140,7 +140,7 @@ def open_nofollow(path, flags: int, mode: int = 0o666) -> int:
 # Temporary files: ".{base}.{host tag}.{pid}.{random}.tmp" in the destination's directory. The host
 # tag and PID let a later write tell a temporary file whose writer is gone (SIGKILL, power loss)
 # from one that is being written right now, which it must never delete.
-_HOST_TAG = hashlib.blake2s(socket.gethostname().encode("utf-8", "surrogateescape"), digest_size=4).hexdigest()
+HOST_TAG = hashlib.blake2s(socket.gethostname().encode("utf-8", "surrogateescape"), digest_size=4).hexdigest()
 _BASE_CHARS = 180  # keeps the temporary name under the usual 255-byte limit for long destinations
 # A temporary file whose writer cannot be checked (another host, or a PID now used by another
 # process) is stale once it has not been modified for this long; a live writer modifies its file
@@ -195,9 +195,9 @@ def _sweep_stale_temps(d: str, base: str) -> None:
                 age = now - os.lstat(tmp).st_mtime
             except OSError:
                 continue
-            if host == _HOST_TAG and pid == os.getpid():
+            if host == HOST_TAG and pid == os.getpid():
                 stale = True  # ours, not being written: left by an earlier process with this PID
-            elif host == _HOST_TAG and not process_alive(pid):
+            elif host == HOST_TAG and not process_alive(pid):
                 stale = True
             else:
                 stale = age > STALE_TEMP_AGE_S
@@ -209,7 +209,7 @@ def _sweep_stale_temps(d: str, base: str) -> None:
 
 
 def _temp_prefix(base: str) -> str:
-    return f".{base[:_BASE_CHARS]}.{_HOST_TAG}.{os.getpid()}."
+    return f".{base[:_BASE_CHARS]}.{HOST_TAG}.{os.getpid()}."
 
 
 def _new_temp(d: str, base: str) -> str:
