@@ -229,6 +229,28 @@ def test_emulated_nonfinite_values_in_masked_v(emu, dtype, rng):
     assert torch.equal(torch.isnan(fwd_out[0, 0]).all(-1), rows >= 9)
 
 
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_emulated_nonfinite_values_in_full_tiles(emu, dtype, rng):
+    """NaN / Inf in V or V' at a key every row of the block attends (a tile inside the mask, where
+    the kernel keeps non-finite values): they reach every row through P V, in their own column, as in
+    the reference; the other columns, and out for V', are unchanged."""
+    B, H, N, d, scale = 1, 1, 64, 16, 0.25
+    q, k, v = make_qkv(B, H, H, N, N, d, dtype, rng)
+    tq, tk, tv = make_tangents(q, k, v, 1, rng)
+    v2, tv2 = v.clone(), tv.clone()
+    v2[0, 0, 40, 3] = math.nan
+    tv2[0, 0, 0, 7, 1] = math.inf
+    clean, _ = emu.fwd(q, k, v, False, scale)
+    out, _ = emu.fwd(q, k, v2, False, scale)
+    other = torch.arange(d) != 3
+    assert torch.isnan(out[0, 0, :, 3]).all() and torch.equal(out[..., other], clean[..., other])
+    out0, tout0, _ = emu.jvp(q, k, v, tq, tk, tv, False, scale)
+    out_t, tout_t, _ = emu.jvp(q, k, v, tq, tk, tv2, False, scale)
+    other = torch.arange(d) != 1
+    assert torch.equal(out_t, out0) and not torch.isfinite(tout_t[0, 0, 0, :, 1]).any()
+    assert torch.equal(tout_t[..., other], tout0[..., other])
+
+
 def test_emulated_launch_plan_under_a_small_shared_memory_limit(emu, rng, monkeypatch):
     """A 72 KiB limit forces two warps per block instead of four (fp32, d = 128): same results."""
     limit = 72 * 1024

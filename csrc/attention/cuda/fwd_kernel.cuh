@@ -4,8 +4,10 @@
 // the tangents are streamed through one buffer each by cp.async (V of a tile lands while S is
 // computed, K of the next tile while P V is), with the online softmax (m, l, and the probe's r) in
 // registers. The products P V and P V' would turn a non-finite value at a masked key into NaN
-// (0 x NaN) for rows of the same tile that do not attend it: the kernel stores such V / V' values as
-// 0, flags their keys, and makes exactly the rows that attend a flagged key NaN.
+// (0 x NaN) for rows of the same tile that do not attend it: on a tile that some row of the block
+// may not attend entirely, the kernel stores such V / V' values as 0, flags their keys, and makes
+// exactly the rows that attend a flagged key NaN; a tile every row attends keeps them (they reach
+// the rows' outputs through P V, in their own columns).
 // JVP: one block per (query tile, head, output chunk, probe): the probe's accumulators stay in
 // registers; the primal (S, exp, m, l) is recomputed per probe and written by the probe-0 blocks.
 #pragma once
@@ -158,9 +160,14 @@ __global__ void __launch_bounds__(128, JVP ? 2 : 3) attention_fwd_kernel(const F
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
 
-    cp_async_wait<0>();  // V (V') of this tile: its non-finite values cleared and flagged
-    clear_nonfinite_tile(Vs, L.ldv, BN, wv, vbad, bad_any + buf * 2);
-    if constexpr (JVP) clear_nonfinite_tile(TVs, L.ldv, BN, wv, vbad + BN, bad_any + buf * 2 + 1);
+    // V (V') of this tile. Where some row of the block may not attend some key of it, non-finite
+    // values are cleared and flagged; a tile every row attends keeps them (they reach exactly the rows
+    // that attend them through P V).
+    cp_async_wait<0>();
+    if (!tile_mask(g, s, i0, j0).full(rows, BN)) {
+      clear_nonfinite_tile(Vs, L.ldv, BN, wv, vbad, bad_any + buf * 2);
+      if constexpr (JVP) clear_nonfinite_tile(TVs, L.ldv, BN, wv, vbad + BN, bad_any + buf * 2 + 1);
+    }
     __syncthreads();  // V and its flags visible; every warp is done with K
     if (j0 + BN < hi) copy_k(j0 + BN, hi);
     if ((bad_any[buf * 2] | bad_any[buf * 2 + 1]) != 0) {

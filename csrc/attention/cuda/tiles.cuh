@@ -122,20 +122,25 @@ __device__ __forceinline__ void mma_pb(float (&c)[NO][4], const float (&p)[KT][4
   }
 }
 
-// Non-finite (NaN / Inf) test on the raw bits of a 32-bit word holding one fp32 or two 16-bit values;
-// clears those values to 0 and says whether there was one.
+// Whether a 32-bit word holding one fp32 or two 16-bit values holds a non-finite one (all exponent bits set).
 template <typename T>
-__device__ __forceinline__ bool clear_nonfinite(uint32_t& w) {
+__device__ __forceinline__ bool has_nonfinite(uint32_t w) {
   if constexpr (kSimt<T>) {
-    if ((w & 0x7f800000u) != 0x7f800000u) return false;
-    w = 0;
-    return true;
+    return (w & 0x7f800000u) == 0x7f800000u;
   } else {
     constexpr uint32_t e = std::is_same<T, __half>::value ? 0x7c00u : 0x7f80u;
-    bool bad = false;
-    if ((w & e) == e) { w &= 0xffff0000u; bad = true; }
-    if (((w >> 16) & e) == e) { w &= 0x0000ffffu; bad = true; }
-    return bad;
+    return (w & e) == e || ((w >> 16) & e) == e;
+  }
+}
+
+// Clears the non-finite (NaN / Inf) values of a 32-bit word holding one fp32 or two 16-bit values to 0.
+template <typename T>
+__device__ __forceinline__ void clear_nonfinite(uint32_t& w) {
+  if constexpr (kSimt<T>) {
+    if (has_nonfinite<T>(w)) w = 0;
+  } else {
+    if (has_nonfinite<T>(w & 0xffffu)) w &= 0xffff0000u;
+    if (has_nonfinite<T>(w >> 16)) w &= 0x0000ffffu;
   }
 }
 
@@ -154,6 +159,16 @@ __device__ __forceinline__ TileWalk tile_walk(int d, int c0, int width) {
   return TileWalk{vec, chunks, t / chunks, t - t / chunks * chunks, n / chunks, n - n / chunks * chunks};
 }
 
+// The thread's next copy: blockDim.x copies further.
+__device__ __forceinline__ void walk_step(const TileWalk& w, int& r, int& cv) {
+  cv += w.dc;
+  r += w.dr;
+  if (cv >= w.chunks) {
+    cv -= w.chunks;
+    ++r;
+  }
+}
+
 // Issues the copy of a tile: dst[r][c] (r < R, c < width of the walk, leading dim ld) =
 // src[(row0 + r) * d + c0 + c] where row0 + r < nrows and c0 + c < d, else 0. All threads of the
 // block take part. 16-byte chunks go by cp.async, with zero fill outside the sequence: they land at
@@ -162,20 +177,18 @@ __device__ __forceinline__ TileWalk tile_walk(int d, int c0, int width) {
 template <typename T>
 __device__ void copy_tile(T* dst, int ld, const T* src, int d, int64_t row0, int64_t nrows, int R, int c0,
                           const TileWalk& w) {
-  for (int r = w.r, cv = w.c; r < R;) {
-    const int c = cv * w.vec;
-    const bool in = row0 + r < nrows && c0 + c < d;
-    const T* from = src + (row0 + r) * d + c0 + c;
-    if (w.vec > 1)
-      cp_async16(dst + r * ld + c, in ? from : src, in ? 16 : 0);
-    else
-      dst[r * ld + c] = in ? *from : Cvt<T>::from_f(0.0f);
-    cv += w.dc;
-    r += w.dr;
-    if (cv >= w.chunks) {
-      cv -= w.chunks;
-      ++r;
+  // 32-bit offsets from the tile's first element in the loops (r * d < 2^16: R, d <= 256).
+  const int rows_in = (int)(nrows - row0 < 0 ? 0 : nrows - row0 < R ? nrows - row0 : R), cols_in = d - c0;
+  const T* from = src + row0 * d + c0;
+  if (w.vec > 1) {
+    for (int r = w.r, cv = w.c; r < R; walk_step(w, r, cv)) {
+      const int c = cv * w.vec;
+      const bool in = r < rows_in && c < cols_in;
+      cp_async16(dst + r * ld + c, in ? from + r * d + c : src, in ? 16 : 0);
     }
+  } else {
+    for (int r = w.r, c = w.c; r < R; walk_step(w, r, c))
+      dst[r * ld + c] = r < rows_in && c < cols_in ? from[r * d + c] : Cvt<T>::from_f(0.0f);
   }
 }
 
@@ -191,10 +204,9 @@ __device__ void clear_nonfinite_tile(T* dst, int ld, int R, const TileWalk& w, u
     if (w.vec > 1) {
       int4 val = *reinterpret_cast<const int4*>(at);
       uint32_t x[4] = {(uint32_t)val.x, (uint32_t)val.y, (uint32_t)val.z, (uint32_t)val.w};
-      bool bad = false;
+      if (has_nonfinite<T>(x[0]) || has_nonfinite<T>(x[1]) || has_nonfinite<T>(x[2]) || has_nonfinite<T>(x[3])) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) bad |= clear_nonfinite<T>(x[i]);
-      if (bad) {
+        for (int i = 0; i < 4; ++i) clear_nonfinite<T>(x[i]);
         *reinterpret_cast<int4*>(at) = make_int4((int)x[0], (int)x[1], (int)x[2], (int)x[3]);
         bad_rows[r] = 1;
         *bad_any = 1;
@@ -204,12 +216,7 @@ __device__ void clear_nonfinite_tile(T* dst, int ld, int R, const TileWalk& w, u
       bad_rows[r] = 1;
       *bad_any = 1;
     }
-    cv += w.dc;
-    r += w.dr;
-    if (cv >= w.chunks) {
-      cv -= w.chunks;
-      ++r;
-    }
+    walk_step(w, r, cv);
   }
 }
 
