@@ -95,6 +95,8 @@ def test_blocks_auto_takes_them_for_the_dense_path_only():
     _, _, op = make("weights", True, H=4, Hkv=2, d=3, D=7, N=5)
     assert condition_number(op).bracket.startswith("J = diag(J_1, ..., J_2)")          # dense per block
     assert not lanczos_svd(op).bracket.startswith("J = diag")                          # Lanczos on J whole
+    assert lanczos_svd(op, steps=10_000).bracket.startswith("J = diag(J_1, ..., J_2)")  # each block to the end
+    assert not lanczos_svd(op, steps=10).bracket.startswith("J = diag")
     assert lanczos_svd(op, blocks=True).bracket.startswith("J = diag(J_1, ..., J_2)")
     assert not condition_number(op, blocks=False).bracket.startswith("J = diag")
     with pytest.raises(ValueError, match="blocks must be False, True or 'auto'"):

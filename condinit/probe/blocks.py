@@ -6,6 +6,7 @@ import math
 import time
 from typing import Callable
 
+from .krylov import _Effective
 from .operator import JacobianOperator
 from .results import SpectrumEstimate, _nonfinite_estimate, default_rank_rtol
 
@@ -54,8 +55,13 @@ def _combine(op: JacobianOperator, ests: list, *, seed: int, confidence: float, 
                   confidence=confidence, iterations=sum(e.iterations for e in ests), wall_s=wall)
     methods = sorted({e.method for e in ests})
     method = methods[0] if len(methods) == 1 else "+".join(methods)
+    n_c = sum(e.shape[1] - e.null_dims[0] for e in ests)      # shape (m, n), null_dims (input, output)
+    m_c = sum(e.shape[0] - e.null_dims[1] for e in ests)
+    r_blocks = sum(min(e.shape[0] - e.null_dims[1], e.shape[1] - e.null_dims[0]) for e in ests)
     subspace = (f"J is block diagonal over its {nb} key/value groups; sigma_min is the smallest nonzero singular "
-                f"value over the blocks. Block 0: " + ests[0].subspace)
+                f"value over the blocks. rank(J) <= sum of the blocks' r_g = {r_blocks} <= r = min(m', n') = "
+                f"{min(m_c, n_c)}, with n' = {n_c} (of n = {op.n}) and m' = {m_c} (of m = {op.m}). Block 0: "
+                + ests[0].subspace)
     if not live:          # every block is J_g = 0
         e = ests[0]
         return SpectrumEstimate(
@@ -89,3 +95,10 @@ def _combine(op: JacobianOperator, ests: list, *, seed: int, confidence: float, 
         sigma_max_lo=smax_lo, sigma_max_hi=smax_hi, sigma_min_lo=smin_lo, sigma_min_hi=smin_hi,
         kappa_lo=None if rank_def else klo, kappa_hi=None if rank_def else khi, exact=all(e.exact for e in ests),
         bracket=_BRACKET_BLOCKS.format(n=nb, inner=bot.bracket), **common)
+
+
+def blocks_reach_exactness(op: JacobianOperator, steps: int) -> bool:
+    """Whether ``steps`` Lanczos steps, shared among the key/value blocks of ``op``, take every block to
+    exactness (each block's rank bound ``r_g``; they add up to at most the whole's ``r``)."""
+    blocks = op.kv_blocks()
+    return len(blocks) > 1 and sum(_Effective(b).r for b in blocks) <= steps

@@ -47,7 +47,7 @@ from typing import Optional, Sequence, Union
 
 from condinit._validate import check_choice, check_int, check_real, check_seed
 
-from .blocks import blocks_estimate
+from .blocks import blocks_estimate, blocks_reach_exactness
 from .brackets import _TOL
 from .dense_svd import _dense_one, dense_preferred
 from .krylov import _Effective  # noqa: F401 (the effective operator, for tests and tools)
@@ -112,9 +112,10 @@ def lanczos_svd(op: Union[JacobianOperator, Sequence[JacobianOperator]], steps: 
     (the step and time budgets shared) and combines the brackets (:mod:`condinit.probe.blocks`;
     ``iterations`` is then the sum over the blocks); False runs on ``J`` whole; ``"auto"`` (the
     default) takes the blocks where the dense path is taken for every block (``dense`` not False and
-    :func:`dense_preferred`; it costs ``1 / Hkv^2`` of the whole's dense SVD), else ``J`` whole: on a
-    layer Lanczos does not finish, one run on ``J`` reaches a higher ``kappa_lo`` in the same time
-    than the blocks sharing it. Returns a
+    :func:`dense_preferred`; it costs ``1 / Hkv^2`` of the whole's dense SVD) or where a ``steps``
+    the caller gives lets every block run to exactness (their reorthogonalization costs ``1 / Hkv``
+    of the whole's), else ``J`` whole: on a layer Lanczos does not finish, one run on ``J`` reaches a
+    higher ``kappa_lo`` in the same time than the blocks sharing it. Returns a
     :class:`SpectrumEstimate` (a list for a sequence of operators).
 
     Examples:
@@ -183,5 +184,7 @@ def _run(op: JacobianOperator, *, one, blocks, **kw):
     if blocks == "auto":
         dense = kw.get("dense", False)
         steps = None if kw.get("steps_given") is None else kw["steps"]
-        blocks = dense is True or (dense == "auto" and len(op.kv_blocks()) > 1 and dense_preferred(op, steps))
+        many = len(op.kv_blocks()) > 1
+        blocks = dense is True or (many and dense == "auto" and dense_preferred(op, steps)) or \
+            (many and steps is not None and blocks_reach_exactness(op, steps))
     return blocks_estimate(op, one, **kw) if blocks else one(op, **kw)
