@@ -293,6 +293,23 @@ JVP_BWD_PARAMS.append(pytest.param(JVP_BWD_CASES[0], FP16, id=_case_id(JVP_BWD_C
 def test_emulated_tangent_backward_against_float64(emu, case, dtype, rng):
     """Gradients of <gO, out> + <gO', tout> w.r.t. q, k, v, tq, tk, tv (the MeanFlow-style loss on the
     tangent included) against float64 autograd through the naive masked JVP."""
+    check_tangent_backward(emu, dtype, case, rng)
+
+
+def test_emulated_one_warp_blocks(emu, rng, monkeypatch):
+    """Shared-memory limits that leave one or two warps per block (fp32, d = 200: 52 16-byte copies
+    per tile row, more than the block's threads, so a thread's copies step along a row): same results."""
+    for limit, kinds in ((96 * 1024, ("fwd", "jvp", "dq", "dkdv")), (112 * 1024, ("jvp_bwd_q", "jvp_bwd_kv"))):
+        monkeypatch.setenv("EMU_SMEM", str(limit))
+        warps = {kind: emu.plan(kind, FP32, 200, limit)["warps"] for kind in kinds}
+        assert min(warps.values()) == 1 and max(warps.values()) <= 2, warps
+        if limit == 96 * 1024:
+            check_all(emu, FP32, 1, 2, 1, 21, 37, 200, True, 1, rng, window=(9, -1))
+        else:
+            check_tangent_backward(emu, FP32, (1, 2, 1, 19, 23, 200, True, 1, {}), rng)
+
+
+def check_tangent_backward(emu, dtype, case, rng):
     B, H, Hkv, Nq, Nk, d, causal, P, masks = case
     scale = 0.7 * d ** -0.5
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, d, dtype, rng)
