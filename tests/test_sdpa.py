@@ -237,6 +237,26 @@ def test_argument_errors(kwargs, error, match):
         condinit.sdpa(q, k, v, **kwargs)
 
 
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@pytest.mark.parametrize("q_dtype", FLOATS)
+@pytest.mark.parametrize("mask_dtype", FLOATS)
+def test_float_mask_dtypes_as_sdpa_accepts_them(q_dtype, mask_dtype):
+    """A float mask whose dtype SDPA refuses is refused naming attn_mask and both dtypes; one it
+    accepts gives SDPA's output."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, k, v = (torch.randn(2, 3, 4, 8, generator=g).to(q_dtype) for _ in range(3))
+    mask = torch.randn(4, 4, generator=g).to(mask_dtype)
+    try:
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    except RuntimeError:
+        with pytest.raises(TypeError, match=rf"attn_mask.*{q_dtype}.*got {mask_dtype}"):
+            condinit.sdpa(q, k, v, attn_mask=mask)
+        return
+    assert_close(condinit.sdpa(q, k, v, attn_mask=mask), expected, q_dtype, f"{q_dtype}, {mask_dtype} mask")
+
+
 # ------------------------------------------------------------------------------------------------
 # Every mask shape SDPA accepts: each of [B, H, Nq, Nk] full or 1, leading dimensions dropped
 # ------------------------------------------------------------------------------------------------

@@ -139,6 +139,9 @@ def check_sdpa_args(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be a bool tensor (True = attend) or a floating-point "
                             f"tensor (added to the scores), got {attn_mask.dtype}")
+        if attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32, query.dtype):
+            raise TypeError(f"attn_mask: a floating-point mask must be float32 or query's dtype {query.dtype} "
+                            f"(as in torch.nn.functional.scaled_dot_product_attention), got {attn_mask.dtype}")
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask must be on query's device {query.device}, got {attn_mask.device}")
         target = layout.scores
