@@ -10,6 +10,7 @@ synchronization and the launch plan under a shared-memory limit. Against float64
 naive masked attention of tests/attention_cases.py. The emulator runs one CTA at a time: tiny
 shapes.
 """
+import ctypes
 import math
 import pathlib
 import shutil
@@ -249,6 +250,48 @@ def test_emulated_nonfinite_values_in_full_tiles(emu, dtype, rng):
     other = torch.arange(d) != 1
     assert torch.equal(out_t, out0) and not torch.isfinite(tout_t[0, 0, 0, :, 1]).any()
     assert torch.equal(tout_t[..., other], tout0[..., other])
+
+
+# A block of two warps: each thread copies 16 bytes into shared memory by cp.async, then reads the
+# chunk of a thread of the other warp after a barrier, with the wait before the barrier or not.
+_CP_ASYNC_PROBE = r"""
+#include "attention/cuda/primitives.cuh"
+using namespace condinit::attention_cuda;
+struct Probe { const float* src; float* out; int wait_first; };
+__global__ void probe_kernel(const Probe p) {
+  CONDINIT_DYNAMIC_SMEM(smem);
+  float* s = reinterpret_cast<float*>(smem);
+  cp_async16(s + 4 * threadIdx.x, p.src + 4 * threadIdx.x, threadIdx.x % 2 ? 16 : 0);
+  cp_async_commit();
+  if (p.wait_first) cp_async_wait<0>();
+  __syncthreads();
+  for (int i = 0; i < 4; ++i) p.out[4 * threadIdx.x + i] = s[4 * ((threadIdx.x + 32) % blockDim.x) + i];
+  cp_async_wait<0>();
+}
+extern "C" void run_probe(const float* src, float* out, int wait_first) {
+  CONDINIT_LAUNCH(probe_kernel, dim3(1), 64, 64 * 16, nullptr, (Probe{src, out, wait_first}));
+}
+"""
+
+
+def test_emulated_cp_async_lands_at_its_wait(tmp_path):
+    """The emulated cp.async: with wait_group before the barrier every thread reads the other warp's
+    16 bytes (or the zero fill of a 0-byte copy); without it, a chunk read before its thread's wait
+    is still undefined (NaN)."""
+    src_file = tmp_path / "cp_async_probe.cc"
+    src_file.write_text(_CP_ASYNC_PROBE)
+    lib = _run_emu().compile_library(str(tmp_path / "libprobe.so"), [str(src_file)])
+    src = torch.randn(64 * 4, generator=torch.Generator().manual_seed(1))
+    expect = src.view(64, 4).clone()
+    expect[0::2] = 0.0                                   # even threads copy 0 bytes: zero fill
+    expect = expect.roll(-32, 0)                          # thread t reads thread t + 32 (mod 64)
+    for wait_first in (1, 0):
+        out = torch.full((64 * 4,), 7.0)
+        lib.run_probe(ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(wait_first))
+        if wait_first:
+            assert torch.equal(out.view(64, 4), expect)
+        else:  # the warp that passes the barrier first reads before the other warp's wait
+            assert torch.isnan(out).any()
 
 
 def test_emulated_launch_plan_under_a_small_shared_memory_limit(emu, rng, monkeypatch):

@@ -37,13 +37,18 @@ def build(outdir, arch=800):
     the launch and the dynamic shared memory go through the mock, mma.sync through mock/mma.h).
     ``arch`` sets ``__CUDA_ARCH__`` as nvcc's device pass does (800: the mma.sync path of fp16 /
     bf16 runs; None: no arch macro, where the 16-bit products trap)."""
-    lib = os.path.join(outdir, "libemu.so")
+    return Emulator(compile_library(os.path.join(outdir, "libemu.so"), [*SOURCES, os.path.join(HERE, "emu_wrap.cc")],
+                                    arch))
+
+
+def compile_library(lib, sources, arch=800):
+    """``sources`` compiled as host C++ against mock/ into the shared library ``lib`` (a ctypes.CDLL)."""
     flags = ["-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-DCONDINIT_ATTN_EMU"]
     if arch is not None:
         flags.append(f"-D__CUDA_ARCH__={arch}")
     subprocess.check_call(["g++", *flags, "-I" + os.path.join(HERE, "mock"), "-I" + os.path.join(ROOT, "csrc"),
-                           "-x", "c++", *SOURCES, os.path.join(HERE, "emu_wrap.cc"), "-o", lib])
-    return Emulator(ctypes.CDLL(lib))
+                           "-x", "c++", *sources, "-o", lib])
+    return ctypes.CDLL(lib)
 
 
 class Emulator:
