@@ -16,13 +16,17 @@ import torch
 
 __all__ = ["functorch_transform", "compiling"]
 
-# torch's functorch TransformType names, as the torch.func transform a user calls
-_TRANSFORM_NAMES = {"Vmap": "vmap", "Grad": "grad", "Jvp": "jvp", "Functionalize": "functionalize"}
+# torch's functorch TransformType names, as the torch.func transforms a user calls that run under
+# each: the interpreter stack says only which kind (``jacrev`` and ``vjp`` run as ``grad`` does,
+# ``jacfwd`` as ``jvp`` inside ``vmap``), so every transform of the kind is named
+_TRANSFORM_NAMES = {"Vmap": "vmap", "Grad": "grad, vjp or jacrev", "Jvp": "jvp or jacfwd",
+                    "Functionalize": "functionalize"}
 
 
 def functorch_transform() -> Optional[str]:
-    """The innermost :mod:`torch.func` transform in effect (``"vmap"``, ``"grad"``, ``"jvp"``,
-    ``"functionalize"``), or None outside any."""
+    """The innermost :mod:`torch.func` transform in effect, as the transforms of its kind
+    (``"vmap"``, ``"grad, vjp or jacrev"``, ``"jvp or jacfwd"``, ``"functionalize"``), or None
+    outside any."""
     functorch = getattr(torch._C, "_functorch", None)
     peek = getattr(functorch, "peek_interpreter_stack", None)
     if peek is None:

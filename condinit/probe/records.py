@@ -56,9 +56,10 @@ def skipped_exception(exc: BaseException) -> str:
 
 
 def skipped_transform(transform: str) -> str:
-    """The ``skipped`` reason of a layer whose sampled forward ran under the :mod:`torch.func`
-    transform ``transform`` (its tensors are the transform's wrappers; :mod:`condinit.probe.context`)."""
-    return f"forward under torch.func.{transform}: the monitor does not measure transformed tensors"
+    """The ``skipped`` reason of a layer whose sampled forward ran under a :mod:`torch.func`
+    transform, ``transform`` naming those of its kind (``"grad, vjp or jacrev"``: its tensors are the
+    transform's wrappers; :func:`condinit.probe.context.functorch_transform`)."""
+    return f"forward under a torch.func transform ({transform}): the monitor does not measure transformed tensors"
 
 
 # record keys a trainer callback passes on to its trainer's logger, as "jacobian/LAYER/KEY"
