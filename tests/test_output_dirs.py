@@ -137,6 +137,38 @@ def test_cli_resume_through_symlinked_shard_is_one_line(written, capsys):
     assert outside.read_bytes() == b"not yours\n"
 
 
+@pytest.mark.parametrize("name", ["model-00001-of-00009.safetensors", "model.safetensors",
+                                  "model.safetensors.index.json"])
+def test_resume_never_reads_through_a_link_out_of_the_directory(written, monkeypatch, name):
+    """A symlink at a name the plan does not write, to a copy of one of this model's own shards (or
+    its index) outside DIR: a resume refuses it naming the link, and opens no file outside DIR."""
+    from condinit.models.stream import destination
+    out, _ = written
+    one = write_pretrained(tiny_config(), out.parent / "one", seed=1)    # a single-file write: no index
+    outside = out.parent / ("copy.json" if name.endswith(".json") else "copy.safetensors")
+    outside.write_bytes((out / ("model.safetensors.index.json" if name.endswith(".json") else SHARD1)).read_bytes())
+    target = out.parent / "one" if name.endswith(".json") else out
+    before = snapshot(target)
+    os.symlink(outside, target / name)
+    opened = []
+
+    def spy(fn):
+        def wrapped(path, *a, **kw):
+            opened.append(os.path.realpath(path))
+            return fn(path, *a, **kw)
+        return wrapped
+    monkeypatch.setattr(destination, "open", spy(open), raising=False)
+    monkeypatch.setattr(destination, "read_header", spy(destination.read_header))
+    with pytest.raises(ValueError, match=rf"{name} is a symlink to {outside}, outside the directory"):
+        if target == out:
+            write(out, seed=1, resume=True)
+        else:
+            write_pretrained(tiny_config(), target, seed=1, resume=True)
+    assert all(p.startswith(str(target) + os.sep) for p in opened), opened
+    os.unlink(target / name)
+    assert snapshot(target) == before and len(one.files) == 1
+
+
 def _config_file(d):
     return str(write_config(d, tiny_config()))
 

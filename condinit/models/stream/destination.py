@@ -4,7 +4,9 @@
 A symlink in the place of a file the write creates (a shard, ``config.json``,
 ``generation_config.json``, the index) would send the write outside the directory: it is refused
 (:func:`symlinked`), and with ``overwrite`` the link itself is replaced by a regular file, its
-target never touched. A shard that is a symlink is never kept by a resume.
+target never touched. A shard that is a symlink is never kept by a resume. No file outside the
+directory is read: a symlink there that leads out of it (a shard name outside the plan, say) is
+refused before anything is read.
 
 A directory that holds another model (another ``config.json``, or weights whose ``condinit`` entry
 names another seed, method, dtype or layout, or weights without one) is refused. ``resume=True``
@@ -90,6 +92,16 @@ def _short(v) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _link_outside(out_dir: str, name: str) -> Optional[str]:
+    """Where the entry ``name`` of ``out_dir`` leads if it is a symlink whose target (all links
+    followed) is outside ``out_dir``; else None."""
+    path = os.path.join(out_dir, name)
+    if not os.path.islink(path):
+        return None
+    root, target = os.path.realpath(out_dir), os.path.realpath(path)
+    return None if os.path.commonpath([root, target]) == root else target
+
+
 def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planned: set) -> Optional[str]:
     """Why ``out_dir`` holds a model other than the one about to be written (``metadata``: its whole
     ``condinit`` entry), or None (nothing there, or this model: same config, same ``condinit``
@@ -97,6 +109,12 @@ def other_model(out_dir: str, config_text: Optional[str], metadata: dict, planne
     if not os.path.isdir(out_dir):
         return None
     names = sorted(os.listdir(out_dir))
+    for name in names:   # every file read below: none through a link that leaves the directory
+        if name in (CONFIG_NAME, WEIGHTS_INDEX_NAME) or name.endswith(".safetensors"):
+            outside = _link_outside(out_dir, name)
+            if outside is not None:
+                return (f"{name} is a symlink to {outside}, outside the directory (condinit never reads a "
+                        f"file outside it)")
     if config_text is not None and CONFIG_NAME in names:
         try:
             with open(os.path.join(out_dir, CONFIG_NAME), encoding="utf-8") as fh:
