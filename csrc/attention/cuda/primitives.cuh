@@ -113,41 +113,34 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 }
 
 // Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix): lane 8 i + j gives the address
-// of row j of matrix i (16-byte aligned); register i of lane 4 g + t receives elements (g, 2 t) and
-// (g, 2 t + 1) of matrix i: an m16n8k16 A fragment of a row-major [m][k] tile, or B fragments of a
-// row-major [n][k] one.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+// of row j of matrix i (16-byte aligned). Plain (kTrans false): register i of lane 4 g + t receives
+// elements (g, 2 t) and (g, 2 t + 1) of matrix i: an m16n8k16 A fragment of a row-major [m][k]
+// tile, or B fragments of a row-major [n][k] one. Transposed (.trans): elements (2 t, g) and
+// (2 t + 1, g): an m16n8k16 B fragment of a row-major [k][n] tile.
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #ifdef CONDINIT_ATTN_EMU
-  emu_ldmatrix_x4(r, row, false);
+  emu_ldmatrix_x4(r, row, kTrans);
 #else
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
 #endif
 #else
   __trap();
 #endif
 }
 
-// Four 8 x 8 matrices of 16-bit values from shared memory, transposed (ldmatrix .trans): lane 8 i + j
-// gives the address of row j of matrix i (16-byte aligned); register i of lane 4 g + t receives
-// elements (2 t, g) and (2 t + 1, g) of matrix i: an m16n8k16 B fragment of a row-major [k][n] tile.
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#ifdef CONDINIT_ATTN_EMU
-  emu_ldmatrix_x4(r, row, true);
-#else
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
-#else
-  __trap();
-#endif
-}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) { ldsm_x4_t<false>(r, row); }
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) { ldsm_x4_t<true>(r, row); }
 
 // 16 bytes from global to shared memory without a register (cp.async.cg, sm_80+): src_bytes (16 or 0)
 // of them read from src, the rest zero-filled (0: a zero chunk, src not read). The copy completes at
