@@ -124,12 +124,16 @@ MASKS = {
 }
 
 
+def _check_mask(emu, masks, mask, dtype, rng, *shape):
+    m = dict(masks[mask])
+    causal = m.pop("causal")
+    check_all(emu, dtype, *shape[:6], causal, shape[6], rng, **m)
+
+
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 def test_emulated_kernels_masks(emu, mask, dtype, rng):
-    m = dict(MASKS[mask])
-    causal = m.pop("causal")
-    check_all(emu, dtype, 3, 4, 2, 17, 30, 24, causal, 2, rng, **m)
+    _check_mask(emu, MASKS, mask, dtype, rng, 3, 4, 2, 17, 30, 24, 2)
 
 
 # Long enough for tiles entirely inside the mask next to boundary tiles (64-key tiles of 16-row warps):
@@ -144,9 +148,7 @@ LONG_MASKS = {
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
 @pytest.mark.parametrize("mask", LONG_MASKS, ids=str)
 def test_emulated_kernels_long_masks(emu, mask, dtype, rng):
-    m = dict(LONG_MASKS[mask])
-    causal = m.pop("causal")
-    check_all(emu, dtype, 3, 2, 1, 150, 150, 16, causal, 1, rng, **m)
+    _check_mask(emu, LONG_MASKS, mask, dtype, rng, 3, 2, 1, 150, 150, 16, 1)
 
 
 # Tile shapes of the kernels' mask tests: a warp's 16 rows against 64 / 32 / 16 keys, and a key-side

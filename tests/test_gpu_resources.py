@@ -115,13 +115,17 @@ def _host_launches(attn, torch, kind, dtype, head_dim, causal, n_probes, masked=
     return calls
 
 
-def _cubin_resources(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
+        return subprocess.run([triton.knobs.nvidia.cuobjdump.path, flag, f.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def _cubin_resources(cubin: bytes) -> dict:
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     regs, stack, shared, local = map(int, m.groups())
     return dict(regs=regs, stack=stack, static_shared=shared, local=local, **_sass_mix(cubin))
@@ -131,12 +135,7 @@ def _sass_mix(cubin: bytes) -> dict:
     """Static instruction mix of the SASS (each instruction counted once, loops not unrolled):
     the total, the tensor-core products (HMMA: mma.sync; HGMMA: wgmma), the exponentials (MUFU)
     and the local-memory (spill) loads and stores."""
-    import triton
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name],
-                              capture_output=True, text=True, check=True).stdout
+    sass = _cuobjdump(cubin, "-sass")
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     count = lambda *names: sum(op in names for op in ops)  # noqa: E731
     return dict(sass_total=len(ops), sass_hmma=count("HMMA"), sass_hgmma=count("HGMMA"),
