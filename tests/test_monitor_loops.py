@@ -216,3 +216,60 @@ def test_capture_error_is_recorded_with_its_type(monkeypatch):
     monkeypatch.setattr(operator, "JacobianOperator", Broken)
     records = check(lambda m, tok: m(tok))
     assert {r["skipped"] for r in records} == {"error: IndexError: index 3 is out of bounds"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The monitor's own log files
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["jacobian.jsonl", "jacobian.csv"])
+@pytest.mark.parametrize("kind", ["link out", "dangling link", "fifo", "directory"])
+def test_log_file_that_is_not_a_regular_file_is_refused(tmp_path, name, kind):
+    """A symlink (to a file outside the log directory, or dangling), a FIFO or a directory at the
+    JSONL or CSV file's name: refused at construction naming it; nothing written through it, no
+    hook left on the model."""
+    import os
+    logs, outside = tmp_path / "logs", tmp_path / "outside.txt"
+    logs.mkdir()
+    outside.write_bytes(b"not yours\n")
+    where = logs / name
+    if kind == "link out":
+        os.symlink(outside, where)
+    elif kind == "dangling link":
+        os.symlink(tmp_path / "elsewhere.jsonl", where)
+    elif kind == "fifo":
+        os.mkfifo(where)
+    else:
+        where.mkdir()
+    model = TinyTransformer(vocab=VOCAB)
+    expected = {"link out": f"is a symlink to {outside}", "dangling link": "is a symlink to",
+                "fifo": "is a FIFO", "directory": "directory"}[kind]
+    with pytest.raises(ValueError, match=expected) as err:
+        JacobianMonitor(model, every=1, log_dir=logs, tensorboard=False)
+    assert str(where) in str(err.value)
+    assert outside.read_bytes() == b"not yours\n" and not (tmp_path / "elsewhere.jsonl").exists()
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_os_error_writing_the_log_is_recorded_never_raised(tmp_path):
+    """A write of the log that fails (here EFBIG: a file-size limit below the first record) is in
+    that step's records as ``log_error``; the training step goes on, the next step's records too."""
+    import resource
+    import signal
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=VOCAB)
+    mon = JacobianMonitor(model, every=1, steps=4, frobenius_samples=0, tensorboard=False, log_dir=tmp_path)
+    size = (tmp_path / "jacobian.csv").stat().st_size      # its header
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 1, limits[1]))
+        records = []
+        for _ in range(2):
+            model(torch.randint(0, VOCAB, (3, 6))).sum().backward()
+            records += mon.step()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    mon.close()
+    assert len(records) == 4 and all(r["skipped"] is None for r in records)
+    assert all(r["log_error"].startswith("OSError: [Errno 27] File too large") for r in records), records[0]

@@ -45,7 +45,9 @@ all-zero input gives the exact answer ``J = 0`` (``sigma_max`` 0, ``rank_deficie
 ``grad``, ``jvp``; per-sample gradients) or traced by ``torch.compile`` is recorded as skipped with
 the reason (:mod:`condinit.probe.context`); ``functional_call``, autocast, ``no_grad`` and
 ``inference_mode`` forwards are measured. Any other exception of a capture or an estimate (a
-kernel's) is recorded as ``skipped`` with its type and message. Programming errors in the call itself (a negative or non-int ``step``, a closed
+kernel's) is recorded as ``skipped`` with its type and message. Nor because of its log files: they
+are refused at construction if they are symlinks or not regular files, and an ``OSError`` writing
+them (a full disk) is recorded in that step's records as ``log_error``. Programming errors in the call itself (a negative or non-int ``step``, a closed
 monitor) do raise, at the call.
 
 Distributed (FSDP2). For layers whose parameters are FSDP2 DTensors (``fully_shard``), the hooks keep
@@ -405,7 +407,10 @@ class JacobianMonitor:
         alerts = []
         for r in records:      # before NaN / inf become None; a loop, not a comprehension: see stacklevel
             alerts += self._alert_rules.check(r)
-        self._log.write(records + alerts)
+        failed = self._log.write(records + alerts)
+        if failed is not None:      # recorded, never raised into training
+            for r in records + alerts:
+                r["log_error"] = failed
         self.history.extend(records)
         self.alerts.extend(alerts)
         return records

@@ -11,9 +11,14 @@ layer. A log line never carries NaN or inf: such values are written as None.
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
 import os
+import stat
+from typing import Optional
+
+from condinit.io.atomic import open_nofollow, special_file
 
 from .signals import HEAD_SIGNALS
 
@@ -89,27 +94,57 @@ def finite_or_none(v):
     return v
 
 
+def _open_for_append(path: str, what: str, newline=None):
+    """``path`` opened for appending, as a regular file in its own directory: a symlink there (to a
+    file elsewhere, or dangling) or a directory, FIFO, device or socket is refused (ValueError naming
+    it), never written through or opened."""
+    kind = special_file(path)
+    if kind is not None:
+        raise ValueError(f"{what} {path} is {kind}; the monitor appends its records to a regular file")
+    try:
+        fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+                           | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        target = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+        raise ValueError(f"{what} {path} is a symlink to {target}; the monitor never writes through a link: "
+                         f"remove it, or choose another path") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):   # replaced between the check and the open
+        os.close(fd)
+        raise ValueError(f"{what} {path} is not a regular file; the monitor appends its records to a regular file")
+    return os.fdopen(fd, "a", newline=newline, encoding="utf-8")
+
+
 class RecordLog:
     """The monitor's output files: ``path`` (JSONL, appended to), ``csv_path`` beside it, and
     TensorBoard scalars in ``log_dir`` (when ``tensorboard`` and ``torch.utils.tensorboard``
-    imports). ``path`` defaults to ``log_dir/jacobian.jsonl``; neither given: nothing is written.
-    Bad paths raise ``ValueError`` here, before anything is opened."""
+    imports; TensorBoard names its own new event file there). ``path`` defaults to
+    ``log_dir/jacobian.jsonl``; neither given: nothing is written. Bad paths raise ``ValueError``
+    here, before any record: ``log_dir`` not a directory, the JSONL or CSV file a symlink or not a
+    regular file. :meth:`write` never raises an ``OSError``: it returns it."""
 
     def __init__(self, log_dir=None, path=None, tensorboard: bool = True):
         self.path = self.csv_path = None
         if path is not None or log_dir is not None:
             if path is None:
+                if os.path.lexists(log_dir) and not os.path.isdir(log_dir):
+                    raise ValueError(f"log_dir {os.path.abspath(os.fspath(log_dir))} is not a directory")
                 os.makedirs(log_dir, exist_ok=True)
                 path = os.path.join(log_dir, "jacobian.jsonl")
             path = os.path.abspath(os.fspath(path))
-            if os.path.isdir(path):
+            if os.path.isdir(path) and not os.path.islink(path):
                 raise ValueError(f"path {path} is a directory, expected a .jsonl file path")
             if not os.path.isdir(os.path.dirname(path)):
                 raise ValueError(f"path: directory {os.path.dirname(path)} does not exist")
             self.path = path
             self.csv_path = os.path.splitext(path)[0] + ".csv"
-        self._jsonl = open(self.path, "a", encoding="utf-8") if self.path else None
-        self._csv_fh = open(self.csv_path, "a", newline="", encoding="utf-8") if self.csv_path else None
+        self._jsonl = _open_for_append(self.path, "path") if self.path else None
+        try:
+            self._csv_fh = _open_for_append(self.csv_path, "path's CSV file", newline="") if self.csv_path else None
+        except BaseException:
+            self._jsonl.close()
+            raise
         self._csv = None
         if self._csv_fh is not None:
             self._csv = csv.DictWriter(self._csv_fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -123,8 +158,17 @@ class RecordLog:
             except ImportError:      # tensorboard is optional
                 self._tb = None
 
-    def write(self, records) -> None:
-        """Append ``records`` (NaN / inf values become None, in place)."""
+    def write(self, records) -> Optional[str]:
+        """Append ``records`` (NaN / inf values become None, in place). Returns None, or the
+        ``OSError`` that stopped the write (a full disk, say) as ``"<Type>: <message>"``: the monitor
+        records it, it never raises into training."""
+        try:
+            self._write(records)
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _write(self, records) -> None:
         for r in records:
             for k, v in r.items():   # a log line must never carry NaN / inf (or break training)
                 r[k] = finite_or_none(v)
