@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -267,6 +268,40 @@ def test_lock_held_by_an_orphan_of_a_dead_writer_is_stale(written):
         os.kill(int(child), signal.SIGKILL)
 
 
+def test_dcp_write_into_a_locked_directory_is_refused_before_any_work(tmp_path):
+    """``write_torchtitan_seed`` takes the lock ``condinit init --out DIR/`` takes: while another
+    process holds it, the write is refused naming that PID and host, and leaves nothing."""
+    from condinit.models.engines.dcp import write_torchtitan_seed
+    out = tmp_path / "seed"
+    out.mkdir()
+    proc, _ = _holder(out)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(DirectoryLocked, match=rf"PID {proc.pid} on host {socket.gethostname()}"):
+            write_torchtitan_seed("llama3:debugmodel", out, seed=1)
+        assert time.perf_counter() - t0 < 2.0      # refused at its first check: nothing built
+        assert sorted(os.listdir(tmp_path)) == ["seed"] and os.listdir(out) == [LOCK_NAME]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert os.listdir(out) == []
+
+
+def test_dcp_out_dir_symlink_is_resolved_by_its_check(tmp_path):
+    """The library's check of a DCP directory resolves a symlink (the files are moved into the
+    directory it names), and refuses a link to a directory that is not empty, naming that directory."""
+    from condinit.models.engines.dcp import check_empty_dir
+    (tmp_path / "real").mkdir()
+    os.symlink("real", tmp_path / "link")
+    assert check_empty_dir(tmp_path / "link") == str(tmp_path / "real")
+    assert check_empty_dir(str(tmp_path / "link") + "/") == str(tmp_path / "real")
+    (tmp_path / "real" / LOCK_NAME).write_text("{}")          # a lock file left behind is not content
+    assert check_empty_dir(tmp_path / "link") == str(tmp_path / "real")
+    (tmp_path / "real" / "x").write_text("")
+    with pytest.raises(ValueError, match=rf"out_dir {tmp_path / 'real'} is not empty"):
+        check_empty_dir(tmp_path / "link")
+
+
 # a model large enough that writing it takes a while (about 70 MB in float32)
 _SLOW_CONFIG = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000}
@@ -341,6 +376,49 @@ def test_dcp_out_through_a_symlinked_directory_is_written_into_its_target(tmp_pa
     assert os.path.islink(tmp_path / "link") and os.readlink(tmp_path / "link") == "real"
     assert ".metadata" in os.listdir(tmp_path / "real")
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]     # no temporary directory left beside
+
+
+@pytest.mark.slow   # three condinit processes, two of them write torchtitan's debug model
+def test_dcp_write_holds_the_lock_until_its_files_are_in_place(tmp_path):
+    """``init --format dcp --out DIR/`` is caught (SIGSTOP) while it holds DIR's lock; a second DCP
+    write into DIR is refused at once naming the first's PID and host; the first then finishes alone
+    (no lock file, no temporary directory left); a third, stopped the same way, is ended by SIGTERM:
+    its lock file is removed and DIR is writable again."""
+    pytest.importorskip("torchtitan.models.llama3")
+    out = tmp_path / "seed"
+    common = ("init", "--format", "dcp", "--torchtitan", "llama3:debugmodel", "--out", f"{out}/", "--quiet")
+
+    def caught(proc):
+        deadline = time.monotonic() + 240
+        while _lock_holder_pid(out) != proc.pid:
+            assert proc.poll() is None, f"the write ended before it was caught: {proc.communicate()}"
+            assert time.monotonic() < deadline, "the write never took the lock"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)
+
+    first = _condinit(*common, "--seed", "1")
+    try:
+        caught(first)
+        second = _condinit(*common, "--seed", "2")
+        _, err = second.communicate(timeout=240)
+        assert second.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"is being written by PID {first.pid} on host {socket.gethostname()}" in err, err
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err
+    assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path)) == ["seed"]
+    shutil.rmtree(out)
+    third = _condinit(*common, "--seed", "3")
+    caught(third)
+    third.send_signal(signal.SIGTERM)
+    third.send_signal(signal.SIGCONT)
+    third.communicate(timeout=60)
+    assert third.returncode == -signal.SIGTERM
+    assert LOCK_NAME not in os.listdir(out)
+    with directory_lock(str(out)):      # released
+        pass
 
 
 @pytest.mark.slow   # two condinit processes write torchtitan's debug model

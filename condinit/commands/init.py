@@ -441,7 +441,7 @@ def _run_dcp(args) -> int:
                        f"(LOCAL_WORLD_SIZE): leave --nproc out under torchrun")
     try:
         engine.torchtitan_model(args.torchtitan)
-        out = engine.check_empty_dir(os.path.realpath(args.out))   # renamed onto at the end: a link resolved
+        out = engine.check_empty_dir(args.out)
     except ImportError as exc:
         raise CLIError(f"--torchtitan {args.torchtitan}: {exc}") from None
     except ValueError as exc:

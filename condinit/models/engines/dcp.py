@@ -16,13 +16,15 @@ directory has the same bytes for any number of ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from condinit.io.atomic import check_output_dir
+from condinit.io.atomic import check_output_dir, removing_temps_on_sigterm
+from condinit.io.dirlock import LOCK_NAME, directory_lock
 
 __all__ = ["write_dcp", "write_torchtitan_seed", "plan_torchtitan_seed", "save_torchtitan_state", "torchtitan_model",
            "TorchtitanModel", "SeedPlan", "SeedReport", "RankShare", "TORCHTITAN_INSTALL", "INIT_BLOCK_ELEMENTS"]
@@ -459,14 +461,58 @@ def plan_torchtitan_seed(model: str, world: int = 1, *, dtype: torch.dtype = tor
 
 
 def check_empty_dir(out_dir) -> str:
-    """``out_dir`` as a path: an empty directory, or one that can be created, writable (a ValueError otherwise)."""
+    """``out_dir`` as an absolute path, symlinks resolved (the files are moved into the directory
+    it names): an empty directory (its writers' lock file aside), or one that can be created,
+    writable (a ValueError otherwise)."""
     try:
-        out_dir = check_output_dir(out_dir)
+        out_dir = os.path.realpath(check_output_dir(out_dir))
     except ValueError as exc:
         raise ValueError(f"out_dir: {exc}") from None
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {LOCK_NAME}:
         raise ValueError(f"out_dir {out_dir} is not empty (a DCP directory is written whole)")
     return out_dir
+
+
+def _locked_empty_dir(out_dir, held: contextlib.ExitStack) -> str:
+    """Rank 0's start of a write: ``out_dir`` checked (:func:`check_empty_dir`), made if absent
+    (removed again if the write fails), locked for the write (the lock entered into ``held``:
+    released on exit and on SIGTERM) and checked empty again under the lock."""
+    out_dir = check_empty_dir(out_dir)
+    if not os.path.isdir(out_dir):
+        os.makedirs(out_dir)
+        held.callback(_remove_if_empty, out_dir)     # after the lock's release: a failed write leaves nothing
+    held.enter_context(removing_temps_on_sigterm())
+    held.enter_context(directory_lock(out_dir))
+    return check_empty_dir(out_dir)
+
+
+def _remove_if_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _move_into(tmp_dir: str, out_dir: str) -> None:
+    """Every file of the complete DCP directory ``tmp_dir`` moved into the empty, locked ``out_dir``,
+    ``.metadata`` last (the checkpoint loads from then on); ``tmp_dir`` removed. A failed move takes
+    back the files already moved."""
+    names = sorted(os.listdir(tmp_dir), key=lambda name: name == ".metadata")
+    moved = []
+    try:
+        for name in names:
+            os.rename(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
+            moved.append(os.path.join(out_dir, name))
+    except BaseException:
+        for path in moved:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    os.rmdir(tmp_dir)
+    with contextlib.suppress(OSError):  # make the moves durable; not possible on every filesystem
+        fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype = torch.float32,
@@ -499,15 +545,19 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     tensor drawn whole (float32, transient; :attr:`SeedPlan.drawn_whole`), plus what
     :func:`condinit.apply` generates per head block.
 
-    ``out_dir`` must be empty or absent (checked on rank 0 before anything is built). The tensors
-    are written into a temporary sibling directory that rank 0 renames to ``out_dir`` once
-    ``dcp.save`` has finished (``.metadata`` written), so a failed write leaves no partial
-    checkpoint under ``out_dir``. Loads with ``dcp.load`` into the model torchtitan builds, sharded
+    ``out_dir`` (symlinks resolved) must be empty or absent (checked on rank 0 before anything is
+    built). Rank 0 makes it and holds its writers' lock (:func:`condinit.io.dirlock.directory_lock`,
+    the one ``condinit init --out DIR/`` takes) from that check to the end, for the whole job: a
+    second writer is refused naming this one's PID and host. The tensors are written into a
+    temporary sibling directory whose files rank 0 moves into ``out_dir`` once ``dcp.save`` has
+    finished (``.metadata`` last), so a failed write leaves no partial checkpoint under
+    ``out_dir``. Loads with ``dcp.load`` into the model torchtitan builds, sharded
     any way or not at all (torchtitan: ``--checkpoint.initial_load_path DIR``, model only).
 
     Raises:
         ImportError: torchtitan is not installed (naming the install line).
-        ValueError: an unknown model or flavor, ``out_dir`` not empty, a parameter torchtitan's
+        ValueError: an unknown model or flavor, ``out_dir`` not empty or being written by another
+            process (:class:`~condinit.io.dirlock.DirectoryLocked`), a parameter torchtitan's
             ``param_init`` tables do not cover; on every rank, before anything is written.
     """
     import resource
@@ -527,52 +577,53 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
     seed = check_seed("seed", seed)
     dtype = _check_dtype(dtype)
     ranks = ranks_of()
-    error, target = None, None
-    if ranks.rank == 0:
-        try:
-            target = check_empty_dir(out_dir)
-            parent, base = os.path.split(target)
-            target = (target, os.path.join(parent, f".{base}.condinit-partial-{uuid.uuid4().hex[:12]}"))
-        except ValueError as exc:
-            error = exc
-    out_dir, tmp_dir = decided(ranks, target, error)
-    tt = torchtitan_model(model)
-    meta = _build_on_meta(tt, dtype)
-    tables = _param_tables(meta)
-    plan = _plan(tt, meta, tables, ranks.size, dtype)
-    _check_layout(tt, meta)
-    if ranks.size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (ranks.size,))
-        for block in meta.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(meta, mesh=mesh)
-    net = meta.to_empty(device="cpu")
-    _init_states(net, tables, seed)
-    report = apply(net, seed=seed, **apply_kwargs)
-    done = False
-    try:
-        with warnings.catch_warnings():   # one process: dcp.save says it assumes so, as intended
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            try:
-                save_torchtitan_state(net, tmp_dir, no_dist=ranks.size == 1)
-            except CheckpointException as exc:      # a BaseException: the first failed rank's own error instead
-                rank, (first, _) = min(exc.failures.items(), key=lambda kv: kv[0])
-                if not isinstance(first, Exception):
-                    raise
-                first.add_note(f"rank {rank} of {ranks.size}, in torch.distributed.checkpoint.save; nothing "
-                               f"written to {out_dir}")
-                raise first from exc
-        if ranks.size > 1:
-            dist.barrier()
+    with contextlib.ExitStack() as held:    # rank 0 holds the directory's lock for the whole job
+        error, target = None, None
         if ranks.rank == 0:
-            os.rename(tmp_dir, out_dir)     # onto an absent or empty directory
-        done = True
-    finally:
-        if not done and ranks.rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            try:
+                target = _locked_empty_dir(out_dir, held)
+                parent, base = os.path.split(target)
+                target = (target, os.path.join(parent, f".{base}.condinit-partial-{uuid.uuid4().hex[:12]}"))
+            except (ValueError, OSError) as exc:
+                error = exc
+        out_dir, tmp_dir = decided(ranks, target, error)
+        tt = torchtitan_model(model)
+        meta = _build_on_meta(tt, dtype)
+        tables = _param_tables(meta)
+        plan = _plan(tt, meta, tables, ranks.size, dtype)
+        _check_layout(tt, meta)
+        if ranks.size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (ranks.size,))
+            for block in meta.layers.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(meta, mesh=mesh)
+        net = meta.to_empty(device="cpu")
+        _init_states(net, tables, seed)
+        report = apply(net, seed=seed, **apply_kwargs)
+        done = False
+        try:
+            with warnings.catch_warnings():   # one process: dcp.save says it assumes so, as intended
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                try:
+                    save_torchtitan_state(net, tmp_dir, no_dist=ranks.size == 1)
+                except CheckpointException as exc:      # a BaseException: the first failed rank's own error instead
+                    rank, (first, _) = min(exc.failures.items(), key=lambda kv: kv[0])
+                    if not isinstance(first, Exception):
+                        raise
+                    first.add_note(f"rank {rank} of {ranks.size}, in torch.distributed.checkpoint.save; nothing "
+                                   f"written to {out_dir}")
+                    raise first from exc
+            if ranks.size > 1:
+                dist.barrier()
+            if ranks.rank == 0:
+                _move_into(tmp_dir, out_dir)     # into the empty directory this job holds locked
+            done = True
+        finally:
+            if not done and ranks.rank == 0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peaks = [peak]
     if ranks.size > 1:
