@@ -365,7 +365,7 @@ def test_two_condinit_processes_into_one_directory_one_refused_never_a_mix(tmp_p
 
 @pytest.mark.slow   # torchtitan's debug model is built and written
 def test_dcp_out_through_a_symlinked_directory_is_written_into_its_target(tmp_path, capsys):
-    """``init --format dcp --out LINK/`` (a DCP directory is renamed into place when complete): the link
+    """``init --format dcp --out LINK/`` (a DCP directory's files are moved into place when complete): the link
     is resolved before any work, the checkpoint lands in the directory it names, the link stays."""
     pytest.importorskip("torchtitan.models.llama3")
     (tmp_path / "real").mkdir()
@@ -423,9 +423,8 @@ def test_dcp_write_holds_the_lock_until_its_files_are_in_place(tmp_path):
 
 @pytest.mark.slow   # two condinit processes write torchtitan's debug model
 def test_two_dcp_writes_at_once_one_refused_in_one_line(tmp_path):
-    """Two ``init --format dcp`` into one directory at once: each writes a temporary directory beside
-    it and renames it onto the empty directory; one succeeds, the other is refused in one line (the
-    directory is no longer empty, at its check or at its rename) and leaves nothing."""
+    """Two ``init --format dcp`` into one directory at once: one succeeds, the other is refused in one
+    line (the directory is locked by the first, or no longer empty) and leaves nothing."""
     pytest.importorskip("torchtitan.models.llama3")
     out = tmp_path / "seed"
     procs = [_condinit("init", "--format", "dcp", "--torchtitan", "llama3:debugmodel", "--out", f"{out}/",
