@@ -302,6 +302,29 @@ def test_dcp_out_dir_symlink_is_resolved_by_its_check(tmp_path):
         check_empty_dir(tmp_path / "link")
 
 
+def test_sigterm_removes_a_registered_temporary_directory_whole(tmp_path):
+    """A directory registered for removal on SIGTERM (a DCP write's temporary directory, files in it)
+    is removed with everything in it when the writer is terminated; the lock file too."""
+    script = textwrap.dedent("""
+        import os, sys
+        from condinit.io.atomic import removed_on_sigterm, removing_temps_on_sigterm
+        from condinit.io.dirlock import directory_lock
+        tmp = sys.argv[1] + "/.partial"
+        os.makedirs(tmp + "/sub")
+        open(tmp + "/__0_0.distcp", "wb").write(b"x" * 100)
+        with removing_temps_on_sigterm(), directory_lock(sys.argv[1]), removed_on_sigterm(tmp):
+            print("held", flush=True)
+            sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    assert sorted(os.listdir(tmp_path)) == [".condinit.lock", ".partial"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert os.listdir(tmp_path) == []
+
+
 # a model large enough that writing it takes a while (about 70 MB in float32)
 _SLOW_CONFIG = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000}

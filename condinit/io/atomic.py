@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -152,7 +153,8 @@ _ACTIVE_TEMPS: set = set()         # temporary files being written by this proce
 # made after it); reentrant, as the handler runs in the main thread, possibly inside a holder
 _TEMPS_LOCK = threading.RLock()
 _TEMP_DIRS: set = set()             # (directory, temporary-name prefix) of every temporary file made
-_SIGTERM_FILES: set = set()         # other files of this process that SIGTERM removes (directory locks)
+_SIGTERM_FILES: set = set()         # other files of this process that SIGTERM removes (directory locks,
+                                   # temporary directories: removed whole)
 _sigterm_depth = 0                 # nesting of main-thread writes that installed the handler
 _sigterm_previous = None
 
@@ -229,6 +231,9 @@ def _on_sigterm(signum, frame):
     # registered when the signal came.
     _TEMPS_LOCK.acquire()
     for tmp in tuple(_ACTIVE_TEMPS) + tuple(_SIGTERM_FILES):
+        if os.path.isdir(tmp) and not os.path.islink(tmp):   # a temporary directory (a DCP write's)
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     for d, prefix in tuple(_TEMP_DIRS):
@@ -274,8 +279,8 @@ def removing_temps_on_sigterm():
 
 @contextlib.contextmanager
 def removed_on_sigterm(path):
-    """While inside, SIGTERM under :func:`removing_temps_on_sigterm` removes ``path`` too, with the
-    temporary files."""
+    """While inside, SIGTERM under :func:`removing_temps_on_sigterm` removes ``path`` too (a file, or
+    a directory with everything in it), with the temporary files."""
     with _TEMPS_LOCK:
         _SIGTERM_FILES.add(path)
     try:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from condinit.io.atomic import check_output_dir, removing_temps_on_sigterm
+from condinit.io.atomic import check_output_dir, removed_on_sigterm, removing_temps_on_sigterm
 from condinit.io.dirlock import LOCK_NAME, directory_lock
 
 __all__ = ["write_dcp", "write_torchtitan_seed", "plan_torchtitan_seed", "save_torchtitan_state", "torchtitan_model",
@@ -584,6 +584,7 @@ def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype 
                 target = _locked_empty_dir(out_dir, held)
                 parent, base = os.path.split(target)
                 target = (target, os.path.join(parent, f".{base}.condinit-partial-{uuid.uuid4().hex[:12]}"))
+                held.enter_context(removed_on_sigterm(target[1]))
             except (ValueError, OSError) as exc:
                 error = exc
         out_dir, tmp_dir = decided(ranks, target, error)
