@@ -14,10 +14,13 @@ Workloads, on a Llama-1B-shaped stack by default (16 layers, D = 2048, 32 Q head
 Contention: ``--contenders`` processes (default 2) of ``--load spin`` (``while True: pass``) or
 ``--load matmul`` (a single-threaded 512 x 512 fp32 matmul loop). They are stopped on exit, on
 Ctrl-C and on error, and stop themselves when this process dies. Every number comes with the
-1-minute load average read right after it (other work on the machine shows there). The ratio
-column is contended / quiet (medians).
+1-minute load average read right after it (other work on the machine shows there). The run is
+``--rounds`` rounds (default 3), each timing every workload quiet and then contended, so that a
+drift of the machine's own background (a VM's neighbours, the page cache) falls inside a round;
+the ratio column is the median of the rounds' ratios (contended / quiet medians), and every
+round's ratio is listed beside it.
 
-    python benchmarks/bench_contention.py [--shape llama-1b] [--repeats 5] [--load spin]
+    python benchmarks/bench_contention.py [--shape llama-1b] [--repeats 5] [--rounds 3] [--load spin]
                                           [--contenders 2] [--json PATH]
 """
 from __future__ import annotations
@@ -104,27 +107,46 @@ def workloads(shape, baseline_blocks: int):
     ]
 
 
+def _pooled(timings: list) -> dict:
+    times = [t for timing in timings for t in timing["all_s"]]
+    return {"median_s": statistics.median(times), "best_s": min(times), "all_s": times,
+            "load_1min": [x for timing in timings for x in timing["load_1min"]]}
+
+
+def _row(key: str, label: str, rounds: list) -> dict:
+    """One workload over the rounds: every call's time pooled per side, and the median of the
+    rounds' ratios."""
+    ratios = [c[key]["median_s"] / q[key]["median_s"] for q, c in rounds]
+    return {"key": key, "label": label, "quiet": _pooled([q[key] for q, _ in rounds]),
+            "contended": _pooled([c[key] for _, c in rounds]), "round_ratios": ratios,
+            "ratio": statistics.median(ratios)}
+
+
 def format_rows(rows) -> str:
-    head = f"{'workload':<52} {'quiet ms':>9} {'load':>5} {'contended ms':>12} {'load':>5} {'ratio':>6}"
+    head = (f"{'workload':<52} {'quiet ms':>9} {'load':>5} {'contended ms':>12} {'load':>5} {'ratio':>6}  "
+            "rounds")
     lines = [head, "-" * len(head)]
     for r in rows:
         q, c = r["quiet"], r["contended"]
         lines.append(f"{r['label'][:52]:<52} {q['median_s'] * 1e3:>9.0f} {q['load_1min'][-1]:>5.2f} "
-                     f"{c['median_s'] * 1e3:>12.0f} {c['load_1min'][-1]:>5.2f} {r['ratio']:>6.2f}")
+                     f"{c['median_s'] * 1e3:>12.0f} {c['load_1min'][-1]:>5.2f} {r['ratio']:>6.2f}  "
+                     + " ".join(f"{x:.2f}" for x in r["round_ratios"]))
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-1b", help="a preset of condinit.bench.INIT_PRESETS or L,D,H,HKV,d")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per workload and condition (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per workload, condition and round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of quiet-then-contended timings (the ratio is the median of the rounds')")
     p.add_argument("--contenders", type=int, default=2, help="busy processes started beside it")
     p.add_argument("--load", choices=sorted(_LOADS), default="spin", help="what each contender runs")
     p.add_argument("--baseline-blocks", type=int, default=32,
                    help="blocks of the per-head orthogonal_ loop that are timed (then scaled to the stack)")
     p.add_argument("--json", metavar="PATH", help="also write the rows, the machine and the settings here")
     args = p.parse_args(argv)
-    for name in ("repeats", "contenders", "baseline_blocks"):
+    for name in ("repeats", "rounds", "contenders", "baseline_blocks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     shape = bench.parse_shape(args.shape, "init")
@@ -137,19 +159,26 @@ def main(argv=None):
     def scaled(t, s):
         return {**t, "median_s": t["median_s"] * s, "best_s": t["best_s"] * s, "all_s": [x * s for x in t["all_s"]]}
 
-    print(f"... quiet ({torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.2f})", flush=True)
-    quiet = {key: scaled(time_it(fn, args.repeats), s) for key, _, fn, s in work}
-    print(f"... {args.contenders} x {args.load} contenders", flush=True)
-    with Contenders(args.contenders, args.load):
-        contended = {key: scaled(time_it(fn, args.repeats), s) for key, _, fn, s in work}
-    rows = [{"key": key, "label": label, "quiet": quiet[key], "contended": contended[key],
-             "ratio": contended[key]["median_s"] / quiet[key]["median_s"]} for key, label, _, _ in work]
+    # Rounds of quiet-then-contended timings: a drift of the machine's background (other VMs, the
+    # page cache) then lands on both sides of a round's ratio instead of on one side of the run's.
+    rounds = []
+    for r in range(args.rounds):
+        print(f"... round {r + 1}/{args.rounds}: quiet ({torch.get_num_threads()} torch threads, "
+              f"load {os.getloadavg()[0]:.2f})", flush=True)
+        quiet = {key: scaled(time_it(fn, args.repeats), s) for key, _, fn, s in work}
+        print(f"... round {r + 1}/{args.rounds}: {args.contenders} x {args.load} contenders", flush=True)
+        with Contenders(args.contenders, args.load):
+            contended = {key: scaled(time_it(fn, args.repeats), s) for key, _, fn, s in work}
+        rounds.append((quiet, contended))
+    rows = [_row(key, label, rounds) for key, label, _, _ in work]
     print(f"\nshape {args.shape}: {shape.blocks} Q/K blocks [{shape.head_dim}, {shape.hidden}]; "
-          f"{args.contenders} x {args.load} contenders; medians of {args.repeats}; load: 1-min average after the last call")
+          f"{args.contenders} x {args.load} contenders; {args.rounds} rounds of {args.repeats} calls per side; "
+          "ms: medians of every call; ratio: median of the rounds' ratios (each contended / quiet median); "
+          "load: 1-min average after the last call")
     print(format_rows(rows))
     if args.json:
         doc = {"shape": args.shape, "blocks": shape.blocks, "contenders": args.contenders, "load": args.load,
-               "repeats": args.repeats, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+               "repeats": args.repeats, "rounds": args.rounds, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                "cpus": os.cpu_count(), "rows": rows}
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -696,3 +696,27 @@ def test_bench_contention_stops_its_processes():
             assert len(procs) == 2 and all(p.poll() is None for p in procs)
             raise KeyError("inside")
     assert all(p.poll() is not None for p in procs)
+
+
+def test_bench_contention_ratio_is_the_median_of_the_rounds():
+    """benchmarks/bench_contention.py: each round's ratio is its contended / quiet median, the row's
+    ratio the median of those; the ms columns pool every call of every round."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        bench_contention = importlib.import_module("bench_contention")
+    finally:
+        sys.path.pop(0)
+
+    def timing(times):
+        return {"median_s": sorted(times)[len(times) // 2], "all_s": times, "load_1min": [0.5] * len(times)}
+
+    rounds = [({"w": timing([1.0, 2.0, 3.0])}, {"w": timing([4.0, 5.0, 6.0])}),     # 2.5
+              ({"w": timing([1.0, 1.0, 1.0])}, {"w": timing([3.0, 3.0, 9.0])}),     # 3.0
+              ({"w": timing([4.0, 4.0, 4.0])}, {"w": timing([8.0, 8.0, 8.0])})]     # 2.0
+    row = bench_contention._row("w", "label", rounds)
+    assert row["round_ratios"] == [2.5, 3.0, 2.0] and row["ratio"] == 2.5
+    assert row["quiet"]["median_s"] == 2.0 and row["contended"]["median_s"] == 6.0
+    assert len(row["quiet"]["all_s"]) == 9 and row["quiet"]["best_s"] == 1.0
+    assert "2.50 3.00 2.00" in bench_contention.format_rows([row])
