@@ -342,6 +342,16 @@ def _lock_holder_pid(out):
         return None
 
 
+def _stop_once_locked(proc, out):
+    """SIGSTOP ``proc`` as soon as it holds ``out``'s lock (it must not end before)."""
+    deadline = time.monotonic() + 240
+    while _lock_holder_pid(out) != proc.pid:
+        assert proc.poll() is None, f"the write ended before it was caught: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the write never took the lock"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGSTOP)
+
+
 def _seeds(out):
     """The seed in the condinit entry of the index and of every weights file in ``out``."""
     from condinit.io.safetensors_format import read_header
@@ -362,12 +372,7 @@ def test_two_condinit_processes_into_one_directory_one_refused_never_a_mix(tmp_p
     common = ("init", "--config", str(config), "--out", f"{out}/", "--max-shard-size", "20MB", "--quiet")
     first = _condinit(*common, "--seed", "1")
     try:
-        deadline = time.monotonic() + 240
-        while _lock_holder_pid(out) != first.pid:
-            assert first.poll() is None, f"the first write ended before it was caught: {first.communicate()}"
-            assert time.monotonic() < deadline, "the first write never took the lock"
-            time.sleep(0.002)
-        first.send_signal(signal.SIGSTOP)
+        _stop_once_locked(first, out)
         assert _lock_holder_pid(out) == first.pid, "the first write finished before it was stopped"
         for extra in (("--seed", "2", "--overwrite"), ("--seed", "1", "--resume")):
             second = _condinit(*common, *extra)
@@ -411,17 +416,9 @@ def test_dcp_write_holds_the_lock_until_its_files_are_in_place(tmp_path):
     out = tmp_path / "seed"
     common = ("init", "--format", "dcp", "--torchtitan", "llama3:debugmodel", "--out", f"{out}/", "--quiet")
 
-    def caught(proc):
-        deadline = time.monotonic() + 240
-        while _lock_holder_pid(out) != proc.pid:
-            assert proc.poll() is None, f"the write ended before it was caught: {proc.communicate()}"
-            assert time.monotonic() < deadline, "the write never took the lock"
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGSTOP)
-
     first = _condinit(*common, "--seed", "1")
     try:
-        caught(first)
+        _stop_once_locked(first, out)
         second = _condinit(*common, "--seed", "2")
         _, err = second.communicate(timeout=240)
         assert second.returncode == 2 and len(err.strip().splitlines()) == 1, err
@@ -434,7 +431,7 @@ def test_dcp_write_holds_the_lock_until_its_files_are_in_place(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["seed"]
     shutil.rmtree(out)
     third = _condinit(*common, "--seed", "3")
-    caught(third)
+    _stop_once_locked(third, out)
     third.send_signal(signal.SIGTERM)
     third.send_signal(signal.SIGCONT)
     third.communicate(timeout=60)

@@ -29,8 +29,8 @@ import tempfile
 import threading
 import time
 
-__all__ = ["atomic_output", "check_output_path", "removing_temps_on_sigterm", "removed_on_sigterm", "process_alive",
-           "open_nofollow", "special_file", "STALE_TEMP_AGE_S", "HOST_TAG"]
+__all__ = ["atomic_output", "fsync_dir", "check_output_path", "removing_temps_on_sigterm", "removed_on_sigterm",
+           "process_alive", "open_nofollow", "special_file", "STALE_TEMP_AGE_S", "HOST_TAG"]
 
 _FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
@@ -351,9 +351,15 @@ def atomic_output(path, follow_symlinks: bool = True):
         finally:
             with _TEMPS_LOCK:
                 _ACTIVE_TEMPS.discard(tmp)
-    with contextlib.suppress(OSError):  # make the rename durable; not possible on every filesystem
-        dfd = os.open(d, os.O_RDONLY)
+    fsync_dir(d)  # make the rename durable
+
+
+def fsync_dir(path) -> None:
+    """Make the renames into directory ``path`` durable (an fsync of the directory); a filesystem
+    that cannot sync a directory is left as it is."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            os.fsync(fd)
         finally:
-            os.close(dfd)
+            os.close(fd)

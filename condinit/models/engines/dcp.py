@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from condinit.io.atomic import check_output_dir, removed_on_sigterm, removing_temps_on_sigterm
+from condinit.io.atomic import check_output_dir, fsync_dir, removed_on_sigterm, removing_temps_on_sigterm
 from condinit.io.dirlock import LOCK_NAME, directory_lock
 
 __all__ = ["write_dcp", "write_torchtitan_seed", "plan_torchtitan_seed", "save_torchtitan_state", "torchtitan_model",
@@ -507,12 +507,7 @@ def _move_into(tmp_dir: str, out_dir: str) -> None:
                 os.unlink(path)
         raise
     os.rmdir(tmp_dir)
-    with contextlib.suppress(OSError):  # make the moves durable; not possible on every filesystem
-        fd = os.open(out_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(out_dir)  # make the moves durable
 
 
 def write_torchtitan_seed(model: str, out_dir, *, seed: int, dtype: torch.dtype = torch.float32,
