@@ -199,17 +199,34 @@ def bench_trainer_convergence(log=print, output_dir=None):
 def llama1b_layer_operator(tokens=512, seed=0):
     """The weight Jacobian of a Llama-1B-shaped attention layer at ``tokens`` tokens (its input and RoPE
     captured from a one-layer ``LlamaModel`` forward, after ``condinit.apply``)."""
-    import condinit
     from transformers import LlamaConfig, LlamaModel
-    from condinit.probe import InputCapture
-    from condinit.probe.capture import layer_position_embeddings
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=1, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=64, vocab_size=1000, max_position_embeddings=2048)
-    model = LlamaModel(cfg).eval()
+    return _first_layer_operator(LlamaModel(cfg).eval(), cfg.vocab_size, tokens, seed)
+
+
+def gpt2_layer_operator(tokens=512, seed=0):
+    """The same for a GPT-2-small-shaped layer (hidden 768, 12 heads of 64, every head its own key/value
+    head, learned positions, causal)."""
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_embd=768, n_layer=1, n_head=12, vocab_size=1000, n_positions=1024,
+                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    return _first_layer_operator(GPT2Model(cfg).eval(), cfg.vocab_size, tokens, seed)
+
+
+def _first_layer_operator(model, vocab, tokens, seed):
+    """The weight Jacobian of ``model``'s first attention layer at its input in one forward of ``tokens``
+    random tokens, after ``condinit.apply``."""
+    import condinit
+    from condinit.probe import InputCapture
+    from condinit.probe.capture import layer_position_embeddings
+
     condinit.apply(model, seed=seed, report=False)
-    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
     (layer,) = condinit.models.find_attention(model)
     seen = {}
 

@@ -3,6 +3,7 @@ Golub-Kahan-Lanczos run (docs/design.md, "The attention Jacobian", "Brackets"), 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -17,9 +18,14 @@ _BRACKET_KRYLOV = (
     "sigma_max >= the largest Ritz value - f and sigma_min <= the smallest + f, f = 512 eps s_1 sqrt(k) the "
     "rounding of k steps (assumed at most that, as a norm; the Krylov space lies in range(J^T)); sigma_max <= "
     "(s_1 + f) / sqrt(1 - e) with probability >= confidence over the random start (Kuczynski-Wozniakowski); "
-    "sigma_min >= max(s_k - eta_k, s_k - eta_k^2 / (s_{k-1} - eta_{k-1} - s_k)) - f assuming the two smallest "
-    "Ritz values approximate the two smallest nonzero singular values (residual bound and Kato-Temple with that "
-    "gap)")
+    "sigma_min >= max(s_k - eta_k, s_k - eta_k^2 / (s_{k-1} - eta_{k-1} - s_k)) - f once s_k has settled, assuming "
+    "the two smallest Ritz values approximate the two smallest nonzero singular values (residual bound and "
+    "Kato-Temple with that gap; before s_k settles, no lower bound from the Ritz values)")
+_BRACKET_FLOOR = ("; sigma_min >= {floor:.6g}, a certified floor from the {terms} (J J^T >= (D + P_s P_s^T) (x) I; "
+                  "condinit.probe.floor), where it is the higher lower bound")
+_BRACKET_CEILING = ("; sigma_min <= {ceiling:.6g} + f, the Rayleigh quotient of J J^T on the floor's weakest "
+                    "directions (J is onto), where it is the lower upper bound")
+_BRACKET_NO_FLOOR = "; no certified floor under sigma_min: {reason}"
 
 
 
@@ -30,10 +36,14 @@ def _kw_epsilon(k: int, dim: int, confidence: float) -> float:
     return (math.log(1.648 * math.sqrt(dim) / (1.0 - confidence)) / (2 * k - 1)) ** 2
 
 
-def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: float, eps: float) -> dict:
+def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: float, eps: float,
+             floor: Optional[float] = None, ceiling: Optional[float] = None, settled: bool = True) -> dict:
     """Lower / upper bounds on sigma_max, sigma_min and kappa from the Ritz values ``s`` (descending)
     and residuals ``res`` (``||A^T u_i - s_i v_i||``) after ``k`` steps (docs/design.md, "The attention
-    Jacobian", "Brackets")."""
+    Jacobian", "Brackets"); ``floor`` / ``ceiling``: certified lower / upper bounds on sigma_min
+    (:mod:`condinit.probe.floor`; the ceiling before the products' rounding), taken where tighter;
+    ``settled``: whether the smallest Ritz value has settled (:func:`_settled`), without which the
+    residual / Kato-Temple lower bound on sigma_min (which assumes it approximates sigma_min) is not used."""
     eta = [r / math.sqrt(2.0) for r in res]        # residual of the augmented [[0, A], [A^T, 0]]
     s1, sk = s[0], s[-1]
     # the rounding of k products and reorthogonalizations (assumed at most this, as a norm: it grows with
@@ -45,12 +55,16 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
     else:
         e = _kw_epsilon(k, dim, confidence)
         smax = (s1 - fl, (s1 + fl) / math.sqrt(1.0 - e) if e < 1.0 else math.inf)
-        lo = sk - eta[-1]                          # a singular value lies within eta of s_k: sigma_min (assumed)
-        if k >= 2:                                 # Kato-Temple with sigma_2 >= s_{k-1} - eta_{k-1} (assumed)
+        lo = sk - eta[-1] if settled else 0.0      # a singular value lies within eta of s_k: sigma_min (assumed)
+        if k >= 2 and settled:                                 # Kato-Temple with sigma_2 >= s_{k-1} - eta_{k-1} (assumed)
             gap = (s[-2] - eta[-2]) - sk
             if gap > 0:
                 lo = max(lo, sk - eta[-1] ** 2 / gap)
         smin = (max(lo - fl, 0.0), sk + fl)
+    if floor is not None:
+        smin = (max(smin[0], floor), smin[1])
+    if ceiling is not None:
+        smin = (smin[0], min(smin[1], ceiling + fl))
     kappa = (smax[0] / smin[1] if smin[1] > 0 else math.inf, smax[1] / smin[0] if smin[0] > 0 else math.inf)
     return {"sigma_max": smax, "sigma_min": smin, "kappa": kappa}
 

@@ -8,8 +8,10 @@ from typing import Optional
 
 import torch
 
-from .brackets import _BRACKET_EXACT, _BRACKET_KRYLOV, _bracket, _converged, _ritz, _settled
+from .brackets import (_BRACKET_CEILING, _BRACKET_EXACT, _BRACKET_FLOOR, _BRACKET_KRYLOV, _BRACKET_NO_FLOOR, _bracket, _converged, _ritz,
+                       _settled)
 from .dense_svd import _dense_one, _dense_plan
+from .floor import sigma_min_floor
 from .krylov import _FLOOR, _Basis, _Effective, _generator, _norm
 from .operator import JacobianOperator
 from .results import (SpectrumEstimate, _nonfinite_estimate, _operator_notes, _overflow, _vanished_estimate,
@@ -32,6 +34,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
     reason = _overflow(op)
     if reason is not None:
         return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
+    floor = sigma_min_floor(op)
     gen = _generator(op, seed)
     eps = torch.finfo(op.dtype).eps
     rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
@@ -89,9 +92,10 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
             break
         if it % every == 0:
             s, res = _ritz(alphas, betas)
-            bracket = _bracket(s, res, it, False, eff.size_in, confidence, eps)
             history.append((it, s[-1]))
-            if _converged(bracket, tol, rtol) and _settled(history, tol):
+            settled = _settled(history, tol)
+            bracket = _bracket(s, res, it, False, eff.size_in, confidence, eps, floor.value, floor.ceiling, settled)
+            if settled and _converged(bracket, tol, rtol):
                 stop = "converged"
                 break
             every = max(1, it // 16)
@@ -102,7 +106,10 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         V.append(v)
     k = len(alphas)
     s, res = _ritz(alphas, betas)
-    bracket = _bracket(s, res, k, exhausted, eff.size_in, confidence, eps)
+    if not history or history[-1][0] != k:
+        history.append((k, s[-1]))
+    bracket = _bracket(s, res, k, exhausted, eff.size_in, confidence, eps, floor.value, floor.ceiling,
+                       _settled(history, tol))
     smax, smin = s[0], s[-1]
     rank_def = smax == 0.0 or smin <= rtol * smax
     converged = _converged(bracket, tol, rtol)
@@ -132,5 +139,10 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         sigma_min_lo=bracket["sigma_min"][0], sigma_min_hi=bracket["sigma_min"][1],
         kappa_lo=None if rank_def else bracket["kappa"][0], kappa_hi=None if rank_def else bracket["kappa"][1],
         exact=exhausted, tol=tol, confidence=confidence,
-        bracket=_BRACKET_EXACT if exhausted else _BRACKET_KRYLOV, wall_s=time.perf_counter() - t0)
+        sigma_min_floor=floor.value, sigma_min_ceiling=floor.ceiling,
+        bracket=(_BRACKET_EXACT if exhausted else _BRACKET_KRYLOV) + (
+            _BRACKET_FLOOR.format(floor=floor.value, terms=floor.terms) if floor.value is not None
+            else _BRACKET_NO_FLOOR.format(reason=floor.reason)) + (
+            _BRACKET_CEILING.format(ceiling=floor.ceiling) if floor.ceiling is not None else ""),
+        wall_s=time.perf_counter() - t0)
 

@@ -182,6 +182,7 @@ class JacobianOperator(OperatorProducts):
         self._in_sizes = tuple(math.prod(s) for s in self._in_shapes)
         self.n = sum(self._in_sizes)
         self._primals = None
+        self._floor = None            # the certified floor under sigma_min (condinit.probe.floor), once
         self._nulls = None
         self._x_cache: dict = {}      # X's factors for the known nulls, shared with the key/value blocks
         self._impls = self._choose_backends()
@@ -396,7 +397,7 @@ class JacobianOperator(OperatorProducts):
             blk._in_shapes = ((self.B, G, self.N, d), (self.B, 1, self.N, d), (self.B, 1, self.N, d))
         blk._in_sizes = tuple(math.prod(s) for s in blk._in_shapes)
         blk.n = sum(blk._in_sizes)
-        blk._primals, blk._nulls, blk._blocks = None, None, None
+        blk._primals, blk._nulls, blk._blocks, blk._floor = None, None, None, None
         blk.kv_group = g
         return blk
 

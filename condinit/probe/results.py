@@ -36,6 +36,10 @@ class SpectrumEstimate:
     then the products' rounding). ``wall_s``: seconds spent. ``J = 0`` gives ``sigma_max = sigma_min
     = 0``, ``rank_deficient``; values that overflow the operator's dtype give NaN sigmas and
     ``converged`` False; ``notes`` says why in both cases.
+    ``sigma_min_floor``: the certified structural lower bound on sigma_min (:mod:`condinit.probe.floor`)
+    that ``sigma_min_lo`` takes when it is the higher one; None where none exists (``bracket`` says why);
+    ``sigma_min_ceiling`` the upper bound that comes with it (``sigma_min_hi`` takes it, plus rounding,
+    when it is the lower one).
     Residuals are relative: ``||A^T u - sigma v|| / sigma`` for the Ritz pair of each value.
     """
 
@@ -65,6 +69,8 @@ class SpectrumEstimate:
     confidence: Optional[float] = None
     bracket: str = ""
     wall_s: float = 0.0
+    sigma_min_floor: Optional[float] = None
+    sigma_min_ceiling: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)

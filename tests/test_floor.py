@@ -1,0 +1,108 @@
+"""The certified floor and ceiling under sigma_min (condinit.probe.floor) hold the truth, over seeded
+random layers, and the Lanczos brackets take them.
+
+The reference is the dense Jacobian of the layer's own forward by ``torch.func.jacrev`` (the naive
+float64 attention of test_probe_operator, or a Hugging Face module's forward), its smallest nonzero
+singular value the smallest above ``1e-10 sigma_max``. Where no floor exists the reason must match
+the case (``wrt="input"``, causal grouped-query attention, ``B N > D``), never a silent None.
+"""
+import math
+
+import pytest
+import torch
+
+from condinit.probe import lanczos_svd
+from condinit.probe.floor import sigma_min_floor
+
+from test_brackets import _bert_case, _hf_case, _tiny_case
+from test_probe_operator import _adapter, make, reference_jacobian  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _smallest_nonzero(J: torch.Tensor) -> float:
+    s = torch.linalg.svdvals(J)
+    return float(s[s > 1e-10 * s[0]][-1])
+
+
+def _check(op, J, what) -> bool:
+    """The floor (and ceiling) against the reference; True when a floor was given."""
+    f = sigma_min_floor(op)
+    if f.value is None:
+        assert f.reason, what
+        if op.wrt == "input":
+            assert "wrt='input'" in f.reason, (what, f.reason)
+        elif op.causal and op.G > 1:
+            assert "first query of every head" in f.reason, (what, f.reason)
+        return False
+    assert f.value > 0 and not f.reason, (what, f)
+    if float(torch.linalg.svdvals(J)[0]) == 0.0:
+        return True
+    smin = _smallest_nonzero(J)
+    assert f.value <= smin * (1 + 1e-9), (what, f.value, smin)
+    if op._wo is None:
+        assert f.ceiling is not None and f.ceiling >= smin * (1 - 1e-9), (what, f.ceiling, smin)
+    return True
+
+
+def test_floor_holds_the_truth_fast(seed):
+    g = torch.Generator().manual_seed(seed)
+    given = sum(_check(op, J, what) for what, op, J in (_tiny_case(g, i) for i in range(40)))
+    assert given >= 5, given
+
+
+@pytest.mark.slow
+def test_floor_holds_the_truth_many(seed):
+    g = torch.Generator().manual_seed(seed)
+    given = sum(_check(op, J, what) for what, op, J in (_tiny_case(g, i) for i in range(300)))
+    assert given >= 60, given
+
+
+@pytest.mark.slow
+def test_floor_holds_the_truth_hf_and_bert(seed, monkeypatch):
+    """Llama (RoPE), Qwen3 (QK-norm: the value term alone), Gemma-2 (window, soft-capping), GPT-NeoX
+    (partial rotary, biases) and BERT (bidirectional, biases)."""
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(seed)
+    given = 0
+    for i in range(24):
+        with monkeypatch.context() as mp:
+            what, op, J = (_hf_case if i < 16 else _bert_case)(g, i, mp)
+            given += _check(op, J, what)
+    assert given >= 4, given
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lanczos_brackets_take_the_floor(causal, seed):
+    """A short run on a multi-head layer: without the floor sigma_min_lo would be 0 (kappa_hi inf); with it
+    the bracket is finite, certified, and holds the reference."""
+    m, x, op = make("weights", causal, N=20, D=48, H=2, Hkv=2, d=8, seed=seed)
+    J = reference_jacobian(m, x, "weights", causal)
+    smin, smax = _smallest_nonzero(J), float(torch.linalg.svdvals(J)[0])
+    est = lanczos_svd(op, steps=6, seed=seed % 1000, blocks=False)
+    f = sigma_min_floor(op)
+    assert not est.exact and f.value is not None and f.ceiling is not None
+    assert est.sigma_min_floor == f.value and est.sigma_min_ceiling == f.ceiling
+    assert f.value <= est.sigma_min_lo <= smin <= est.sigma_min_hi, (est.sigma_min_lo, smin, est.sigma_min_hi)
+    assert est.sigma_min_hi <= f.ceiling * (1 + 1e-6) + 1e-9 * smax
+    assert math.isfinite(est.kappa_hi) and est.kappa_lo <= smax / smin <= est.kappa_hi
+    assert "certified floor" in est.bracket and "Rayleigh quotient" in est.bracket
+    blocks = lanczos_svd(op, steps=12, seed=seed % 1000, blocks=True)
+    assert blocks.sigma_min_lo > 0 and blocks.sigma_min_lo <= smin <= blocks.sigma_min_hi
+
+
+def test_no_floor_is_said(seed):
+    """Causal grouped-query attention has output directions no tangent reaches: no floor, and the bracket
+    says why; wrt='input' likewise."""
+    for wrt, H, Hkv, why in (("weights", 4, 2, "first query of every head"), ("input", 2, 2, "wrt='input'")):
+        _, _, op = make(wrt, True, N=10, D=32, H=H, Hkv=Hkv, d=4, seed=seed)
+        est = lanczos_svd(op, steps=4, seed=seed % 1000, blocks=False)
+        assert est.sigma_min_floor is None and est.sigma_min_ceiling is None
+        assert "no certified floor under sigma_min" in est.bracket and why in est.bracket
+
+
+def test_floor_refuses_wide_weights_input(seed):
+    """wrt='weights' with more rows than features: X X^T is singular, so the floor is not claimed."""
+    _, _, op = make("weights", False, B=2, N=10, D=16, H=2, Hkv=2, d=4, seed=seed)
+    f = sigma_min_floor(op)
+    assert f.value is None and "B N = 20 > D = 16" in f.reason
