@@ -298,7 +298,7 @@ def bench_floor(D=64, H=4, N=48, steps=60, log=print):
         fl = sigma_min_floor(op)
         t_floor = time.perf_counter() - t0
         e = lanczos_svd(op, steps=steps, seed=0)
-        rows.append(dict(causal=causal, truth=truth, floor=fl.value, ceiling=fl.ceiling, bracket=(e.sigma_min_lo,
+        rows.append(dict(causal=causal, truth=truth, floor=fl.value, bracket=(e.sigma_min_lo,
                          e.sigma_min_hi), kappa=float(s[0]) / truth, kappa_bracket=(e.kappa_lo, e.kappa_hi)))
         log(f"  {'causal' if causal else 'bidirectional'}, J {op.m} x {op.n}: smallest nonzero sigma {truth:.4g} "
             f"(dense reference {t_ref:.0f} s); floor {fl.value:.4g} ({fl.value / truth:.3g}x) in {t_floor:.2f} s; {steps} Lanczos steps: sigma_min in "
