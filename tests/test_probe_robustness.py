@@ -55,6 +55,40 @@ def test_one_token_bound_is_vacuous_and_measured_kappa_exact(rng):
     assert softmax_jacobian_kappa(torch.ones(3, 2, 1, 1, dtype=F64)).shape == (3, 2)
 
 
+def _module_attention_weights(m, x, causal):
+    """Per-head attention matrices [B, H, N, N] from nn.MultiheadAttention's own forward."""
+    N = x.shape[1]
+    mask = torch.ones(N, N, dtype=torch.bool).triu(1) if causal else None
+    with torch.no_grad():
+        return m(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)[1]
+
+
+def test_vacuous_bound_says_how_singular_p_is(rng):
+    """kappa(P) = inf is explained with the count of (sequence, head) pairs and the smallest
+    sigma_min(P) / sigma_max(P), read from the module's own attention weights: a causal P at sharp
+    logits (invertible, but its smallest singular value underflows float64's relative rounding), and
+    a bidirectional P of repeated tokens (rank one)."""
+    m = mha(rng, D=16, H=2)
+    with torch.no_grad():
+        m.in_proj_weight.mul_(4.0)                     # sharp logits
+    x = torch.randn(1, 48, 16, generator=rng, dtype=F64)
+    P = _module_attention_weights(m, x, causal=True)
+    s = torch.linalg.svdvals(P)
+    ratios = s[..., -1] / s[..., 0]
+    assert bool((ratios <= 1e-13).all()), ratios      # the case this test needs
+    res = condition_number_bound(m, x, causal=True, measure=False)
+    assert res.bound is None and res.kappa_softmax is None
+    assert "the causal attention matrix is singular to float64 for 2 of 2 (sequence, head) pairs" in res.notes
+    shown = float(res.notes.split("down to ")[1].split(",")[0])
+    assert shown == pytest.approx(float(ratios.min()), rel=0.06, abs=1e-18), (shown, ratios)
+    assert "falls exponentially with N" in res.notes
+
+    rep = x[:, :1].expand(1, 6, 16).contiguous()      # six copies of one token
+    res = condition_number_bound(m, rep, causal=False, measure=False)
+    assert "the attention matrix is singular to float64 for 2 of 2 (sequence, head) pairs" in res.notes
+    assert "e.g. repeated tokens" in res.notes and "kappa(X_b) = inf" in res.notes
+
+
 def test_zero_input_is_exactly_zero_jacobian(rng):
     """x = 0 (wrt weights): every input direction is a known null (rows of dW in null(X) = R^D), so
     J = 0: sigma_max = sigma_min = 0, rank-deficient, no kappa, the reason in notes."""

@@ -85,6 +85,18 @@ def _kappa(s: Tensor, rtol: float = 1e-13) -> Tensor:
     return torch.where(smin > rtol * smax, smax / smin.clamp_min(1e-300), torch.full_like(smax, math.inf))
 
 
+def _singular_p(sP: Tensor, kP: Tensor, causal: bool) -> str:
+    """Why ``kappa(P)`` is inf for some heads, with the smallest ratio ``sigma_min(P) / sigma_max(P)``."""
+    ratio = float((sP[..., -1] / sP[..., 0].clamp_min(1e-300)).min())
+    heads = f"{int(torch.isinf(kP).sum())} of {kP.numel()} (sequence, head) pairs"
+    if causal:
+        return (f"kappa(P) = inf: the causal attention matrix is singular to float64 for {heads} "
+                f"(sigma_min(P) / sigma_max(P) down to {ratio:.1e}, at most 1e-13): lower triangular with a positive "
+                f"diagonal, P is invertible, but its smallest singular value falls exponentially with N")
+    return (f"kappa(P) = inf: the attention matrix is singular to float64 for {heads} "
+            f"(sigma_min(P) / sigma_max(P) down to {ratio:.1e}, at most 1e-13; e.g. repeated tokens)")
+
+
 def _secular_root(p: Tensor, lo: Tensor, hi: Tensor, iters: int = 100) -> Tensor:
     """Root of ``1 - sum_j p_j^2 / (p_j - lam)`` in ``(lo, hi)`` (decreasing there), by bisection."""
     for _ in range(iters):
@@ -178,7 +190,8 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
         P = torch.softmax(S, dim=-1)
         scores_finite = bool(torch.isfinite(P).all())
         if scores_finite:
-            kP = _kappa(_svdvals(P))                                          # [B, H]
+            sP = _svdvals(P)
+            kP = _kappa(sP)                                                   # [B, H]
             kL = softmax_jacobian_kappa(P)                                    # [B, H]
         else:   # scores overflow float64: P (and every term built on it) is undefined
             kP = kL = torch.full((B, H), math.nan, dtype=f64, device=P.device)
@@ -200,7 +213,7 @@ def condition_number_bound(layer: nn.Module, x: Tensor, *, causal: bool = False,
         reasons.append("kappa(Lambda(P)) undefined: every row attends a single key, so the softmax Jacobian is 0"
                        + (" (N = 1: one token)" if N == 1 else ""))
     if scores_finite and bool(torch.isinf(kP).any()):
-        reasons.append("kappa(P) = inf: the attention matrix is singular (e.g. repeated tokens)")
+        reasons.append(_singular_p(sP, kP, causal))
     if vacuous and not reasons:
         reasons.append("the product of the (finite) terms overflows float64")
     res = ConditionNumberBound(
