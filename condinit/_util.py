@@ -1,9 +1,15 @@
-"""Small helpers shared across condinit: the bytes of a tensor, and byte counts as people read them."""
+"""Small helpers shared across condinit: the bytes of a tensor, byte counts as people read them, and
+handing freed memory back to the system between the steps of a long command."""
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import sys
 
 import torch
 
-__all__ = ["format_bytes", "tensor_bytes"]
+__all__ = ["format_bytes", "release_memory", "tensor_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -22,3 +28,28 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+_LIBC = None
+
+
+def release_memory() -> None:
+    """Collect garbage and, with glibc, return the heap's free pages to the system (``malloc_trim``).
+
+    glibc keeps the pages of freed large blocks in its arenas (their size grows the ``mmap``
+    threshold), so a loop whose every pass allocates and frees a few hundred MB (one layer's probe)
+    climbs in resident memory although nothing stays referenced. Called between such passes; a no-op
+    where the C library has no ``malloc_trim``.
+    """
+    global _LIBC
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            _LIBC = False
+    trim = getattr(_LIBC, "malloc_trim", None) if _LIBC else None
+    if trim is not None:
+        trim(0)

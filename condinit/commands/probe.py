@@ -320,6 +320,7 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
     import torch
     from tqdm.auto import tqdm
 
+    from condinit._util import release_memory
     from condinit._validate import SEED_MAX
     from condinit.models import find_attention
     from condinit.probe import (InputCapture, JacobianOperator, NonFiniteError, condition_number_bound,
@@ -394,6 +395,8 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
                          "kappa_X", "kappa_WQ", "kappa_WK", "kappa_WV", "kappa_Lambda", "kappa_softmax")},
                      "bound_notes": bnd.notes, "notes": "; ".join(n for n in (est.notes, fro.notes) if n),
                      "subspace": est.subspace, "time_s": time.perf_counter() - t0})
+        del est, fro
+        release_memory()    # one layer's working set back to the system before the next one's
         bar.update(1)
     bar.close()
     return rows

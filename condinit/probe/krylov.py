@@ -78,14 +78,18 @@ class _Basis:
 
     A vector may also be a coordinate pair ``[2, size]`` = ``[G; K G]`` (the weights' long side in
     projection-output coordinates, see :meth:`JacobianOperator.coord_rmv`), orthonormal in the
-    inner product ``<G_1, K G_2>``."""
+    inner product ``<G_1, K G_2>``. Of a pair only ``G`` is kept (half the memory of the run's
+    largest store); ``gram`` (``G -> K G``) gives a reorthogonalized pair its second half again."""
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, gram=None):
         self.rows, self.k = rows, 0
+        self.gram = gram
         self.blocks: list = []
         self._free = 0
 
     def append(self, v: Tensor):
+        if v.dim() == 2:
+            v = v[0]
         if self._free == 0:      # the next block as large as all before it (at least 8 rows)
             size = min(max(8, self.k), self.rows - self.k)
             self.blocks.append(v.new_empty(size, *v.shape))
@@ -101,11 +105,12 @@ class _Basis:
 
     def _remove(self, w: Tensor) -> Tensor:
         # classical Gram-Schmidt over all blocks: every coefficient from the same w
-        if w.dim() == 2:
-            cs = [(Q, Q[:, 0] @ w[1]) for Q in self._filled()]
+        if w.dim() == 2:     # <Q_i, w> = Q_i . (K G_w); then K G_w of what is left
+            g = w[0]
+            cs = [(Q, Q @ w[1]) for Q in self._filled()]
             for Q, c in cs:
-                w = w - torch.tensordot(c, Q, dims=1)
-            return w
+                g = g - Q.t() @ c
+            return torch.stack([g, self.gram(g)])
         cs = [(Q, Q @ w) for Q in self._filled()]
         for Q, c in cs:
             w = w - Q.t() @ c

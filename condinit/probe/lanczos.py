@@ -49,7 +49,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         return _vanished_estimate(op, eff, method, seed)
     v, y = v / nrm, y / nrm
     k_max = min(steps, eff.r)
-    V, U = _Basis(k_max + 1), _Basis(k_max)
+    V, U = _Basis(k_max + 1), _Basis(k_max, gram=op.coord_gram if eff.coords else None)
     V.append(v)
     alphas, betas = [], []
     x_prev, beta, scale = None, 0.0, 0.0
