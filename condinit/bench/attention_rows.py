@@ -72,7 +72,10 @@ def sdpa_best(q, k, v, causal: bool, timer: Timer, backward: bool = False):
 def math_jvp(q, k, v, tq, tk, tv, causal):
     """``torch.func.jvp`` over SDPA forced to MATH, its only backend with forward-mode AD."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel([SDPBackend.MATH]):
+    with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
+        # torch's forward-mode AD scripts its decompositions on first use and warns that torch.jit.script is
+        # deprecated: torch's own internals, nothing the reader of the table can act on
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
         return torch.func.jvp(lambda a, b, c: _sdpa(a, b, c, causal), (q, k, v), (tq, tk, tv))
 
 
