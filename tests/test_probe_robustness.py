@@ -319,6 +319,54 @@ def test_cli_probe_one_token_and_nan_weight(tmp_path, capsys, monkeypatch):
     assert "not probed" not in out and "bound '-'" not in out
 
 
+def test_probe_is_exact_in_float64_where_exactness_is_cheap(seed):
+    """A layer small enough for an exact estimate (the dense SVD, or Lanczos to the end of range(J)) is
+    probed in float64: exact, converged,
+    and kappa that of the reference, the dense float64 Jacobian (jacrev) of the layer's own forward
+    with its output projection replaced by the identity, on the input the layer received (captured by
+    a hook of this test). The batch repeats tokens, so X has null directions: their rounding must not
+    surface as small singular values of J."""
+    from condinit.commands.probe import probe_model
+
+    torch.manual_seed(seed)
+    model = ToyLM().eval()
+    ids = torch.randint(0, 11, (1, 7))
+    ids[0, 5:] = ids[0, :2]          # repeated tokens: X (no positions in this model) is rank-deficient
+    got = {}
+
+    def keep(i):
+        def hook(mod, args):
+            got.setdefault(i, args[0].detach().to(F64))
+        return hook
+    hooks = [layer.self_attn.register_forward_pre_hook(keep(i)) for i, layer in enumerate(model.layers)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    rows = probe_model(model, {"input_ids": ids}, samples=2, seed=seed)
+    for i, layer in enumerate(model.layers):
+        mha = layer.self_attn
+        params = {k: v.detach().to(F64) for k, v in mha.named_parameters()}
+        params["out_proj.weight"] = torch.eye(16, dtype=F64)
+        params["out_proj.bias"] = torch.zeros(16, dtype=F64)
+        x = got[i]
+
+        def f(w):
+            out = torch.func.functional_call(mha, {**params, "in_proj_weight": w}, (x, x, x),
+                                             {"need_weights": False})[0]
+            return out.reshape(-1)
+        J = torch.func.jacrev(f)(params["in_proj_weight"]).reshape(x.numel(), -1)
+        s = torch.linalg.svdvals(J)
+        kappa = float(s[0] / s[s > 1e-10 * s[0]][-1])
+        r = rows[i]
+        assert (r["dtype"], r["exact"], r["converged"], r["skipped"]) == ("float64", True, True, None), r
+        assert r["kappa_lo"] <= kappa <= r["kappa_hi"], (i, r["kappa_lo"], kappa, r["kappa_hi"])
+        assert r["kappa"] == pytest.approx(kappa, rel=1e-6), i
+        # the dense path too (its matrix in projection-output coordinates, K^(1/2) G, K = X X^T singular)
+        dense = condition_number(JacobianOperator(mha, x, wrt="weights", dtype=F64), method="dense")
+        assert dense.kappa_lo <= kappa <= dense.kappa_hi and dense.kappa == pytest.approx(kappa, rel=1e-6), i
+
+
 def test_cli_probe_time_budget_default_and_no_limit(tmp_path, capsys, monkeypatch):
     """Each layer's Lanczos work is capped at 10 s by default; --time-budget 0 lifts the cap;
     a negative budget is refused before any work."""

@@ -373,6 +373,12 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
             with weights.loaded(l.module) if weights is not None else contextlib.nullcontext():
                 op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32,
                                       position_embeddings=pe, spec=l.spec)
+                if _exact_in_reach(op, steps):
+                    # an exact estimate (the dense SVD, or Lanczos to the end of range(J)): in float64, whose
+                    # rounding cannot leave kappa's bracket wide or stop the Krylov space early; the dense SVD
+                    # costs about what it does in float32 (its matrix is float64 either way)
+                    op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float64,
+                                          position_embeddings=pe, spec=l.spec)
                 bnd = condition_number_bound(l.module, x, causal=causal, measure=False)
         except NonFiniteError as exc:
             # a diverged layer (or one fed by one): reported in its row, the others are still probed
@@ -380,14 +386,16 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
                          **{k: None for k in _VALUE_KEYS}})
             bar.update(1)
             continue
-        est = lanczos_svd(op, seed=layer_seed, **budget)
+        est = lanczos_svd(op, seed=layer_seed, dense="auto", **budget)
         fro = frobenius_hutchinson(op, samples=samples, seed=layer_seed)
+        op_dtype = op.dtype
         del op
         found = est.to_dict()
         rows.append({"layer": l.index, "name": l.name, "causal": causal, "skipped": None, "shape": list(est.shape),
                      "sigma_max": est.sigma_max, "sigma_min": est.sigma_min, "kappa": est.kappa,
                      **{k: found[k] for k in _BRACKET_KEYS if k in found},
                      "rank_deficient": est.rank_deficient, "converged": est.converged,
+                     "method": est.method, "dtype": str(op_dtype).removeprefix("torch."), "exact": est.exact,
                      "lanczos_steps": est.iterations,
                      "residual_max": est.residual_max, "residual_min": est.residual_min,
                      "frobenius": fro.frobenius, "frobenius_ci": [fro.ci_low, fro.ci_high],
@@ -404,7 +412,7 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
 
 # the value fields of a probed row (None in a skipped one)
 _VALUE_KEYS = ("shape", "sigma_max", "sigma_min", "kappa", "kappa_lo", "kappa_hi", "rank_deficient", "converged",
-               "lanczos_steps", "residual_max", "residual_min", "frobenius", "frobenius_ci", "bound", "bound_terms",
+               "method", "dtype", "exact", "lanczos_steps", "residual_max", "residual_min", "frobenius", "frobenius_ci", "bound", "bound_terms",
                "bound_notes", "notes", "subspace", "time_s")
 
 
@@ -448,6 +456,22 @@ def _bound_cells(rows) -> tuple[dict, list]:
     return cells, [f"({letter}) bound vacuous: {why}" for why, letter in notes.items()]
 
 
+def _exact_in_reach(op, steps) -> bool:
+    """Whether ``lanczos_svd(op, steps=steps, dense="auto")`` will be exact: the dense SVD is taken, or
+    Lanczos reaches the end of ``range(J)`` within the step budget."""
+    from condinit.probe.estimators import DEFAULT_STEPS, dense_preferred
+    from condinit.probe.krylov import _Effective
+
+    return dense_preferred(op, steps) or _Effective(op).r <= (DEFAULT_STEPS if steps is None else steps)
+
+
+def _steps_cell(r) -> str:
+    """The Lanczos steps of a row, or how its dense SVD ran."""
+    if r["method"] == "dense-svd":
+        return "dense64" if r["dtype"] == "float64" else "dense"
+    return str(r["lanczos_steps"])
+
+
 def _print_table(args, inputs, rows) -> None:
     tokens = inputs["input_ids"].shape[1] if "input_ids" in inputs else "image"
     budget = ", ".join(f"{name} {v:g}" for name, v in (("at most Lanczos steps", args.steps),
@@ -466,12 +490,15 @@ def _print_table(args, inputs, rows) -> None:
         bracket = f"[{_fmt(lo, '.3g')}, {_fmt(hi, '.3g')}]" if lo is not None or hi is not None else "-"
         flag = "" if r["converged"] else "  not converged"
         print(f"{r['layer']:>5}  {r['name'][-30:]:<30} {_fmt(r['sigma_max']):>10} {_fmt(r['sigma_min']):>10} "
-              f"{kappa:>10} {bracket:>23} {r['lanczos_steps']:>5} {_fmt(r['frobenius']):>10} "
+              f"{kappa:>10} {bracket:>23} {_steps_cell(r):>5} {_fmt(r['frobenius']):>10} "
               f"{cells[r['layer']]:>10}{flag}")
     probed = [r for r in rows if r["skipped"] is None]
     if any(r.get("kappa_lo") is not None for r in probed):
         print("[kappa_lo, kappa_hi]: the bracket of kappa(J) (condinit.probe.lanczos_svd; the JSON's 'bracket' "
               "says how each side is obtained)")
+    if any(r["method"] == "dense-svd" for r in probed):
+        print("steps 'dense64' ('dense'): the exact dense SVD in float64 (float32), block by block where J is block "
+              "diagonal over its key/value heads; cheaper here than Lanczos run to exactness")
     if any(not r["converged"] for r in probed):
         print("not converged: the bracket is wider than the estimator's tolerance (raise --steps or --time-budget; "
               "the JSON's notes say which budget ended it)")

@@ -82,8 +82,11 @@ def _dense_matrix(eff: "_Effective") -> Tensor:
     M = torch.empty(q, p, dtype=torch.float64, device=op.device)
     root = None
     if eff.coords:       # <G_1, K G_2> = <K^{1/2} G_1, K^{1/2} G_2>
-        lam, Q = torch.linalg.eigh(op._gram().to(torch.float64))
-        root = (Q * lam.clamp(min=0).sqrt()) @ Q.t()
+        # K^{1/2} = U S U^T from X = U S V^T: its values carry X's rounding (eps ||X||), where the square
+        # roots of K's eigenvalues would carry sqrt(eps) ||X|| and turn a null of X (repeated tokens) into
+        # spurious singular values of J about sqrt(eps) below its largest
+        U, S, _ = torch.linalg.svd(op.X.reshape(-1, op.D).to(torch.float64), full_matrices=False)
+        root = (U * S) @ U.t()
     chunk = max(1, min(q, 64, (1 << 22) // max(1, p)))
     for i in range(0, q, chunk):
         c = min(chunk, q - i)

@@ -59,7 +59,7 @@ from .results import FrobeniusEstimate, SpectrumEstimate, _check_operators, _man
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
            "frobenius_hutchinson", "default_rank_rtol", "dense_preferred", "check_dense"]
 
-_STEPS = 300          # default step budget of lanczos_svd / condition_number
+DEFAULT_STEPS = 300   # default step budget of lanczos_svd / condition_number
 _CONFIDENCE = 0.999   # sigma_max's upper bound holds with this probability over the random start
 
 
@@ -73,7 +73,7 @@ def check_dense(dense):
 
 def _check_budget(steps, tol, time_budget, confidence, rank_rtol):
     check_int("steps", steps, min=1, allow_none=True)
-    given, steps = steps, _STEPS if steps is None else steps
+    given, steps = steps, DEFAULT_STEPS if steps is None else steps
     rank_rtol = check_real("rank_rtol", rank_rtol, min=0.0, max=1.0, allow_none=True)
     tol = check_real("tol", tol, min=0.0)
     time_budget = check_real("time_budget", time_budget, min=0.0, min_open=True, allow_none=True)

@@ -117,10 +117,13 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
     res_min = res[-1] / smin if smin > 0 else math.inf
     notes = []
     if not converged:
-        why = f"the time budget ({time_budget:g} s)" if stop == "time" else f"the step budget ({steps} steps)"
+        why = (f"the time budget ({time_budget:g} s) reached" if stop == "time" else
+               f"the rounding floor of {op.dtype} reached" if stop == "noise" else
+               f"the step budget ({steps} steps) reached")
         notes.append(f"not converged: kappa in [{bracket['kappa'][0]:.4g}, {bracket['kappa'][1]:.4g}] is wider "
-                     f"than tol = {tol:g} after {k} steps ({why} reached); the Ritz values are inside the "
-                     f"spectrum (sigma_max >= {smax:.4g}, sigma_min <= {smin:.4g}); raise steps or time_budget")
+                     f"than tol = {tol:g} after {k} steps ({why}); the Ritz values are inside the "
+                     f"spectrum (sigma_max >= {smax:.4g}, sigma_min <= {smin:.4g}); " + (
+                         "dtype=torch.float64 goes further" if stop == "noise" else "raise steps or time_budget"))
     if stop == "noise":
         notes.append(f"the Krylov space reached the rounding floor of {op.dtype} at step {k + 1}: J has no "
                      f"further direction above it that this dtype resolves" + (
