@@ -18,7 +18,8 @@ Krylov vectors (BENCHMARKS.md).
 Per layer it prints sigma_max and sigma_min of the weight Jacobian and kappa(J) with its bracket
 ``[kappa_lo, kappa_hi]``, as :func:`condinit.probe.lanczos_svd` gives them (``--steps`` and
 ``--time-budget`` cap its work per layer, by default 300 steps or 10 s, whichever comes first; it
-stops earlier when the bracket is tight),
+stops earlier when the bracket is tight; where an exact estimate is cheap, the dense SVD or
+Lanczos to the end of ``range(J)``, the layer is estimated in float64, else in float32),
 ``||J||_F`` (Hutchinson, with its 95 % interval) and the upper bound on kappa(J) of
 :func:`condinit.probe.condition_number_bound`. A vacuous bound prints as ``-`` with a footnote
 letter; the footnotes under the table say which term is infinite or undefined and why. Decoder
