@@ -150,3 +150,20 @@ def test_cli_probe_bad_input(tmp_path, capsys):
     assert not (tmp_path / "o.json").exists()
     assert main(["probe", str(ckpt), "--preset", "tiny-llama", "--plot", str(tmp_path / "no" / "p.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wrt", ["weights", "qkv", "input"])
+def test_dense_size_precheck_never_exceeds_the_matrix_built(wrt):
+    """dense_preferred decides from the shapes first: its lower bound on the dense matrix's entries
+    is at most the entries of the matrix each key/value block (or the whole J) would build, whichever
+    side the run orients, for wide and tall layers."""
+    from condinit.probe.dense_svd import _dense_shape, _least_entries
+    from condinit.probe.krylov import _Effective
+
+    for B, N, D, H, Hkv in ((1, 5, 32, 4, 2), (1, 12, 8, 2, 1), (2, 3, 6, 4, 4), (1, 20, 16, 4, 2)):
+        _, _, op = make(wrt, True, B=B, N=N, D=D, H=H, Hkv=Hkv, d=4, seed=N)
+        for blocks in (True, False):
+            parts = op.kv_blocks() if blocks else [op]
+            for part in parts:
+                q, p = _dense_shape(_Effective(part))
+                assert _least_entries(op, len(parts)) <= q * p, (wrt, B, N, D, H, Hkv, blocks)

@@ -68,10 +68,24 @@ def dense_preferred(op: JacobianOperator, steps: Optional[int] = None, blocks: b
     SVD is cheaper than the Lanczos run to exactness and small (at most about 2e11 flops and 2**24
     entries), and its attention output is finite in its dtype. Such an operator is best built in
     float64 (its bracket is then the rounding of float64)."""
+    n_parts = op.Hkv if blocks and op.kv_blocks_exact is None else 1
+    if _least_entries(op, n_parts) > _DENSE_ENTRIES:
+        return False            # decided from the shapes, before any block or known null is set up
     parts = op.kv_blocks() if blocks else [op]
     share = None if steps is None else max(1, steps // len(parts))
     effs = [_Effective(p) for p in parts]
     return all(e.r > 0 and _dense_plan(e, share) is not None for e in effs) and _overflow(op) is None
+
+
+def _least_entries(op: JacobianOperator, n_parts: int) -> int:
+    """A lower bound on the entries of the dense matrix :func:`_dense_shape` gives for each of ``n_parts``
+    equal key/value blocks of ``op``: ``m`` times the shorter of ``n`` and, for ``wrt="weights"``, the
+    projection-output coordinates' ``B N rows``, whichever side the run orients."""
+    m, n = op.m // n_parts, op.n // n_parts
+    side = n
+    if op.wrt == "weights":
+        side = min(n, op.B * op.N * sum(s[0] for s in op._in_shapes) // n_parts)
+    return m * side
 
 
 def _dense_matrix(eff: "_Effective") -> Tensor:
