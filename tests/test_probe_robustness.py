@@ -319,6 +319,44 @@ def test_cli_probe_one_token_and_nan_weight(tmp_path, capsys, monkeypatch):
     assert "not probed" not in out and "bound '-'" not in out
 
 
+def _mha_kappa(mha, x):
+    """kappa over the nonzero spectrum of the float64 Jacobian (jacrev) of ``mha``'s own forward w.r.t.
+    its Q/K/V weights, with its output projection replaced by the identity, at ``x`` ``[1, N, D]``."""
+    D = x.shape[-1]
+    params = {k: v.detach().to(F64) for k, v in mha.named_parameters()}
+    params["out_proj.weight"] = torch.eye(D, dtype=F64)
+    params["out_proj.bias"] = torch.zeros(D, dtype=F64)
+    x = x.to(F64)
+
+    def f(w):
+        out = torch.func.functional_call(mha, {**params, "in_proj_weight": w}, (x, x, x), {"need_weights": False})[0]
+        return out.reshape(-1)
+    J = torch.func.jacrev(f)(params["in_proj_weight"]).reshape(x.numel(), -1)
+    s = torch.linalg.svdvals(J)
+    return float(s[0] / s[s > 1e-10 * s[0]][-1])
+
+
+def test_monitor_is_exact_in_float64_where_exactness_is_cheap(seed):
+    """A float32 layer whose estimate is exact (the dense SVD or Lanczos to the end of range(J)) is
+    estimated on a float64 copy of the captured step: the record says float64, is converged, and its
+    kappa is the jacrev reference's, whether the input repeats tokens or not."""
+    g = torch.Generator().manual_seed(seed)
+    m = mha(g, D=16, H=2, dtype=torch.float32)
+    for repeat in (False, True):
+        x = torch.randn(1, 6, 16, generator=g)
+        if repeat:
+            x[0, 4:] = x[0, :2]
+        mon = JacobianMonitor(m, every=1, frobenius_samples=0, tensorboard=False, signals=False)
+        with torch.no_grad():
+            m(x, x, x)
+        (rec,) = mon.step()
+        mon.close()
+        kappa = _mha_kappa(m, x)
+        assert (rec["dtype"], rec["converged"], rec["skipped"]) == ("float64", True, None), rec
+        assert rec["kappa_lo"] <= kappa <= rec["kappa_hi"] and rec["kappa"] == pytest.approx(kappa, rel=1e-6), \
+            (repeat, rec["kappa"], kappa)
+
+
 def test_probe_is_exact_in_float64_where_exactness_is_cheap(seed):
     """A layer small enough for an exact estimate (the dense SVD, or Lanczos to the end of range(J)) is
     probed in float64: exact, converged,
@@ -345,19 +383,8 @@ def test_probe_is_exact_in_float64_where_exactness_is_cheap(seed):
         h.remove()
     rows = probe_model(model, {"input_ids": ids}, samples=2, seed=seed)
     for i, layer in enumerate(model.layers):
-        mha = layer.self_attn
-        params = {k: v.detach().to(F64) for k, v in mha.named_parameters()}
-        params["out_proj.weight"] = torch.eye(16, dtype=F64)
-        params["out_proj.bias"] = torch.zeros(16, dtype=F64)
-        x = got[i]
-
-        def f(w):
-            out = torch.func.functional_call(mha, {**params, "in_proj_weight": w}, (x, x, x),
-                                             {"need_weights": False})[0]
-            return out.reshape(-1)
-        J = torch.func.jacrev(f)(params["in_proj_weight"]).reshape(x.numel(), -1)
-        s = torch.linalg.svdvals(J)
-        kappa = float(s[0] / s[s > 1e-10 * s[0]][-1])
+        mha, x = layer.self_attn, got[i]
+        kappa = _mha_kappa(mha, x)
         r = rows[i]
         assert (r["dtype"], r["exact"], r["converged"], r["skipped"]) == ("float64", True, True, None), r
         assert r["kappa_lo"] <= kappa <= r["kappa_hi"], (i, r["kappa_lo"], kappa, r["kappa_hi"])

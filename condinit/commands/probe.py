@@ -327,6 +327,7 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
     from condinit.probe import (InputCapture, JacobianOperator, NonFiniteError, condition_number_bound,
                                 frobenius_hutchinson, lanczos_svd)
     from condinit.probe.capture import layer_position_embeddings
+    from condinit.probe.estimators import exact_in_reach
 
     layers = find_attention(model)
     if not layers:
@@ -374,10 +375,7 @@ def probe_model(model, inputs, *, steps=None, time_budget=None, samples=16, seed
             with weights.loaded(l.module) if weights is not None else contextlib.nullcontext():
                 op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float32,
                                       position_embeddings=pe, spec=l.spec)
-                if _exact_in_reach(op, steps):
-                    # an exact estimate (the dense SVD, or Lanczos to the end of range(J)): in float64, whose
-                    # rounding cannot leave kappa's bracket wide or stop the Krylov space early; the dense SVD
-                    # costs about what it does in float32 (its matrix is float64 either way)
+                if exact_in_reach(op, steps):          # then in float64 (exact_in_reach says why)
                     op = JacobianOperator(l.module, x, wrt=wrt, causal=causal, dtype=torch.float64,
                                           position_embeddings=pe, spec=l.spec)
                 bnd = condition_number_bound(l.module, x, causal=causal, measure=False)
@@ -455,15 +453,6 @@ def _bound_cells(rows) -> tuple[dict, list]:
         letter = notes.setdefault(why, chr(ord("a") + len(notes)) if len(notes) < 26 else "*")
         cells[r["layer"]] = f"-({letter})"
     return cells, [f"({letter}) bound vacuous: {why}" for why, letter in notes.items()]
-
-
-def _exact_in_reach(op, steps) -> bool:
-    """Whether ``lanczos_svd(op, steps=steps, dense="auto")`` will be exact: the dense SVD is taken, or
-    Lanczos reaches the end of ``range(J)`` within the step budget."""
-    from condinit.probe.estimators import DEFAULT_STEPS, dense_preferred
-    from condinit.probe.krylov import _Effective
-
-    return dense_preferred(op, steps) or _Effective(op).r <= (DEFAULT_STEPS if steps is None else steps)
 
 
 def _steps_cell(r) -> str:

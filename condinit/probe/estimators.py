@@ -57,7 +57,7 @@ from .operator import JacobianOperator
 from .results import FrobeniusEstimate, SpectrumEstimate, _check_operators, _many, default_rank_rtol
 
 __all__ = ["SpectrumEstimate", "FrobeniusEstimate", "lanczos_svd", "power_sigma_max", "condition_number",
-           "frobenius_hutchinson", "default_rank_rtol", "dense_preferred", "check_dense"]
+           "frobenius_hutchinson", "default_rank_rtol", "dense_preferred", "check_dense", "exact_in_reach"]
 
 DEFAULT_STEPS = 300   # default step budget of lanczos_svd / condition_number
 _CONFIDENCE = 0.999   # sigma_max's upper bound holds with this probability over the random start
@@ -188,3 +188,14 @@ def _run(op: JacobianOperator, *, one, blocks, **kw):
         blocks = dense is True or (many and dense == "auto" and dense_preferred(op, steps)) or \
             (many and steps is not None and blocks_reach_exactness(op, steps))
     return blocks_estimate(op, one, **kw) if blocks else one(op, **kw)
+
+
+def exact_in_reach(op: JacobianOperator, steps: Optional[int] = None, dense: Union[bool, str] = "auto") -> bool:
+    """Whether :func:`lanczos_svd` with these ``steps`` and ``dense`` will be exact on ``op``: the dense
+    SVD is taken (``dense`` not False and :func:`dense_preferred`), or Lanczos reaches the end of
+    ``range(J)`` within the step budget (``r <= steps``, default 300). Such an operator is best built
+    in float64: its rounding then cannot leave kappa's bracket wide, nor stop the Krylov space before
+    the end, and the dense SVD costs about what it does in float32 (its matrix is float64 either way)."""
+    if dense is not False and dense_preferred(op, steps):
+        return True
+    return _Effective(op).r <= (DEFAULT_STEPS if steps is None else steps)

@@ -119,9 +119,9 @@ class JacobianMonitor:
             for a 12-layer D=768 model at 8 x 512 tokens (the whole batch costs several times more);
             ``None``: all.
         frobenius_samples: Hutchinson probes per layer (0: skip).
-        dtype: compute dtype (default: the layer's, float32 for half types; a layer on the dense
-            path whose kappa bracket is then wider than ``tol`` by that dtype's rounding alone is
-            redone in float64 from a copy taken at the same capture, and its record says so).
+        dtype: compute dtype (default: the layer's, float32 for half types; float64 for a layer
+            whose estimate is exact, the dense SVD or Lanczos to the end of ``range(J)``, see
+            :func:`~condinit.probe.estimators.exact_in_reach`; the record's ``dtype`` says which).
         include, exclude: fnmatch patterns on module names (as in :func:`condinit.apply`).
         tensorboard: also write TensorBoard scalars to ``log_dir`` when ``torch.utils.tensorboard``
             imports.
@@ -203,7 +203,6 @@ class JacobianMonitor:
         self.step_count = 0
         self._cursor = 0          # round-robin position over layers
         self._captured: dict = {}
-        self._refine: dict = {}       # layer -> a float64 operator of the same capture (dense path only)
         self._skipped: dict = {}      # layer -> the reason its capture on this step failed
         self._traced: dict = {}       # layers whose forward this step was a torch.compile graph
         # output files: checked and opened before any hook is registered
@@ -270,14 +269,14 @@ class JacobianMonitor:
             op = JacobianOperator(module, x, wrt=self.wrt, causal=causal, dtype=self.dtype,
                                   position_embeddings=pe, spec=self.layers[idx].spec)
             self._captured[idx] = op
-            if self.dtype is None and self.dense is not False and op.dtype != torch.float64:
-                from .estimators import dense_preferred
-                if dense_preferred(op, self.steps):
-                    # a float64 copy of the same data: used when the dense SVD in the layer's dtype leaves
-                    # kappa's bracket wider than tol by rounding alone
-                    self._refine[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal,
-                                                         dtype=torch.float64, position_embeddings=pe,
-                                                         spec=self.layers[idx].spec)
+            if self.dtype is None and op.dtype != torch.float64:
+                from .estimators import exact_in_reach
+                if exact_in_reach(op, self.steps, self.dense):
+                    # an exact estimate (the dense SVD, or Lanczos to the end of range(J)) is made on a
+                    # float64 copy of the same data, where rounding cannot leave its bracket wide
+                    self._captured[idx] = JacobianOperator(module, x, wrt=self.wrt, causal=causal,
+                                                           dtype=torch.float64, position_embeddings=pe,
+                                                           spec=self.layers[idx].spec)
         except (ValueError, TypeError) as exc:
             # non-finite data (NonFiniteError) or a layer the operator cannot read: logged as skipped
             # with the reason; training goes on
@@ -303,7 +302,7 @@ class JacobianMonitor:
         if self._captured or self._skipped or self._pending or (self._traced and self.sampling) \
                 or (self.distributed and cur % self.every == 0):
             records = self._estimate(cur)
-        self._captured, self._skipped, self._pending, self._traced, self._refine = {}, {}, {}, {}, {}
+        self._captured, self._skipped, self._pending, self._traced = {}, {}, {}, {}
         self.step_count = cur + 1
         return records
 
@@ -361,13 +360,6 @@ class JacobianMonitor:
                     sig = attention_signals(op) if self.signals else {}
                     est = lanczos_svd(op, steps=self.steps, seed=seed, tol=self.tol,
                                       time_budget=self._layer_time(t_start), dense=self.dense)
-                    op64 = self._refine.pop(idx, None)
-                    if op64 is not None and est.method == "dense-svd" and math.isfinite(est.sigma_max) \
-                            and not est.converged:
-                        est = lanczos_svd(op64, steps=self.steps, seed=seed, tol=self.tol, dense=self.dense)
-                        est.notes = "; ".join(n for n in (f"redone in float64: in {op.dtype} kappa's bracket "
-                                                          f"was the dtype's rounding", est.notes) if n)
-                        op = op64
                     fro = frobenius_hutchinson(op, samples=self.frobenius_samples, seed=(seed + 1) % SEED_MAX) \
                         if self.frobenius_samples and math.isfinite(est.sigma_max) else None
                 # the estimators report an overflow of the compute dtype as NaN values with the reason
@@ -521,7 +513,7 @@ class JacobianMonitor:
         if self._capture is not None:
             self._capture.remove()
             self._capture = None
-        self._captured, self._refine = {}, {}
+        self._captured = {}
         self._log.close()
 
     def __enter__(self):
