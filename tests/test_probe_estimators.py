@@ -167,3 +167,15 @@ def test_dense_size_precheck_never_exceeds_the_matrix_built(wrt):
             for part in parts:
                 q, p = _dense_shape(_Effective(part))
                 assert _least_entries(op, len(parts)) <= q * p, (wrt, B, N, D, H, Hkv, blocks)
+
+
+def test_exact_in_reach_follows_dense():
+    """A forced dense SVD is exact whatever its cost; without it, a step budget short of r is not."""
+    from condinit.probe.estimators import exact_in_reach
+    from condinit.probe.krylov import _Effective
+
+    _, _, op = make("weights", True, N=12, D=16, H=2, Hkv=2, d=4, seed=3)
+    assert _Effective(op).r > 2
+    assert exact_in_reach(op, steps=2, dense=True)
+    assert not exact_in_reach(op, steps=2, dense=False)
+    assert exact_in_reach(op, steps=_Effective(op).r, dense=False)

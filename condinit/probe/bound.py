@@ -88,13 +88,11 @@ def _kappa(s: Tensor, rtol: float = 1e-13) -> Tensor:
 def _singular_p(sP: Tensor, kP: Tensor, causal: bool) -> str:
     """Why ``kappa(P)`` is inf for some heads, with the smallest ratio ``sigma_min(P) / sigma_max(P)``."""
     ratio = float((sP[..., -1] / sP[..., 0].clamp_min(1e-300)).min())
-    heads = f"{int(torch.isinf(kP).sum())} of {kP.numel()} (sequence, head) pairs"
-    if causal:
-        return (f"kappa(P) = inf: the causal attention matrix is singular to float64 for {heads} "
-                f"(sigma_min(P) / sigma_max(P) down to {ratio:.1e}, at most 1e-13): lower triangular with a positive "
-                f"diagonal, P is invertible, but its smallest singular value falls exponentially with N")
-    return (f"kappa(P) = inf: the attention matrix is singular to float64 for {heads} "
-            f"(sigma_min(P) / sigma_max(P) down to {ratio:.1e}, at most 1e-13; e.g. repeated tokens)")
+    why = ("): lower triangular with a positive diagonal, P is invertible, but its smallest singular value falls "
+           "exponentially with N") if causal else "; e.g. repeated tokens)"
+    return (f"kappa(P) = inf: the {'causal ' if causal else ''}attention matrix is singular to float64 for "
+            f"{int(torch.isinf(kP).sum())} of {kP.numel()} (sequence, head) pairs (sigma_min(P) / sigma_max(P) "
+            f"down to {ratio:.1e}, at most 1e-13{why}")
 
 
 def _secular_root(p: Tensor, lo: Tensor, hi: Tensor, iters: int = 100) -> Tensor:

@@ -192,10 +192,10 @@ def _run(op: JacobianOperator, *, one, blocks, **kw):
 
 def exact_in_reach(op: JacobianOperator, steps: Optional[int] = None, dense: Union[bool, str] = "auto") -> bool:
     """Whether :func:`lanczos_svd` with these ``steps`` and ``dense`` will be exact on ``op``: the dense
-    SVD is taken (``dense`` not False and :func:`dense_preferred`), or Lanczos reaches the end of
+    SVD is taken (``dense=True``, or ``"auto"`` and :func:`dense_preferred`), or Lanczos reaches the end of
     ``range(J)`` within the step budget (``r <= steps``, default 300). Such an operator is best built
     in float64: its rounding then cannot leave kappa's bracket wide, nor stop the Krylov space before
     the end, and the dense SVD costs about what it does in float32 (its matrix is float64 either way)."""
-    if dense is not False and dense_preferred(op, steps):
+    if dense is True or (dense == "auto" and dense_preferred(op, steps)):
         return True
     return _Effective(op).r <= (DEFAULT_STEPS if steps is None else steps)
