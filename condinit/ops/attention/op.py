@@ -202,14 +202,9 @@ class _FirstOrderOnly(torch.autograd.Function):
             "not use tangent_out can pass grad_through_tangent=False, whose backward is.")
 
 
-class _AttentionJVP(torch.autograd.Function):
-    """``(out, tout, lse)`` from the fused JVP op; backward = ``condinit::attention_jvp_bwd``, the
-    tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
-
-    ``jvp_impl`` and ``bwd_impl`` name the backends of the JVP and of its backward. The backward
-    is not itself differentiable: second-order gradients through it raise
-    (:class:`_FirstOrderOnly`).
-    """
+class _JVPForward(torch.autograd.Function):
+    """The fused JVP op's ``(out, tout, lse)`` as an autograd function; the subclasses say what its
+    backward differentiates."""
 
     generate_vmap_rule = True
 
@@ -217,6 +212,17 @@ class _AttentionJVP(torch.autograd.Function):
     def forward(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl):
         return attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens,
                                  jvp_impl)
+
+
+
+class _AttentionJVP(_JVPForward):
+    """``(out, tout, lse)`` from the fused JVP op; backward = ``condinit::attention_jvp_bwd``, the
+    tiled pass through both outputs from the saved ``(out, tout, lse)`` (O(N) memory).
+
+    ``jvp_impl`` and ``bwd_impl`` name the backends of the JVP and of its backward. The backward
+    is not itself differentiable: second-order gradients through it raise
+    (:class:`_FirstOrderOnly`).
+    """
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -242,16 +248,9 @@ class _AttentionJVP(torch.autograd.Function):
         return (dq, dk, dv, *dt) + (None,) * 8
 
 
-class _AttentionJVPOutGrad(torch.autograd.Function):
+class _AttentionJVPOutGrad(_JVPForward):
     """``(out, tout, lse)`` from the fused JVP op with ``tout`` not differentiable: backward = the
     flash VJP of ``out`` alone (``condinit::attention_bwd``, itself differentiable)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens, jvp_impl, bwd_impl):
-        return attention_jvp_op(q, k, v, tq, tk, tv, causal, scale, window_left, window_right, q_lens, kv_lens,
-                                 jvp_impl)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
