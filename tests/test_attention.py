@@ -319,6 +319,38 @@ def test_torch_compile(rng):
 
 
 @pytest.mark.slow
+def test_torch_compile_forward_mode(rng):
+    """Compiled functions taking a forward-mode tangent through condinit.attention (torch.func.jvp,
+    a forward-AD dual level, vmap of jvp) give the float64 reference's tangent, never zeros; a
+    compiled torch.func.grad too."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = make_qkv(1, 2, 1, 7, 7, 8, torch.float64, rng)
+    tq = torch.randn(q.shape, generator=rng, dtype=torch.float64)
+    naive = _naive(True, 8 ** -0.5)
+    f = lambda x: condinit.attention(x, k, v, causal=True)  # noqa: E731
+
+    def dual(x, t):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(f(fwAD.make_dual(x, t))).tangent
+
+    cases = [
+        (lambda x, t: torch.func.jvp(f, (x,), (t,))[1], (q, tq),
+         torch.func.jvp(lambda x: naive(x, k, v), (q,), (tq,))[1]),
+        (dual, (q, tq), torch.func.jvp(lambda x: naive(x, k, v), (q,), (tq,))[1]),
+        (lambda x, t: torch.func.vmap(lambda a, b: torch.func.jvp(f, (a,), (b,))[1])(x, t), (q[None], tq[None]),
+         torch.func.jvp(lambda x: naive(x, k, v), (q,), (tq,))[1][None]),
+        (lambda x: torch.func.grad(lambda a: f(a).sin().sum())(x), (q,),
+         torch.func.grad(lambda a: naive(a, k, v).sin().sum())(q)),
+    ]
+    for fn, args, ref in cases:
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="aot_eager")(*args)
+        assert got.abs().max() > 0
+        torch.testing.assert_close(got, ref)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_torch_compile_inductor(rng):
     """The default (inductor) backend, forward only: generated code around the custom op."""
     q, k, v = make_qkv(1, 2, 1, 9, 9, 16, FP32, rng)

@@ -165,9 +165,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     masks = mask_kinds(causal, left, right, q_lens, kv_lens)
     impls = tuple(chosen_backends(q, backend, masks).values())
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    fn = _Attention if torch.compiler.is_compiling() else _AttentionAD
-    out, _ = fn.apply(q, k, v, causal, scale, left, right, q_lens, kv_lens, *impls)
-    return out
+    args = (q, k, v, causal, scale, left, right, q_lens, kv_lens, *impls)
+    if not torch.compiler.is_compiling():
+        return _AttentionAD.apply(*args)[0]
+    if _transformed():
+        return _eager_attention(*args)
+    return _Attention.apply(*args)[0]
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform or a forward-AD dual level is active (both readable while
+    Dynamo traces). Traced under them, a custom op inside an autograd.Function loses its
+    forward-mode rule (the tangent comes out zero), so such calls leave the graph."""
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+
+
+@torch.compiler.disable
+def _eager_attention(*args) -> Tensor:
+    """:class:`_AttentionAD` outside the compiled graph (a graph break; ``fullgraph=True`` raises)."""
+    return _AttentionAD.apply(*args)[0]
 
 
 # --------------------------------------------------------------------------------------------
