@@ -180,9 +180,14 @@ def _transformed() -> bool:
     return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
 
 
-@torch.compiler.disable
 def _eager_attention(*args) -> Tensor:
-    """:class:`_AttentionAD` outside the compiled graph (a graph break; ``fullgraph=True`` raises)."""
+    """:class:`_AttentionAD` outside the compiled graph (a graph break; ``fullgraph=True`` raises).
+    The disable wrapper is made here, not at import: ``torch.compiler.disable`` imports Dynamo,
+    and with it triton, which ``import condinit`` must not."""
+    return torch.compiler.disable(_attention_ad)(*args)
+
+
+def _attention_ad(*args) -> Tensor:
     return _AttentionAD.apply(*args)[0]
 
 
