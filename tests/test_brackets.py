@@ -110,6 +110,11 @@ def _check(est, s, what):
     """The estimate's brackets against the reference singular values ``s`` (descending)."""
     s1 = float(s[0])
     assert est.sigma_max_lo <= s1 <= est.sigma_max_hi, (what, est.method, est.sigma_max_lo, s1, est.sigma_max_hi)
+    # the reported values lie inside the reported brackets
+    assert est.sigma_max_lo <= est.sigma_max <= est.sigma_max_hi, (what, est.method)
+    assert est.sigma_min_lo <= est.sigma_min <= est.sigma_min_hi, (what, est.method)
+    if est.kappa is not None:
+        assert est.kappa_lo <= est.kappa <= est.kappa_hi, (what, est.method, est.kappa_lo, est.kappa, est.kappa_hi)
     band = s[(s > 1e-13 * s1) & (s <= 1e-10 * s1)]
     if len(band):                                # near-degenerate: no reference kappa
         if est.exact:

@@ -86,6 +86,10 @@ def test_lanczos_brackets_take_the_floor(causal, seed):
     assert f.value <= est.sigma_min_lo <= smin <= est.sigma_min_hi, (est.sigma_min_lo, smin, est.sigma_min_hi)
     assert est.sigma_min_hi <= f.ceiling * (1 + 1e-6) + 1e-9 * smax
     assert math.isfinite(est.kappa_hi) and est.kappa_lo <= smax / smin <= est.kappa_hi
+    # six steps are far from sigma_min: the reported values are still inside their brackets (the
+    # ceiling, not the smallest Ritz value, where that lies above it)
+    assert est.sigma_min_lo <= est.sigma_min <= est.sigma_min_hi, (est.sigma_min_lo, est.sigma_min, est.sigma_min_hi)
+    assert est.kappa_lo <= est.kappa <= est.kappa_hi, (est.kappa_lo, est.kappa, est.kappa_hi)
     assert "certified floor" in est.bracket and "Rayleigh quotient" in est.bracket
     blocks = lanczos_svd(op, steps=12, seed=seed % 1000, blocks=True)
     assert blocks.sigma_min_lo > 0 and blocks.sigma_min_lo <= smin <= blocks.sigma_min_hi
@@ -106,3 +110,35 @@ def test_floor_refuses_wide_weights_input(seed):
     _, _, op = make("weights", False, B=2, N=10, D=16, H=2, Hkv=2, d=4, seed=seed)
     f = sigma_min_floor(op)
     assert f.value is None and "B N = 20 > D = 16" in f.reason
+
+
+def test_torch_multihead_attention_estimate_inside_its_bracket(seed):
+    """torch's own nn.MultiheadAttention (one head, large inputs: a tiny sigma_min the Krylov space
+    reaches late): at the default steps the reported kappa lies inside [kappa_lo, kappa_hi], and the
+    bracket holds the dense reference of the module's own forward."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        m = torch.nn.MultiheadAttention(32, 1, batch_first=True).double()
+    x = 3 * torch.randn(2, 14, 32, generator=gen, dtype=torch.float64)
+    from condinit.probe import JacobianOperator
+    op = JacobianOperator(m, x, dtype=torch.float64)
+    w = m.in_proj_weight.detach()
+
+    def f(wq, wk, wv):
+        params = {"in_proj_weight": torch.cat([wq, wk, wv]), "in_proj_bias": m.in_proj_bias.detach(),
+                  "out_proj.weight": m.out_proj.weight.detach(), "out_proj.bias": m.out_proj.bias.detach()}
+        return torch.func.functional_call(m, params, (x, x, x), {"need_weights": False})[0]
+    # the operator's output is before the output projection (y = a W_o^T + b per token): undo it
+    js = torch.func.jacrev(f, argnums=(0, 1, 2))(*w.chunk(3))
+    J = torch.cat([j.reshape(-1, 32 * 32) for j in js], dim=1)
+    J = torch.linalg.solve(torch.block_diag(*[m.out_proj.weight.detach()] * 28), J)
+    s = torch.linalg.svdvals(J)
+    smax, smin = float(s[0]), float(s[s > 1e-10 * s[0]][-1])
+    est = lanczos_svd(op, seed=seed % 1000)
+    assert est.sigma_max_lo <= smax <= est.sigma_max_hi
+    assert est.sigma_min_lo <= smin <= est.sigma_min_hi, (est.sigma_min_lo, smin, est.sigma_min_hi)
+    assert est.sigma_min_lo <= est.sigma_min <= est.sigma_min_hi, (est.sigma_min_lo, est.sigma_min, est.sigma_min_hi)
+    if est.kappa is not None:
+        assert est.kappa_lo <= est.kappa <= est.kappa_hi, (est.kappa_lo, est.kappa, est.kappa_hi)
+        assert est.kappa_lo <= smax / smin <= est.kappa_hi

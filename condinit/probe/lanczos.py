@@ -110,8 +110,8 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         history.append((k, s[-1]))
     bracket = _bracket(s, res, k, exhausted, eff.size_in, confidence, eps, floor.value, floor.ceiling,
                        _settled(history, tol))
-    smax, smin = s[0], s[-1]
-    rank_def = smax == 0.0 or smin <= rtol * smax
+    smax, smin = _inside(s[0], bracket["sigma_max"]), _inside(s[-1], bracket["sigma_min"])
+    rank_def = smax == 0.0 or smin <= rtol * smax    # holds too where the bracket alone says so
     converged = _converged(bracket, tol, rtol)
     res_max = res[0] / smax if smax > 0 else 0.0
     res_min = res[-1] / smin if smin > 0 else math.inf
@@ -121,8 +121,9 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
                f"the rounding floor of {op.dtype} reached" if stop == "noise" else
                f"the step budget ({steps} steps) reached")
         notes.append(f"not converged: kappa in [{bracket['kappa'][0]:.4g}, {bracket['kappa'][1]:.4g}] is wider "
-                     f"than tol = {tol:g} after {k} steps ({why}); the Ritz values are inside the "
-                     f"spectrum (sigma_max >= {smax:.4g}, sigma_min <= {smin:.4g}); " + (
+                     f"than tol = {tol:g} after {k} steps ({why}); sigma_max >= {smax:.4g}, sigma_min <= "
+                     f"{smin:.4g}" + ("" if smin == s[-1] else f" (the certified ceiling: the smallest Ritz value, "
+                                      f"{s[-1]:.4g}, lies above it)") + "; " + (
                          "dtype=torch.float64 goes further" if stop == "noise" else "raise steps or time_budget"))
     if stop == "noise":
         notes.append(f"the Krylov space reached the rounding floor of {op.dtype} at step {k + 1}: J has no "
@@ -133,7 +134,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
                      f"value this small on range(J^T) (a genuine near-degeneracy, not a mask null); kappa not "
                      f"reported")
     return SpectrumEstimate(
-        method=method, sigma_max=smax, sigma_min=smin, kappa=None if rank_def else smax / smin,
+        method=method, sigma_max=smax, sigma_min=smin, kappa=None if rank_def else _inside(smax / smin, bracket["kappa"]),
         iterations=k, residual_max=res_max, residual_min=None if math.isinf(res_min) else res_min,
         converged=bool(converged), rank_deficient=bool(rank_def), subspace=eff.subspace(),
         null_dims=tuple(op.null_dims), shape=tuple(op.shape), seed=seed, wrt=op.wrt,
@@ -149,3 +150,11 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
             _BRACKET_CEILING.format(ceiling=floor.ceiling) if floor.ceiling is not None else ""),
         wall_s=time.perf_counter() - t0)
 
+
+
+def _inside(value: float, bounds: tuple) -> float:
+    """``value`` moved into its certified ``bounds`` (lo, hi): a Ritz value can lie outside them by the
+    rounding the bounds allow for, and the smallest one above a certified ceiling on sigma_min (the
+    Krylov space has not yet reached J's weakest directions), where the ceiling is the better estimate."""
+    lo, hi = bounds
+    return min(max(value, lo), hi)
