@@ -127,6 +127,31 @@ def test_known_nulls_do_not_depend_on_weight_scale(rng, scale):
                  factor=100)
 
 
+def test_float32_capture_in_a_float64_operator_keeps_its_small_directions(rng):
+    """A float32 input whose two features are collinear to 3e-7, probed in float64: that direction of X
+    is real in the float64 J (not a null to float32 rounding), so it is not deflated; the estimate agrees
+    with the dense SVD of the module's own forward (rank-deficient at rank_rtol, sigma_min the reference)."""
+    m = mha(rng, D=8, H=2, dtype=torch.float32)
+    x = torch.randn(1, 24, 8, generator=rng)
+    x[..., 1] = x[..., 0] * (1 + 3e-7) + 1e-7 * torch.randn(24, generator=rng)
+    op = JacobianOperator(m, x, dtype=F64)
+    names = ("q", "k", "v")
+    w = {n: t.detach().double() for n, t in zip(names, m.in_proj_weight.chunk(3))}
+    b = {n: t.detach().double() for n, t in zip(names, m.in_proj_bias.chunk(3))}
+    xd = x.double()[0]
+
+    def f(wq, wk, wv):                                   # the heads' outputs before W_o, heads first
+        q, k, v = (xd @ wm.t() + b[n] for wm, n in zip((wq, wk, wv), names))
+        q, k, v = (t.reshape(24, 2, 4).transpose(0, 1) for t in (q, k, v))
+        return torch.softmax(q @ k.transpose(1, 2) / 2.0, -1) @ v
+    js = torch.func.jacrev(f, argnums=(0, 1, 2))(*w.values())
+    s = torch.linalg.svdvals(torch.cat([j.reshape(-1, 64) for j in js], dim=1))
+    smin = float(s[s > 1e-13 * s[0]][-1])
+    est = lanczos_svd(op, seed=int(torch.randint(1000, (1,), generator=rng)))
+    assert est.sigma_min_lo <= smin <= est.sigma_min_hi, (est.sigma_min_lo, smin, est.sigma_min_hi, est.notes)
+    assert est.rank_deficient and est.kappa is None
+
+
 # ------------------------------------------------------------------------------------------------
 # argument checks
 

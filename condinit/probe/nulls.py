@@ -61,7 +61,9 @@ class KnownNulls:
         self.right_dims, self.left_dims = 0, 0
         self.right: list = []          # what each input-side null is, in words
         self.left: list = []
-        rtol = _null_rtol(op._x_src_dtype)
+        # the operator's J is that of its own copies (op.dtype), not of the source tensors: a singular value
+        # of X at the source's rounding is still one of this J
+        rtol = _null_rtol(op.dtype)
         f64 = torch.float64
         shifts = self._key_shifts_are_null
         if not shifts:
@@ -392,7 +394,7 @@ def _null_basis(w: Tensor, rtol: float) -> Tensor:
 
 
 def _null_rtol(dtype: torch.dtype) -> float:
-    """Relative size below which a singular value of X / W counts as zero (source precision)."""
+    """Relative size below which a singular value of X / W counts as zero in ``dtype`` (the operator's)."""
     return 1e-12 if dtype == torch.float64 else (1e-6 if dtype == torch.float32 else 1e-3)
 
 

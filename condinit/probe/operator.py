@@ -231,7 +231,6 @@ class JacobianOperator(OperatorProducts):
         if x.dim() != 3 or x.shape[-1] != self.D or x.shape[0] < 1 or x.shape[1] < 1:
             raise ValueError(f"x must be [B, N, D] (or [N, D]) with D = {self.D}, the layer's input width; got "
                              f"shape {tuple(x.shape)}")
-        self._x_src_dtype = x.dtype
         self.X = x.detach().to(self.device, cdt).clone()
         check_finite("x", self.X)
         self.B, self.N = x.shape[0], x.shape[1]
@@ -315,7 +314,6 @@ class JacobianOperator(OperatorProducts):
         self.B, self.H, self.N, self.d = q.shape
         self.Hkv, self.D = k.shape[1], None
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
-        self._x_src_dtype = q.dtype
         self._qkv_given = tuple(t.detach().to(self.device, cdt).clone() for t in (q, k, v))
         for name, t in zip("qkv", self._qkv_given):
             check_finite(name, t)
