@@ -382,6 +382,61 @@ def test_monitor_is_exact_in_float64_where_exactness_is_cheap(seed):
             (repeat, rec["kappa"], kappa)
 
 
+def test_monitor_leaves_out_sequences_its_operator_does_not_model(seed):
+    """A padded sequence (key_padding_mask) or a mask other than the layer's own pattern (attn_mask) is
+    not what the operator models: the record is measured on the other sequences, says how many were
+    left out, and its kappa is the jacrev reference's on those alone; with none left, the layer is
+    skipped with the reason."""
+    g = torch.Generator().manual_seed(seed)
+    m = mha(g, D=16, H=2)
+    x = torch.randn(3, 6, 16, generator=g, dtype=F64)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    mon = JacobianMonitor(m, every=1, max_batch=None, frobenius_samples=0, tensorboard=False, signals=False)
+    with torch.no_grad():
+        m(x, x, x, key_padding_mask=pad)
+    (padded,) = mon.step()
+    assert padded["skipped"] is None and padded["batch"] == 2 and "1 of 3 sequences left out" in padded["notes"], \
+        padded
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)         # True: not attended
+    with torch.no_grad():
+        m(x, x, x, key_padding_mask=torch.zeros(3, 6, dtype=torch.bool))   # no padding: nothing left out
+        (rec,) = mon.step()
+        assert rec["batch"] == 3 and "left out" not in rec["notes"], rec
+        m(x, x, x, attn_mask=causal)                         # the layer is bidirectional
+        (rec,) = mon.step()
+    mon.close()
+    assert rec.get("kappa") is None and "every sequence of this batch (3)" in rec["skipped"], rec
+    kappa = _mha_kappa(m, x[[0, 2]])       # the hooks are gone: jacrev's forward is not captured
+    assert padded["kappa_lo"] <= kappa <= padded["kappa_hi"] and padded["kappa"] == pytest.approx(kappa, rel=1e-6)
+
+
+def test_monitor_reads_hugging_face_padding(seed):
+    """A Hugging Face Llama with a left-padded sequence (eager and sdpa attention masks): that sequence
+    is left out of every layer's record, the others are measured."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                      num_hidden_layers=1, vocab_size=50)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (3, 7), generator=g)
+    am = torch.ones(3, 7, dtype=torch.long)
+    am[2, :2] = 0
+    for impl in ("eager", "sdpa"):
+        cfg._attn_implementation = impl
+        model = LlamaForCausalLM(cfg).to(F64)
+        mon = JacobianMonitor(model, every=1, max_batch=None, steps=8, frobenius_samples=0, tensorboard=False,
+                              signals=False)
+        with torch.no_grad():
+            model(ids, attention_mask=am)
+            (rec,) = mon.step()
+            assert rec["batch"] == 2 and "1 of 3 sequences left out" in rec["notes"], (impl, rec)
+            model(ids, attention_mask=torch.ones_like(am))
+            (rec,) = mon.step()
+            assert rec["batch"] == 3 and "left out" not in rec["notes"], (impl, rec)
+        mon.close()
+
+
 def test_probe_is_exact_in_float64_where_exactness_is_cheap(seed):
     """A layer small enough for an exact estimate (the dense SVD, or Lanczos to the end of range(J)) is
     probed in float64: exact, converged,

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["InputCapture", "layer_input", "layer_position_embeddings", "call_position_embeddings"]
+__all__ = ["InputCapture", "layer_input", "layer_position_embeddings", "call_position_embeddings", "call_mask_rows"]
 
 # keyword names under which attention modules receive their input
 _INPUT_KEYWORDS = ("hidden_states", "query", "x", "input")
@@ -111,3 +111,69 @@ class InputCapture:
     def __exit__(self, *exc) -> bool:
         self.remove()
         return False
+
+
+# the mask arguments attention modules take: Hugging Face ``attention_mask`` (4-D, True / 0 where a
+# key is attended; or 2-D [B, N_k], 1 for a token, 0 for padding), and nn.MultiheadAttention's
+# ``key_padding_mask`` ([B, N_k], True / -inf for padding) and ``attn_mask`` ([N, N] or [B H, N, N],
+# True / -inf where not attended); positions among nn.MultiheadAttention.forward's parameters
+_MHA_MASK_ARGS = {"key_padding_mask": 3, "attn_mask": 5}
+
+
+def call_mask_rows(module: nn.Module, call, B: int, N: int, causal: bool, window: Optional[int]):
+    """Which of the ``B`` sequences of one call the call's attention mask treats otherwise than the
+    layer's own pattern over the first ``N`` tokens (``causal``, and a sliding ``window`` of keys per
+    query as :class:`~condinit.probe.JacobianOperator` models it): a padding token, a masked or an
+    extra attended (query, key) pair, an additive bias. Returns ``(rows, unread)``: ``rows`` a bool
+    tensor ``[B]`` (None: the call passes no mask), ``unread`` why a mask that was passed could not be
+    read (None when it was)."""
+    args, kwargs = call
+    masks = []
+    for name in ("attention_mask", "attn_mask", "key_padding_mask"):
+        m = kwargs.get(name)
+        if m is None and isinstance(module, nn.MultiheadAttention) and name in _MHA_MASK_ARGS:
+            pos = _MHA_MASK_ARGS[name]
+            m = args[pos] if pos < len(args) else None
+        if m is not None:
+            masks.append((name, m))
+    if not masks:
+        return None, None
+    i = torch.arange(N).unsqueeze(1)
+    j = torch.arange(N).unsqueeze(0)
+    allowed = (j <= i) if causal else torch.ones(N, N, dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & ((i - j < window) if causal else ((i - j).abs() <= window))
+    rows = torch.zeros(B, dtype=torch.bool)
+    for name, m in masks:
+        if not isinstance(m, torch.Tensor):
+            return None, f"its {name} is a {type(m).__name__}, which the monitor does not read"
+        m = m.detach().to("cpu")
+        mha = isinstance(module, nn.MultiheadAttention)
+        if m.dim() == 2 and (name == "key_padding_mask" or (name == "attention_mask" and not mha)) \
+                and m.shape[0] >= B and m.shape[1] >= N:
+            # per key: [B, N_k]
+            m = m[:B, :N]
+            if m.dtype == torch.bool:
+                off = m if name == "key_padding_mask" else ~m
+            elif name == "key_padding_mask":
+                off = m != 0
+            else:
+                off = m == 0
+            rows |= off.any(1)
+            continue
+        if m.dim() == 2 and m.shape[-2] >= N and m.shape[-1] >= N:
+            m = m[None, None]                               # [N, N] for every sequence
+        elif m.dim() == 3 and m.shape[0] % max(B, 1) == 0 and m.shape[-2] >= N and m.shape[-1] >= N:
+            m = m.reshape(B, -1, *m.shape[-2:]) if m.shape[0] >= B else m[None]
+        if m.dim() != 4 or m.shape[-2] < N or m.shape[-1] < N or (m.shape[0] != 1 and m.shape[0] < B):
+            return None, f"its {name} of shape {tuple(m.shape)} is not one the monitor reads"
+        m = m[:B, :, :N, :N]
+        if m.dtype == torch.bool:
+            attended = ~m if mha else m
+            differs = attended != allowed
+        else:
+            floor = torch.finfo(m.dtype).min / 2 if m.is_floating_point() else -1
+            masked = m <= floor
+            differs = (masked == allowed) | (~masked & (m != 0))
+        rows |= differs.flatten(1).any(1).expand(B)
+    return rows, None

@@ -81,7 +81,7 @@ from condinit._validate import SEED_MAX, check_bool, check_choice, check_dtype, 
 
 from .alerts import Alerts, check_alerts
 from .autocast import autocast_disabled
-from .capture import InputCapture, call_position_embeddings
+from .capture import InputCapture, call_mask_rows, call_position_embeddings
 from .context import compiling, functorch_transform
 from .records import (BRACKET_KEYS, SKIPPED_BUDGET, SKIPPED_COMPILED, SKIPPED_MAX_LAYERS, SKIPPED_NOT_RUN,
                       RecordLog, skipped_error, skipped_exception, skipped_transform)
@@ -205,6 +205,7 @@ class JacobianMonitor:
         self._captured: dict = {}
         self._skipped: dict = {}      # layer -> the reason its capture on this step failed
         self._traced: dict = {}       # layers whose forward this step was a torch.compile graph
+        self._notes: dict = {}        # layer -> what its capture left out (sequences with a mask it does not model)
         # output files: checked and opened before any hook is registered
         self._log = RecordLog(log_dir, path, tensorboard)
         self.path, self.csv_path = self._log.path, self._log.csv_path
@@ -248,13 +249,31 @@ class JacobianMonitor:
         """Copy layer ``idx``'s input (cut to ``max_batch`` / ``max_tokens``) and build its operator."""
         details = self.layers[idx].spec.details
         pe = call_position_embeddings(*call, details.position_embeddings_arg)
+        causal = self.causal if self.causal is not None else details.causal
+        tokens = x.shape[1] if self.max_tokens is None else min(self.max_tokens, x.shape[1])
+        rows, unread = call_mask_rows(module, call, x.shape[0], tokens, causal, details.sliding_window)
+        if unread is not None:
+            self._notes[idx] = f"the call's attention mask was not read ({unread}): J is that of the layer's own " \
+                               f"{'causal' if causal else 'bidirectional'} pattern"
+        elif rows is not None and bool(rows.any()):
+            keep = (~rows).nonzero().flatten()
+            if keep.numel() == 0:
+                self._skipped[idx] = (
+                    f"every sequence of this batch ({x.shape[0]}) has padding or a mask other than the layer's own "
+                    f"{'causal' if causal else 'bidirectional'} pattern in its first {tokens} tokens (its attention "
+                    f"mask), which the operator does not model")
+                return
+            self._notes[idx] = (f"{int(rows.sum())} of {x.shape[0]} sequences left out: their attention mask "
+                                f"(padding, or pairs other than the layer's own pattern) is not modelled")
+            x = x[keep.to(x.device)]
+            pe = None if pe is None else tuple(t[keep.to(t.device)] if t.dim() == 3 and t.shape[0] == rows.numel()
+                                               else t for t in pe)
         if self.max_batch is not None:
             x = x[: self.max_batch]
             pe = None if pe is None else tuple(t[: self.max_batch] if t.dim() == 3 else t for t in pe)
         if self.max_tokens is not None:
             x = x[:, : self.max_tokens]
             pe = None if pe is None else tuple(t[..., : self.max_tokens, :] for t in pe)
-        causal = self.causal if self.causal is not None else details.causal
         if idx in self._sharded:
             # only this rank's input is kept; the layer's weights are gathered one layer at a time in step()
             self._pending[idx] = (x.clone(), None if pe is None else tuple(t.clone() for t in pe), causal)
@@ -302,7 +321,7 @@ class JacobianMonitor:
         if self._captured or self._skipped or self._pending or (self._traced and self.sampling) \
                 or (self.distributed and cur % self.every == 0):
             records = self._estimate(cur)
-        self._captured, self._skipped, self._pending, self._traced = {}, {}, {}, {}
+        self._captured, self._skipped, self._pending, self._traced, self._notes = {}, {}, {}, {}, {}
         self.step_count = cur + 1
         return records
 
@@ -380,7 +399,7 @@ class JacobianMonitor:
                    "dtype": str(op.dtype).replace("torch.", ""), "residual_max": est.residual_max, "residual_min": est.residual_min,
                    "lanczos_steps": est.iterations, "batch": op.B, "tokens": op.N,
                    "null_dims": list(est.null_dims), "time_s": time.perf_counter() - t0, "skipped": None,
-                   "notes": est.notes}
+                   "notes": "; ".join(n for n in (self._notes.get(idx), est.notes) if n)}
             if fro is not None:
                 rec.update(frobenius=fro.frobenius, frobenius_ci_low=fro.ci_low, frobenius_ci_high=fro.ci_high)
             if idx in self._sharded:
