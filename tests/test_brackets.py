@@ -208,3 +208,44 @@ def test_dense_auto_is_declared(seed):
     with pytest.raises(ValueError, match="dense must be False, True or 'auto'"):
         lanczos_svd(op, dense="yes")
     assert not math.isnan(auto.sigma_max)
+
+
+def test_qk_norm_in_float32_widens_the_brackets(seed):
+    """Qwen3 as shipped: its q_norm / k_norm compute in float32 whatever their input, so a float64
+    operator (and the float64 jacrev reference) is exact only to float32 rounding. The estimate says
+    so, its brackets allow for it and hold the reference, and they do not depend on the seed."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+    from condinit.probe import JacobianOperator
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=32, num_hidden_layers=1)
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        attn = mq.Qwen3Attention(cfg, 0).to(F64).eval()
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g, dtype=F64) if "norm" in name
+                    else torch.randn(p.shape, generator=g, dtype=F64) / math.sqrt(32))
+    N = 10
+    x = torch.randn(1, N, 32, generator=g, dtype=F64)
+    pe = tuple(t.to(F64) for t in mq.Qwen3RotaryEmbedding(cfg)(x, torch.arange(N)[None]))
+    op = JacobianOperator(attn, x, dtype=F64, position_embeddings=pe, causal=False)   # no mask: bidirectional
+    assert op.rounding_dtype == torch.float32
+    names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+    base = {k: v.detach() for k, v in attn.named_parameters()}
+    base["o_proj.weight"] = torch.eye(32, dtype=F64)
+
+    def f(*ws):
+        return torch.func.functional_call(attn, {**base, **dict(zip(names, ws))}, (x, pe, None))[0]
+    js = torch.func.jacrev(f, argnums=(0, 1, 2))(*(base[n] for n in names))
+    s = torch.linalg.svdvals(torch.cat([j.reshape(N * 32, -1) for j in js], 1))
+    kappa = float(s[0] / s[s > 1e-5 * s[0]][-1])
+    ests = [condition_number(op, seed=sd) for sd in (seed % 1000, seed % 1000 + 1)]
+    for est in ests:
+        assert "computes in torch.float32" in est.notes, est.notes
+        assert est.kappa_lo <= kappa <= est.kappa_hi, (est.kappa_lo, kappa, est.kappa_hi)
+    assert (ests[0].kappa_lo, ests[0].kappa_hi) == (ests[1].kappa_lo, ests[1].kappa_hi)

@@ -65,6 +65,10 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
         smin = (max(smin[0], floor), smin[1])
     if ceiling is not None:
         smin = (smin[0], min(smin[1], ceiling + fl))
+        if smin[0] > smin[1]:
+            # the ceiling (J is onto) finds a direction weaker than every Ritz value: the Krylov space stopped
+            # short of it (it lies at the rounding floor), so only the certified floor stands below
+            smin = (floor if floor is not None else 0.0, smin[1])
     kappa = (smax[0] / smin[1] if smin[1] > 0 else math.inf, smax[1] / smin[0] if smin[0] > 0 else math.inf)
     return {"sigma_max": smax, "sigma_min": smin, "kappa": kappa}
 

@@ -138,7 +138,7 @@ def _dense_one(op: JacobianOperator, *, rank_rtol, tol: float = _TOL, why: Optio
         return _nonfinite_estimate(op, method, reason, iterations=0, seed=0, subspace=eff.subspace())
     s = torch.linalg.svdvals(M.t() if M.shape[1] > M.shape[0] else M)
     del M
-    eps = torch.finfo(op.dtype).eps
+    eps = torch.finfo(op.rounding_dtype).eps
     s1 = float(s[0])
     rank = int((s > _FLOOR * eps * s1).sum())
     if rank == 0:
@@ -156,8 +156,8 @@ def _dense_one(op: JacobianOperator, *, rank_rtol, tol: float = _TOL, why: Optio
         notes.append(f"sigma_min/sigma_max = {smin / smax:.1e} <= rank_rtol = {rtol:.0e}: J has a nonzero singular "
                      f"value this small (a genuine near-degeneracy, not a mask null); kappa not reported")
     elif khi > (1.0 + tol) * klo:
-        notes.append(f"kappa's bracket [{klo:.4g}, {khi:.4g}] is the rounding of {op.dtype}: build the operator with "
-                     f"dtype=torch.float64 for a tighter one")
+        notes.append(f"kappa's bracket [{klo:.4g}, {khi:.4g}] is the rounding of {op.rounding_dtype}" + (
+            ": build the operator with dtype=torch.float64 for a tighter one" if op.dtype != torch.float64 else ""))
     return SpectrumEstimate(
         method=method, sigma_max=smax, sigma_min=smin, kappa=kappa, iterations=0,
         residual_max=0.0, residual_min=0.0, converged=bool(smin_hi <= rtol * (smax - fl) if rank_def else khi <= (1.0 + tol) * klo),

@@ -36,7 +36,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         return _nonfinite_estimate(op, method, reason, iterations=0, seed=seed, subspace=eff.subspace())
     floor = sigma_min_floor(op)
     gen = _generator(op, seed)
-    eps = torch.finfo(op.dtype).eps
+    eps = torch.finfo(op.rounding_dtype).eps
     rtol = default_rank_rtol(op.dtype) if rank_rtol is None else rank_rtol
     # start in range(A^T): v_1 = A^T y_1 with y_1 Gaussian on F (scaled to ||v_1|| = 1)
     y = eff.random_out(gen)
@@ -110,6 +110,8 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         history.append((k, s[-1]))
     bracket = _bracket(s, res, k, exhausted, eff.size_in, confidence, eps, floor.value, floor.ceiling,
                        _settled(history, tol))
+    # a ceiling below the smallest Ritz value: the run ended short of J's weakest direction (not exact)
+    exhausted = exhausted and bracket["sigma_min"][1] >= s[-1] - 8 * _FLOOR * eps * s[0] * math.sqrt(k)
     smax, smin = _inside(s[0], bracket["sigma_max"]), _inside(s[-1], bracket["sigma_min"])
     rank_def = smax == 0.0 or smin <= rtol * smax    # holds too where the bracket alone says so
     converged = _converged(bracket, tol, rtol)

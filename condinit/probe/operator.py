@@ -259,6 +259,15 @@ class JacobianOperator(OperatorProducts):
             self.excluded.append(f"attention dropout (p = {details.dropout:g}; the operator is the deterministic map)")
 
     @property
+    def rounding_dtype(self) -> torch.dtype:
+        """The coarsest precision the products compute in: the compute dtype, or float32 where a QK-norm
+        computes in float32 whatever its input (Hugging Face's RMSNorms), so that the estimates' brackets
+        allow for that rounding."""
+        coarse = [n.computes_in for n in (getattr(self, "q_norm", None), getattr(self, "k_norm", None))
+                  if n is not None]
+        return max([self.dtype, *coarse], key=lambda t: torch.finfo(t).eps)
+
+    @property
     def dense_path(self) -> bool:
         """Whether attention runs in plain torch here: the fused kernels have no logit soft-capping
         (the layer's probe-sized input keeps the ``[B, H, N, N]`` blocks small)."""

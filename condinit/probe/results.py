@@ -192,6 +192,10 @@ def _operator_notes(op: JacobianOperator) -> list:
     if getattr(op, "dense_path", False):
         out.append(f"attention, its JVP and VJP in plain torch ({op.dtype}, dense [B, H, N, N]): the fused kernels "
                    f"have no logit soft-capping")
+    rounding = getattr(op, "rounding_dtype", op.dtype)
+    if rounding != op.dtype:
+        out.append(f"the QK-norm computes in {rounding} whatever its input: J is exact to {rounding} rounding, "
+                   f"and the brackets allow for it")
     if getattr(op, "excluded", None):
         out.append("not modelled: " + "; ".join(op.excluded))
     return out

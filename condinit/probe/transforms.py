@@ -51,6 +51,19 @@ class QKNorm:
         self.name, self.kind, self.heads, self.d = name, type(norm).__name__, heads, d
         self._module = clone
         self._vjp = None
+        self.computes_in = self._precision(rows, device, dtype)
+
+    def _precision(self, rows: int, device, dtype) -> torch.dtype:
+        """The dtype the norm computes in: float32 where its output at a float64 point equals that at
+        the point rounded to float32 (Hugging Face's RMSNorms cast to float32 whatever their input),
+        else ``dtype``."""
+        if dtype != torch.float64:
+            return dtype
+        gen = torch.Generator().manual_seed(0)
+        y = torch.randn(2, rows, generator=gen, dtype=dtype).to(device)
+        with torch.no_grad():
+            same = torch.equal(self(y), self(y.float().to(dtype)))
+        return torch.float32 if same else dtype
 
     @property
     def heads_differ(self) -> bool:
