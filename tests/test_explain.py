@@ -35,7 +35,7 @@ def test_attention_explained_backends_are_what_runs(dtype, backend, rng):
     q, k, v = _qkv(rng, dtype=dtype)
     kw = dict(causal=True, window=(3, -1), kv_lens=torch.tensor([9, 5]), backend=backend)
     e = condinit.explain(q, k, v, **kw)
-    assert isinstance(e, Explanation) and e.path == "fused" and e.forced == (backend is not None)
+    assert isinstance(e, Explanation) and e.path == "fused" and bool(e.forced) == (backend is not None)
     assert e.dtype == dtype and e.accumulate == (F64 if dtype == F64 else torch.float32)
     assert "causal" in e.mask and "window (left 3, right unbounded)" in e.mask and "kv_lens [9, 5]" in e.mask
     with dispatch_log() as log:
@@ -172,3 +172,15 @@ def test_a_float64_jacobian_probe_runs_the_cpp_kernels(rng):
     assert {"attention_jvp", "attention_bwd"} <= set(ran) and all(b == {"cpp-cpu"} for b in ran.values())
     assert all(r.dtype == F64 and "causal" in r.masks for r in log)
     assert "cpp-cpu" in op.description
+
+
+def test_only_the_forced_op_says_forced(forced_backend, rng):
+    """CONDINIT_BACKEND forcing one kernel op: only that op's row says "(forced)"; the others keep the
+    automatic choice and what it passed over."""
+    q, k, v = _qkv(rng, dtype=torch.float32)
+    forced_backend("attention_bwd=torch")
+    e = condinit.explain(q, k, v, causal=True)
+    assert e.forced == ("attention_bwd",) and e.backends["attention_bwd"] == "torch"
+    lines = {line.split()[0]: line for line in str(e).splitlines() if line.startswith("attention_")}
+    assert "(forced)" in lines["attention_bwd"]
+    assert all("(forced)" not in line for op, line in lines.items() if op != "attention_bwd"), lines

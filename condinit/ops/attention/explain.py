@@ -86,7 +86,8 @@ class Explanation:
             tangent). Empty on the dense path.
         passed_over: kernel op name -> the preferred rows not taken and why (``"cpp-cpu: ..."``),
             empty when the first choice runs or a backend is forced.
-        forced: whether ``backend=`` or ``CONDINIT_BACKEND`` chose the backend.
+        forced: the kernel ops whose backend ``backend=`` or ``CONDINIT_BACKEND`` chose (empty: every
+            one is the automatic choice).
         calls: sdpa: the kernel calls its forward made (one :class:`DispatchRecord` each).
         reason: why this path (sdpa's dense path: which condition kept the fused op out).
     """
@@ -99,7 +100,7 @@ class Explanation:
     mask: str
     backends: dict
     passed_over: dict
-    forced: bool
+    forced: tuple
     calls: tuple = ()
     reason: str = ""
 
@@ -120,7 +121,7 @@ class Explanation:
             skipped = self.passed_over.get(name)
             if skipped:
                 note += f" (passed over {'; '.join(skipped)})"
-            lines.append(f"{name:<{width}}  {backend}{' (forced)' if self.forced else ''}{note}")
+            lines.append(f"{name:<{width}}  {backend}{' (forced)' if name in self.forced else ''}{note}")
         return "\n".join(lines)
 
 
@@ -142,11 +143,12 @@ def _passed_over(op_name: str, chosen: str, q: Tensor, masks: tuple[str, ...]) -
     return tuple(out)
 
 
-def _is_forced(backend: Optional[str], op_names) -> bool:
+def _forced(backend: Optional[str], op_names) -> tuple:
+    """The ops of ``op_names`` whose backend ``backend=`` or ``CONDINIT_BACKEND`` forces."""
     if backend is not None:
-        return backend != "auto"
+        return tuple(op_names) if backend != "auto" else ()
     env = _backends.forced_from_env()
-    return any(env.get(name) not in (None, "auto") for name in op_names)
+    return tuple(name for name in op_names if env.get(name) not in (None, "auto"))
 
 
 def _shown_lens(name: str, lens: Tensor) -> str:
@@ -199,9 +201,9 @@ def _explain_kernel_op(op: str, a: dict) -> Explanation:
         backends = {"attention_jvp": attention_op.choose(attention_op.ATTENTION_JVP, q, backend, masks),
                     bwd_op.name: attention_op.backward_backend(bwd_op, q, backend, masks)}
         reason = f"{P if has_p else 1} probe{'s' * (has_p and P != 1)} in one pass"
-    forced = _is_forced(backend, backends)
-    passed = {} if forced else {name: skipped for name, chosen in backends.items()
-                                if (skipped := _passed_over(name, chosen, q, masks))}
+    forced = _forced(backend, backends)
+    passed = {name: skipped for name, chosen in backends.items()
+              if name not in forced and (skipped := _passed_over(name, chosen, q, masks))}
     return Explanation(op, q.device.type, q.dtype, _accumulate(q.dtype), shapes, "fused",
                        _mask_words(causal, left, right, q_lens, kv_lens), backends, passed, forced, reason=reason)
 
@@ -246,12 +248,12 @@ def _explain_sdpa(a: dict) -> Explanation:
             if skipped:
                 passed[name] = skipped
     backends = {name: " / ".join(found) for name, found in per_op.items()}
-    forced = _is_forced(None, backends)
+    forced = _forced(None, backends)
     n = len(calls)
     mask = f"{given}, run as {n} kernel call{'s' * (n != 1)}: " + " + ".join(
         ", ".join(c.masks) or "no mask" for c in calls)
     return Explanation("sdpa", query.device.type, query.dtype, _accumulate(query.dtype), shapes, "fused", mask,
-                       backends, {} if forced else passed, forced, calls)
+                       backends, {k: v for k, v in passed.items() if k not in forced}, forced, calls)
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, op: str = "attention", **kwargs) -> Explanation:
