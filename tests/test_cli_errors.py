@@ -241,6 +241,20 @@ def test_plot_out_under_a_file_is_refused(tmp_path, capsys):
     assert rc == 2 and "not a directory" in _one_line(err)
 
 
+def test_plot_and_demo_create_their_directory_only_in_an_existing_parent(tmp_path, capsys):
+    """As init --out DIR/: the directory is created, its missing parents are not (a typo in the path
+    is refused, nothing is created)."""
+    _log(tmp_path, _record(0), _record(1))
+    out = tmp_path / "missing" / "plots"
+    for argv in (("plot", str(tmp_path), "--out", str(out)),
+                 ("demo", "--quick", "--task", "mqar-32", "--no-progress", "--out", str(out))):
+        rc, _, err = run_cli(capsys, *argv)
+        assert rc == 2 and f"its parent directory '{out.parent}' does not exist" in _one_line(err), err
+        assert not (tmp_path / "missing").exists()
+    rc, _, err = run_cli(capsys, "plot", str(tmp_path), "--out", str(tmp_path / "plots"))
+    assert rc == 0 and sorted(os.listdir(tmp_path / "plots")), err
+
+
 def test_plot_replaces_a_symlink_in_the_output_directory_never_its_target(tmp_path, capsys):
     """A PNG's name in the output directory that is a symlink (to a file outside, or dangling) is
     replaced by the PNG itself: nothing is written through the link."""

@@ -106,6 +106,10 @@ def parse_shape(text: str, kind: str):
     return shape
 
 
+# the rows ``skip`` can leave out (the slow baselines)
+SKIPPABLE = ("orthogonal_loop", "batched_qr", "math_jvp", "math_jvp_bwd", "jvp_probes")
+
+
 @dataclasses.dataclass
 class BenchConfig:
     device: str = "cpu"

@@ -35,7 +35,8 @@ def add_arguments(p):
     p.add_argument("--baseline-blocks", type=int, default=None,
                    help="time the per-head orthogonal_ loop (and, on GPUs, the batched QR) on this many blocks "
                         "and scale (default: all on cpu, 256 on cuda)")
-    p.add_argument("--skip", default="", help="comma-separated row keys not to run, e.g. math_jvp,math_jvp_bwd")
+    p.add_argument("--skip", default="", help="comma-separated row keys not to run, e.g. math_jvp,math_jvp_bwd "
+                                              "(an unknown key is refused, naming the keys)")
     p.add_argument("--quick", action="store_true", help="small shapes and 2 repeats: seconds, for a smoke test")
     p.add_argument("--json", metavar="PATH", nargs="?", const="-",
                    help="also write machine, versions, FLOP conventions and every row to PATH; '-' or no PATH: "
@@ -71,13 +72,17 @@ def _config(args):
     if args.backend is not None:
         from condinit import _backends
         check_choice("--backend", args.backend, _backends.BACKENDS + ("auto",))
+    from condinit.bench.config import SKIPPABLE
+    skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
+    for key in skip:
+        check_choice("--skip entries", key, SKIPPABLE)
     overrides = dict(
         sections=sections, repeats=args.repeats, baseline_blocks=args.baseline_blocks, probes=args.probes,
         backend=None if args.backend == "auto" else args.backend,
         dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype),
         init_shape=bench.parse_shape(args.init_shape, "init") if args.init_shape else None,
         attention_shape=bench.parse_shape(args.attention_shape, "attention") if args.attention_shape else None,
-        skip=tuple(s.strip() for s in args.skip.split(",") if s.strip()) or None,
+        skip=skip or None,
     )
     cfg = bench.default_config(str(dev), quick=args.quick, **overrides)
     cfg.causal = not args.non_causal

@@ -130,7 +130,7 @@ def run(args) -> int:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CLIError("condinit plot needs matplotlib: pip install 'condinit[plot]'") from None
-    os.makedirs(out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)  # its parent exists (check_output_dir)
     names = {r["layer"]: r.get("name") or "" for r in records}
     written = []
     for key, fname, label, log in PLOTS:

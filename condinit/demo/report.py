@@ -444,9 +444,9 @@ def render_files(results: dict, summary: dict, *, plots: bool = True) -> dict:
 
 
 def write_outputs(out_dir, files: dict) -> list[str]:
-    """Write ``{name: bytes}`` into ``out_dir`` (created if needed), each file atomically."""
+    """Write ``{name: bytes}`` into ``out_dir`` (created if needed, in its existing parent), each file atomically."""
     out_dir = check_output_dir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(out_dir, exist_ok=True)  # its parent exists (check_output_dir)
     umask = os.umask(0)
     os.umask(umask)
     mode = 0o666 & ~umask          # mkstemp makes 0600 files; give the usual permissions

@@ -109,19 +109,19 @@ def check_output_path(path, follow_symlinks: bool = True) -> str:
 
 
 def check_output_dir(path) -> str:
-    """Raise ValueError unless ``path`` is (or can be created as) a writable directory. Writes nothing."""
+    """Raise ValueError unless ``path`` is a writable directory or can be created as one in an existing
+    writable directory (its parent). Writes nothing."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"out must be a directory path, got {path!r}")
     path = os.path.abspath(os.fspath(path))
     probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         what = "is" if probe == path else f"cannot be created: {probe!r} is"
         raise ValueError(f"out directory {path!r} {what} not a directory")
+    if probe not in (path, os.path.dirname(path)):
+        raise ValueError(f"out directory {path!r}: its parent directory {os.path.dirname(path)!r} does not exist")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"out directory {path!r} is not writable ({probe!r} does not allow writing)")
     try:  # os.access says yes to root on read-only mounts: try for real, leave nothing behind
