@@ -76,8 +76,15 @@ def _load_commands():
     return mods
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as every other refusal: one line, exit status 2 (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="condinit",
         description="Conditioned initialization for attention, and attention Jacobian probes.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")

@@ -270,3 +270,16 @@ def test_plot_replaces_a_symlink_in_the_output_directory_never_its_target(tmp_pa
     assert outside.read_bytes() == b"not yours\n" and not absent.exists()
     for name in ("kappa.png", "entropy.png", "max_logit.png"):
         assert not os.path.islink(out / name) and (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+@pytest.mark.parametrize("command", ["inspect", "probe"])
+def test_plot_must_be_a_png_before_anything_is_read(tmp_path, capsys, command):
+    """--plot of another format is refused naming the flag, before the checkpoint is opened (the file
+    named does not even exist)."""
+    argv = [command, str(tmp_path / "absent.safetensors"), "--plot", str(tmp_path / "kappa.txt")]
+    if command == "probe":
+        argv += ["--preset", "tiny-llama"]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and _one_line(err) == f"condinit {command}: error: --plot must name a .png file, got " \
+                                         f"{tmp_path / 'kappa.txt'}", err
+    assert os.listdir(tmp_path) == []

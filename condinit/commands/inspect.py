@@ -331,11 +331,11 @@ def plot(rows, out, title):
 
 
 def run(args) -> int:
-    from condinit.io.atomic import check_output_path
+    from condinit.commands import check_png_output
     from condinit.io.safetensors_format import PICKLE_SUFFIXES
 
     if args.plot is not None:
-        check_output_path(args.plot)
+        check_png_output("--plot", args.plot)
         try:
             import matplotlib  # noqa: F401
         except ImportError:

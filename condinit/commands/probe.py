@@ -503,6 +503,7 @@ def _print_table(args, inputs, rows) -> None:
 def run(args) -> int:
     from condinit._validate import check_int, check_real, check_seed
     from condinit.io.atomic import atomic_output, check_output_path
+    from condinit.commands import check_png_output
     from condinit.models.checkpoint import open_checkpoint
     from condinit.models.presets import PRESETS
     from condinit.probe.records import finite_or_none
@@ -519,10 +520,8 @@ def run(args) -> int:
     check_int("--samples", args.samples, min=2)
     check_int("--layers", args.layers, min=1, allow_none=True)
     check_seed("--seed", args.seed)
-    plot = check_output_path(args.plot) if args.plot else None
+    plot = check_png_output("--plot", args.plot) if args.plot else None
     out_json = check_output_path(args.json) if args.json else None
-    if plot and not plot.lower().endswith(".png"):
-        raise ValueError(f"--plot must name a .png file, got {args.plot}")
 
     with open_checkpoint(args.file) as fh:      # a safetensors file or directory (before building the model)
         model, family = _load(fh, args.preset)
