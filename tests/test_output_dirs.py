@@ -455,3 +455,16 @@ def test_two_dcp_writes_at_once_one_refused_in_one_line(tmp_path):
     assert len(err.strip().splitlines()) == 1 and err.startswith("condinit init: error: "), err
     assert sorted(os.listdir(tmp_path)) == ["seed"]     # no temporary directory left
     assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
+
+
+def test_output_checks_leave_the_directory_untouched(tmp_path):
+    """Checking an output file or directory writes nothing there: its listing and modification time
+    stay as they were (a refusal later must not look like a write)."""
+    from condinit.io.atomic import check_output_dir, check_output_path
+
+    os.utime(tmp_path, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = os.stat(tmp_path).st_mtime_ns
+    check_output_path(tmp_path / "model.safetensors")
+    check_output_dir(tmp_path)
+    check_output_dir(tmp_path / "new")
+    assert os.stat(tmp_path).st_mtime_ns == before and os.listdir(tmp_path) == []

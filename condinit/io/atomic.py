@@ -81,13 +81,21 @@ def _resolve_output(path, follow_symlinks: bool = True) -> tuple[str, str]:
         raise ValueError(f"output directory {d}{via} does not exist")
     if not os.path.isdir(d):
         raise ValueError(f"output directory {d}{via} is not a directory")
-    try:  # os.access is not enough (root, read-only mounts): create and remove a probe file
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".condinit-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ValueError(f"output directory {d}{via} is not writable: {exc.strerror or exc}") from None
+    why = _not_writable(d)
+    if why is not None:
+        raise ValueError(f"output directory {d}{via} is not writable: {why}")
     return shown, dest
+
+
+def _not_writable(d: str):
+    """Why no file can be created in the existing directory ``d``, or None. Writes nothing (the
+    directory's modification time stays as it was): its permissions, and a read-only mount, which
+    ``os.access`` does not see for root."""
+    if not os.access(d, os.W_OK | os.X_OK):
+        return "permission denied (EACCES)"
+    if os.statvfs(d).f_flag & os.ST_RDONLY:
+        return "read-only file system (EROFS)"
+    return None
 
 
 def check_output_path(path, follow_symlinks: bool = True) -> str:
@@ -122,13 +130,9 @@ def check_output_dir(path) -> str:
         raise ValueError(f"out directory {path!r} {what} not a directory")
     if probe not in (path, os.path.dirname(path)):
         raise ValueError(f"out directory {path!r}: its parent directory {os.path.dirname(path)!r} does not exist")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"out directory {path!r} is not writable ({probe!r} does not allow writing)")
-    try:  # os.access says yes to root on read-only mounts: try for real, leave nothing behind
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        raise ValueError(f"out directory {path!r} is not writable: {exc}") from exc
+    why = _not_writable(probe)
+    if why is not None:
+        raise ValueError(f"out directory {path!r} is not writable ({probe!r}: {why})")
     return path
 
 
