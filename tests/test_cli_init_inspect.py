@@ -360,6 +360,19 @@ def test_init_adapter_from_the_command_line(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 # directories, the single file, dry runs, refusals, bad arguments
 
+def test_an_existing_file_is_replaced_only_with_overwrite(tmp_path, capsys):
+    """A single-file --out that exists is refused (its bytes untouched) unless --overwrite, as a
+    directory holding a model is; with it, the file is the new seed's."""
+    out = tmp_path / "m.safetensors"
+    assert main(["init", "--preset", "tiny-llama", "--seed", "1", "--out", str(out), "--quiet"]) == 0
+    first = out.read_bytes()
+    rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--seed", "2", "--out", str(out))
+    assert rc == 2 and "exists: pass --overwrite" in err and out.read_bytes() == first, err
+    rc, _, err = run_cli(capsys, "init", "--preset", "tiny-llama", "--seed", "2", "--out", str(out), "--overwrite")
+    assert rc == 0 and out.read_bytes() != first, err
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
 def test_file_and_directory_hold_the_same_tensors_and_inspect_alike(tmp_path, capsys):
     cfg = write_config(tmp_path, GPT2_CONFIG)
     one, d = tmp_path / "one.safetensors", tmp_path / "dir"
@@ -457,7 +470,6 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         (["--out", d, "--max-shard-size", "0"], "--max-shard-size must be at least 1 byte"),
         (["--out", f, "--max-shard-size", "5GB"], "--max-shard-size: only with a directory --out"),
         (["--out", f, "--resume"], "--resume: only with a directory --out"),
-        (["--out", f, "--overwrite"], "--overwrite: only with a directory --out"),
         (["--out", f, "--qk-gain", "-1"], "qk_gain"),
         (["--out", f, "--max-rows", "-1"], "--max-rows must be an int in [0"),
     ]

@@ -102,7 +102,7 @@ def add_arguments(p):
     p.add_argument("--resume", action="store_true",
                    help="with a directory --out: keep the complete shards of an interrupted run, write the rest")
     p.add_argument("--overwrite", action="store_true",
-                   help="with a directory --out: replace a model that is already there (refused otherwise)")
+                   help="replace a model (a directory's, or the --out file) that is already there (refused otherwise)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (files, sizes, peak memory, expected time) and write nothing")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
@@ -148,10 +148,10 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available")
     if not to_directory:
-        for flag, given in (("--max-shard-size", args.max_shard_size is not None), ("--resume", args.resume),
-                            ("--overwrite", args.overwrite)):
+        for flag, given in (("--max-shard-size", args.max_shard_size is not None), ("--resume", args.resume)):
             if given:
                 raise CLIError(f"{flag}: only with a directory --out (ending in {os.sep}); {args.out} is a file")
+
     shard = parse_shard_size(args.max_shard_size if args.max_shard_size is not None else "5GB", "--max-shard-size")
     launched = launched_world_size()
     check_int("--nproc", args.nproc, min=1, allow_none=True)
@@ -171,6 +171,8 @@ def run(args) -> int:
         raise CLIError(f"config {args.config} is not readable JSON: nested too deeply") from None
     preset = None if config is not None else (args.preset or "tiny-llama")
     adapters = [_load_adapter(ref) for ref in args.adapter]
+    if not to_directory and os.path.lexists(out) and not args.overwrite and not args.dry_run:
+        raise CLIError(f"--out {out} exists: pass --overwrite to replace it (as for a directory that holds a model)")
     target = args.out if to_directory else out
     if args.nproc is not None and args.nproc > 1 and launched is None and not args.dry_run:
         return _launch(args)
