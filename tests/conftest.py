@@ -7,13 +7,6 @@ Every test draws its inputs from its own seed (derived from the test id; ``CONDI
 for fresh seeds per run). Reproduce a failure with ``CONDINIT_TEST_SEED=<seed printed in its output>``.
 """
 import os
-import sys
-
-# `python -m pytest` puts the working directory (the repository root) first on sys.path; there the
-# repository's kernels/ folder (installed as condinit.kernels) would shadow the `kernels` package
-# that transformers imports. condinit itself is imported from its installation.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 # Triton kernels run on the CPU through the interpreter; it must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -283,3 +283,13 @@ def test_plot_must_be_a_png_before_anything_is_read(tmp_path, capsys, command):
     assert rc == 2 and _one_line(err) == f"condinit {command}: error: --plot must name a .png file, got " \
                                          f"{tmp_path / 'kappa.txt'}", err
     assert os.listdir(tmp_path) == []
+
+
+def test_unknown_model_type_is_a_short_line_with_suggestions(tmp_path, capsys):
+    """--config with a model_type transformers does not know: one short line, the near names."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model_type": "lama", "hidden_size": 8}))
+    rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "m.safetensors"))
+    line = _one_line(err)
+    assert rc == 2 and len(line) < 200 and "model_type 'lama'" in line and "llama" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["c.json"]

@@ -345,7 +345,7 @@ TINY = ["demo", "--quick", "--task", "mqar-32,lm-masked", "--seeds", "1", "--ste
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
-    out = tmp_path_factory.mktemp("demo") / "out" / "nested"
+    out = tmp_path_factory.mktemp("demo") / "out"          # created by the demo, in an existing parent
     rc = main(TINY + ["--out", str(out)])
     return rc, out
 

@@ -126,7 +126,7 @@ def add_arguments(p):
 def run(args) -> int:
     import torch
 
-    from condinit._validate import check_int, check_seed
+    from condinit._validate import check_int, check_real, check_seed
     from condinit.cli import CLIError
     from condinit.io.atomic import check_output_dir
     from condinit.io.atomic import check_output_path
@@ -144,6 +144,8 @@ def run(args) -> int:
     if args.preset is not None and args.preset not in PRESETS:
         raise CLIError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     check_seed("--seed", args.seed)
+    for flag, gain in (("--qk-gain", args.qk_gain), ("--v-gain", args.v_gain)):
+        check_real(flag, gain, min=0.0, min_open=True)
     check_int("--max-rows", args.max_rows, min=0, allow_none=True)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available")
@@ -415,7 +417,7 @@ def _run_dcp(args) -> int:
     """``--format dcp``: a torchtitan seed checkpoint (:func:`condinit.models.engines.dcp.
     write_torchtitan_seed`), every check made before any work; under ``--nproc N`` or torchrun every
     rank writes its share."""
-    from condinit._validate import check_int, check_seed
+    from condinit._validate import check_int, check_real, check_seed
     from condinit.cli import CLIError
     from condinit.models.engines import dcp as engine
     from condinit.models.presets import DTYPES
@@ -435,6 +437,8 @@ def _run_dcp(args) -> int:
             raise CLIError(f"{flag}: not with --format dcp (a DCP seed checkpoint is computed on the CPU and "
                            f"written whole into an empty directory)")
     check_seed("--seed", args.seed)
+    for flag, gain in (("--qk-gain", args.qk_gain), ("--v-gain", args.v_gain)):
+        check_real(flag, gain, min=0.0, min_open=True)
     check_int("--nproc", args.nproc, min=1, allow_none=True)
     launched = launched_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", launched or 1))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import textwrap
 
 # seconds of Lanczos steps per layer unless --time-budget says otherwise (BENCHMARKS.md: what a
 # Llama-1B layer reaches in 10 / 30 / 60 s)
@@ -463,41 +464,44 @@ def _steps_cell(r) -> str:
 
 
 def _print_table(args, inputs, rows) -> None:
+    """The per-layer table, at most 120 columns wide, and its footnotes wrapped to that width."""
+    say = lambda text: print(textwrap.fill(text, width=120, subsequent_indent="  "))  # noqa: E731
     tokens = inputs["input_ids"].shape[1] if "input_ids" in inputs else "image"
     budget = ", ".join(f"{name} {v:g}" for name, v in (("at most Lanczos steps", args.steps),
                                                        ("time budget (s)", args.time_budget)) if v is not None)
-    print(f"{args.file}: preset {args.preset}, wrt={args.wrt}, batch {args.batch} x {tokens} tokens"
-          + (f", {budget} per layer" if budget else ""))
+    say(f"{args.file}: preset {args.preset}, wrt={args.wrt}, batch {args.batch} x {tokens} tokens"
+        + (f", {budget} per layer" if budget else ""))
     cells, footnotes = _bound_cells(rows)
-    print(f"{'layer':>5}  {'name':<30} {'sigma_max':>10} {'sigma_min*':>10} {'kappa(J)':>10} "
-          f"{'[kappa_lo, kappa_hi]':>23} {'steps':>5} {'||J||_F':>10} {'bound':>10}")
+    print(f"{'layer':>5}  {'name':<24} {'sigma_max':>9} {'sigma_min*':>10} {'kappa(J)':>9} "
+          f"{'[kappa_lo, kappa_hi]':>21} {'steps':>7} {'||J||_F':>9} {'bound':>9} conv")
     for r in rows:
         if r["skipped"] is not None:
-            print(f"{r['layer']:>5}  {r['name'][-30:]:<30} {r['skipped']}")
+            say(f"{r['layer']:>5}  {r['name'][-24:]:<24} {r['skipped']}")
             continue
         kappa = "rank-def." if r["rank_deficient"] else _fmt(r["kappa"])
         lo, hi = r.get("kappa_lo"), r.get("kappa_hi")
         bracket = f"[{_fmt(lo, '.3g')}, {_fmt(hi, '.3g')}]" if lo is not None or hi is not None else "-"
-        flag = "" if r["converged"] else "  not converged"
-        print(f"{r['layer']:>5}  {r['name'][-30:]:<30} {_fmt(r['sigma_max']):>10} {_fmt(r['sigma_min']):>10} "
-              f"{kappa:>10} {bracket:>23} {_steps_cell(r):>5} {_fmt(r['frobenius']):>10} "
-              f"{cells[r['layer']]:>10}{flag}")
+        print(f"{r['layer']:>5}  {r['name'][-24:]:<24} {_fmt(r['sigma_max']):>9} {_fmt(r['sigma_min']):>10} "
+              f"{kappa:>9} {bracket:>21} {_steps_cell(r):>7} {_fmt(r['frobenius']):>9} "
+              f"{cells[r['layer']]:>9} {'yes' if r['converged'] else 'no':>4}")
     probed = [r for r in rows if r["skipped"] is None]
+    if args.layers is not None and len(rows) < args.layers:
+        say(f"--layers {args.layers}: the model has {len(rows)} attention layer{'s' * (len(rows) != 1)}; all are listed")
     if any(r.get("kappa_lo") is not None for r in probed):
-        print("[kappa_lo, kappa_hi]: the bracket of kappa(J) (condinit.probe.lanczos_svd; the JSON's 'bracket' "
-              "says how each side is obtained)")
+        say("[kappa_lo, kappa_hi]: the bracket of kappa(J) (condinit.probe.lanczos_svd; the JSON's 'bracket' "
+            "says how each side is obtained)")
     if any(r["method"] == "dense-svd" for r in probed):
-        print("steps 'dense64' ('dense'): the exact dense SVD in float64 (float32), block by block where J is block "
-              "diagonal over its key/value heads; cheaper here than Lanczos run to exactness")
+        say("steps 'dense64' ('dense'): the exact dense SVD in float64 (float32), block by block where J is block "
+            "diagonal over its key/value heads; cheaper here than Lanczos run to exactness")
     if any(not r["converged"] for r in probed):
-        print("not converged: the bracket is wider than the estimator's tolerance (raise --steps or --time-budget; "
-              "the JSON's notes say which budget ended it)")
-    print("bound: upper bound on kappa(J) of each head and sequence, the largest shown "
-          "(condinit.probe.condition_number_bound)")
+        say("conv 'no': the bracket is wider than the estimator's tolerance (raise --steps or --time-budget; "
+            "the JSON's notes say which budget ended it)")
+    say("bound: upper bound on kappa(J) of each head and sequence, the largest shown "
+        "(condinit.probe.condition_number_bound)")
     for line in footnotes:
-        print(line)
+        say(line)
     if probed:
-        print("* sigma_min: " + probed[0]["subspace"])
+        say("* sigma_min: " + probed[0]["subspace"])
 
 
 def run(args) -> int:

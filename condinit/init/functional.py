@@ -86,8 +86,13 @@ def _check_gain(gain, dtypes: Sequence[torch.dtype], name: str = "gain") -> floa
     magnitude (``1 + 2**-23`` after fp32 rounding), the product is formed in fp32 and rounded into
     each of ``dtypes`` (the destinations'), so ``gain`` is at most half the largest finite value of
     fp32 and of every one of ``dtypes``."""
-    limit = min([torch.finfo(torch.float32).max] + [torch.finfo(d).max for d in dtypes]) / 2
-    return check_real(name, gain, min=0.0, min_open=True, max=limit)
+    gain = check_real(name, gain, min=0.0, min_open=True)
+    tightest = min([torch.float32, *dtypes], key=lambda d: torch.finfo(d).max)
+    limit = torch.finfo(tightest).max / 2
+    if gain > limit:
+        raise ValueError(f"{name} must be at most {limit:.3g}, half the largest finite {str(tightest).replace('torch.', '')} "
+                         f"(the scaled weights must stay finite), got {gain:g}")
+    return gain
 
 
 def check_gains(qk_gain, v_gain, qk_dtypes: Sequence[torch.dtype] = (),

@@ -166,6 +166,14 @@ def build_model(preset: Optional[str] = None, config: Optional[dict] = None, *, 
         raise ValueError(f"building a model needs Hugging Face transformers (pip install transformers): {exc}") from None
     check_config_values(config, source)
     model_type = config.pop("model_type", None)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if model_type not in CONFIG_MAPPING:
+        import difflib
+        known = list(CONFIG_MAPPING.keys())
+        near = difflib.get_close_matches(str(model_type), known, n=3)
+        raise ValueError(f"{source}: model_type {model_type!r} is not one this transformers "
+                         f"({transformers.__version__}) knows" + (f"; did you mean {', '.join(near)}?" if near else
+                                                                  f" ({len(known)} types, e.g. llama, qwen3, gpt2)"))
     try:
         cfg = AutoConfig.for_model(model_type, **config)
     except Exception as exc:   # transformers' and huggingface_hub's validation errors, as one line
