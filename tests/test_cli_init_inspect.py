@@ -470,7 +470,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         (["--out", d, "--max-shard-size", "0"], "--max-shard-size must be at least 1 byte"),
         (["--out", f, "--max-shard-size", "5GB"], "--max-shard-size: only with a directory --out"),
         (["--out", f, "--resume"], "--resume: only with a directory --out"),
-        (["--out", f, "--qk-gain", "-1"], "qk_gain"),
+        (["--out", f, "--qk-gain", "-1"], "--qk-gain must be in (0.0"),
         (["--out", f, "--max-rows", "-1"], "--max-rows must be an int in [0"),
     ]
     for argv, needle in cases:

@@ -281,7 +281,7 @@ def test_cli_bad_gain_writes_nothing(tmp_path, capsys, flag, value):
     out = tmp_path / "f.safetensors"
     assert main(["init", "--preset", "tiny-llama", "--out", str(out), flag, value, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert flag[2:].replace("-", "_") in err, err
+    assert flag in err, err                          # the flag as typed
     assert os.listdir(tmp_path) == []
 
 

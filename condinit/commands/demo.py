@@ -137,7 +137,7 @@ def run(args) -> int:
 
     from condinit.demo.report import task_caption
 
-    con = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 220)  # no squeezing when piped
+    con = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)  # piped: 120 columns, cells wrap
     for task in summary["tasks"]:
         header, rows = table_rows(summary, task)
         table = Table(title=f"{task}: {task_caption(task, summary['tasks'][task])}", title_justify="left")

@@ -222,14 +222,14 @@ def uncovered_table(uncovered: Sequence[Uncovered], title: Optional[str] = None)
 
 
 def wide_console(force_width: bool = False):
-    """A rich Console; when output is not a terminal (a pipe, a file, a test) it is 200 columns wide
-    instead of rich's 80, so that tables keep full module names."""
+    """A rich Console; when output is not a terminal (a pipe, a file, a test) it is 120 columns wide
+    instead of rich's 80 (wider cells wrap)."""
     import sys
 
     from rich.console import Console
 
     if force_width or not sys.stdout.isatty():
-        return Console(width=200)
+        return Console(width=120)
     return Console()
 
 
