@@ -70,6 +70,8 @@ def ceiling_rows(cfg: BenchConfig, progress=lambda s: None, on_row=None) -> list
     for r in sec.rows:   # a ceiling is the best rate reached, not the typical one
         if r.ok and r.best:
             r.rate, r.rate_unit = (r.flops or r.bytes) / r.best, "FLOP/s" if r.flops else "B/s"
+            r.note = "; ".join(n for n in (r.note, f"rate of the fastest call ({1e3 * r.best:.3g} ms; the time "
+                                                   f"column is the median)") if n)
     return sec.rows
 
 
