@@ -215,3 +215,23 @@ def test_mixed_meta_destinations_refused(rng):
                    ValueError, "meta")
     meta = {key: torch.empty(16, 32, device="meta") for key in "qkv"}
     conditioned_init_(meta["q"], meta["k"], meta["v"], num_heads=2, seed=0)    # all meta: a no-op
+
+
+def test_projection_shared_between_layers_is_written_once_and_reported():
+    """Two layers holding one q_proj (the same nn.Linear): it is conditioned once, as the first layer's
+    (bit for bit what an unshared model gets there); the second layer's own k and v are its own draws,
+    and the report names the sharing."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=32, num_hidden_layers=2, vocab_size=50)
+    shared, plain = transformers.LlamaForCausalLM(cfg), transformers.LlamaForCausalLM(cfg)
+    a, b = (l.self_attn for l in shared.model.layers)
+    b.q_proj = a.q_proj
+    rep = condinit.apply(shared, seed=3)
+    condinit.apply(plain, seed=3)
+    pa, pb = (l.self_attn for l in plain.model.layers)
+    assert torch.equal(a.q_proj.weight, pa.q_proj.weight) and b.q_proj is a.q_proj
+    assert torch.equal(b.k_proj.weight, pb.k_proj.weight) and torch.equal(b.v_proj.weight, pb.v_proj.weight)
+    assert rep.layers[1].shared == {"q": "model.layers.0.self_attn.q"} and not rep.layers[0].shared
+    assert rep.layers[1].after["q"] is rep.layers[0].after["q"]
+    assert "model.layers.1.self_attn.q is model.layers.0.self_attn.q (one weight)" in str(rep)

@@ -142,7 +142,7 @@ def run(args) -> int:
         header, rows = table_rows(summary, task)
         table = Table(title=f"{task}: {task_caption(task, summary['tasks'][task])}", title_justify="left")
         for col in header:
-            table.add_column(col)
+            table.add_column(col, overflow="fold")
         for r in rows:
             table.add_row(*r)
         con.print(table)

@@ -358,7 +358,7 @@ def run(args) -> int:
     t = Table(title=f"{args.file}: κ = σmax/σmin per head, min / median / max over heads"
                     + (f" (condinit {meta.get('family')}, seed {meta.get('seed')})" if meta else ""))
     for col in ("layer", "name", "heads", "layout", "Q κ", "K κ", "V κ"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for r in rows:
         t.add_row(str(r["layer"]), r["name"], f"{r['num_heads']}/{r['num_kv_heads']}x{r['head_dim']}", r["layout"],
                   *("/".join(f"{v:.7g}" for v in _stats(r[p]["cond_per_head"])) for p in ("q", "k", "v")))

@@ -261,6 +261,10 @@ def _record_after(reports: list, layers: Sequence[AttentionLayer], after: dict, 
         if key not in v_stats:
             v_stats[key] = BlockStats.of(_identity_blocks(v_mode, *key, v_gain))
         rep.after["v"] = v_stats[key]
+    written = {f"{rep.name}.{p}": stats for rep in reports for p, stats in rep.after.items()}
+    for rep in reports:       # a projection shared with an earlier layer holds what that layer's write left
+        for p, first in rep.shared.items():
+            rep.after[p] = written.get(first)
 
 
 def _identity_blocks(v_mode: str, num_kv_heads: int, d: int, n: int, dtype: torch.dtype,

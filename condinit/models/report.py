@@ -57,6 +57,7 @@ class LayerReport:
     time_s: float = 0.0
     layout: str = "separate"
     cross: bool = False
+    shared: dict = field(default_factory=dict)   # projection -> the earlier layer's projection whose weight it is
 
     @classmethod
     def of(cls, layer: AttentionLayer) -> "LayerReport":
@@ -75,7 +76,8 @@ class LayerReport:
                 "cross": self.cross,
                 "shapes": {k: list(v) for k, v in self.shapes.items()},
                 "before": {k: st(v) for k, v in self.before.items()},
-                "after": {k: st(v) for k, v in self.after.items()}, "time_s": self.time_s}
+                "after": {k: st(v) for k, v in self.after.items()}, "time_s": self.time_s,
+                "shared": dict(self.shared)}
 
 
 @dataclass
@@ -138,7 +140,7 @@ class ApplyReport:
                         + (" (local shards)" if self.sharded else ""))
         cols = ["layer", "name", "adapter", "heads", "layout", "proj", "shape"] + [c for _, c in sigma]
         for col in cols + (["ms"] if timed else []):
-            t.add_column(col, justify="right" if col in ("layer", "ms") else "left")
+            t.add_column(col, justify="right" if col in ("layer", "ms") else "left", overflow="fold")
         layers = self.layers if max_rows is None else self.layers[:max_rows]
         for l in layers:
             for i, p in enumerate(("q", "k", "v")):
@@ -153,6 +155,9 @@ class ApplyReport:
             notes.append(f"... {len(self.layers) - max_rows} more layers")
         if not sigma and self.layers:
             notes.append("singular values not measured here: condinit inspect reads them from the written files")
+        for l in self.layers:
+            for p, first in l.shared.items():
+                notes.append(f"{l.name}.{p} is {first} (one weight): conditioned once, as {first}")
         t.caption = "; ".join(notes) or None
         return t
 
@@ -222,18 +227,18 @@ def uncovered_table(uncovered: Sequence[Uncovered], title: Optional[str] = None)
 
 
 def wide_console(force_width: bool = False):
-    """A rich Console; when output is not a terminal (a pipe, a file, a test) it is 120 columns wide
-    instead of rich's 80 (wider cells wrap)."""
+    """A rich Console; when output is not a terminal (a pipe, a file, a test) it is 200 columns wide
+    instead of rich's 80, so that the per-projection tables keep whole module names."""
     import sys
 
     from rich.console import Console
 
     if force_width or not sys.stdout.isatty():
-        return Console(width=120)
+        return Console(width=200)
     return Console()
 
 
 def _fmt(s: Optional[BlockStats]) -> str:
     if s is None:
         return "-"
-    return f"{s.sigma_max:.7g}/{s.sigma_min:.7g}/{s.cond:.7g}"
+    return f"{s.sigma_max:.4g}/{s.sigma_min:.4g}/{s.cond:.4g}"

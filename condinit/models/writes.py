@@ -59,6 +59,17 @@ def _local_regions(proj: Projection, name: str) -> list[_Region]:
     return out
 
 
+def _storage_key(proj: Projection) -> Optional[tuple]:
+    """What identifies the storage ``proj`` writes (the weight's memory and the rows of it the projection
+    holds), so that two layers sharing a projection are told apart from two with equal shapes; None for
+    a learned query, a distributed weight or one without storage (meta)."""
+    if proj.fixed or proj.distributed or proj.weight.is_meta:
+        return None
+    w = proj.matrix()
+    return (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()),
+            tuple(proj.segments()), proj.transposed)
+
+
 def _one_head_groups(proj: Projection, head_dim: int) -> Optional[torch.Tensor]:
     """A ``[groups, head_dim, in]`` strided view of a plain (non-DTensor) projection whose groups
     are one head each (GPT-NeoX's ``[H, 3, d]``), or None."""
@@ -121,6 +132,7 @@ def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before
     is block ``h`` whatever the storage order."""
     plan, reports = InitPlan(), []
     sq, sk = stream_id(Q_STREAM), stream_id(K_STREAM)
+    owners: dict = {}     # the storage a projection writes -> the first layer's projection that writes it
     for i, l in enumerate(layers):
         s = l.spec
         rep = LayerReport.of(l)
@@ -134,8 +146,14 @@ def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before
             rep.before[p] = BlockStats.of(proj.view().reshape(heads, s.head_dim, proj.in_features)) \
                 if measure_before else None
             rep.after[p] = None
+            key = _storage_key(proj)
+            if key is not None:
+                # a projection shared with an earlier layer (the same weight): written once, as that layer's
+                first = owners.setdefault(key, f"{l.name}.{p}")
+                if first != f"{l.name}.{p}":
+                    rep.shared[p] = first
         for p, proj, stream in (("q", s.q, sq), ("k", s.k, sk)):
-            if proj.fixed:            # a learned query: no projection, nothing to write
+            if proj.fixed or p in rep.shared:   # a learned query (nothing to write), or written by an earlier layer
                 continue
             heads = _one_head_groups(proj, s.head_dim)
             if heads is not None:     # one view of every head: one run, batched like a contiguous weight
@@ -150,10 +168,12 @@ def plan_blocks(layers: Sequence[AttentionLayer], v_mode: str, *, measure_before
         why = s.v_identity_problem(v_mode)
         if why is not None:
             raise ValueError(f"{l.name}: v_mode={v_mode!r} cannot be written: {why}")
-        for reg in _local_regions(s.v, f"{l.name}.v"):
+        for reg in (_local_regions(s.v, f"{l.name}.v") if "v" not in rep.shared else ()):
             plan.add_identity(reg.view, row_lo=reg.r_lo, col_lo=reg.c_lo,
                               head_dim=s.head_dim if v_mode == "identity_per_head" else None, gain=v_gain, owner=i)
         for p, proj in s.projections():
+            if p in rep.shared:
+                continue
             for bias in _local_biases(proj, f"{l.name}.{p} bias"):
                 plan.add_zero(bias, owner=i)
     return plan, reports
