@@ -512,6 +512,9 @@ NOT_CHECKED = {
     "transformers:pi0":
         NO_INPUT
         + "TypeError: PI0Model.forward() missing 1 required positional argument: 'action_embeds'",
+    "transformers:pi05":
+        NO_INPUT
+        + "TypeError: PI05Model.forward() missing 1 required positional argument: 'action_embeds'",
     "transformers:pix2struct": NO_INPUT + "ValueError: You have to specify flattened_patches",
     "transformers:pocket_tts_audio_tokenizer": NO_BUILD + "ValueError: in_channels must be divisible by groups",
     "transformers:pocket_tts_audio_tokenizer_decoder": NO_BUILD + "ValueError: in_channels must be divisible by groups",

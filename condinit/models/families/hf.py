@@ -87,6 +87,26 @@ def _hf_phi3(m: nn.Module) -> AttentionSpec:
                          head_dim=m.head_dim)
 
 
+def _hf_ergo(m: nn.Module) -> AttentionSpec:
+    """Ergo ``qkv_proj``: ``view(..., -1, head_dim).split((H, H_kv, H_kv), dim=-2)``, so ``[Q; K; V]``
+    in contiguous runs of whole heads."""
+    H, _ = int_attr(m.config, ("num_attention_heads",))
+    Hkv, _ = int_attr(m.config, ("num_key_value_heads",))
+    return _fused_linear(m, "qkv_proj", "contiguous", num_heads=H, num_kv_heads=Hkv, head_dim=m.head_dim)
+
+
+def _hf_minicpm5(m: nn.Module) -> AttentionSpec:
+    """MiniCPM5-MoE ``q_gate_proj``: ``view(..., -1, 2 * head_dim).chunk(2, dim=-1)``, so rows
+    ``[H, 2, d]``, each head's query then its output gate (left as it is); ``k_proj``, ``v_proj``
+    separate."""
+    H, _ = int_attr(m.config, ("num_attention_heads",))
+    Hkv, _ = int_attr(m.config, ("num_key_value_heads",))
+    d = m.head_dim
+    lin = m.q_gate_proj
+    q = Projection(lin.weight, 0, d, False, lin.bias, groups=H, stride=2 * d)
+    return AttentionSpec(q, linear_projection(m.k_proj), linear_projection(m.v_proj), H, Hkv, d)
+
+
 def _hf_deberta(m: nn.Module) -> AttentionSpec:
     """DeBERTa (v1) ``DisentangledSelfAttention``: ``in_proj`` (no bias) read through
     ``view(..., H, -1).chunk(3, dim=-1)``, so rows ``[H, 3, d]``; Q and V biases are separate
@@ -198,6 +218,8 @@ def _register():
                      ("gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention", _hf_gpt_bigcode),
                      ("phi3.modeling_phi3.Phi3Attention", _hf_phi3),
                      ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention", _hf_phi3),
+                     ("ergo.modeling_ergo.ErgoAttention", _hf_ergo),
+                     ("minicpm5_moe.modeling_minicpm5_moe.MiniCPM5MoeAttention", _hf_minicpm5),
                      ("deberta.modeling_deberta.DisentangledSelfAttention", _hf_deberta),
                      ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen),
                      ("xlnet.modeling_xlnet.XLNetRelativeAttention", _hf_xlnet),
