@@ -37,8 +37,9 @@ MLA = ("multi-head latent attention (DeepSeek MLA): Q, K and V are products of l
        " method's per-head W_Q, W_K, W_V have no direct reading")
 # Latent attention whose factors condinit conditions on request (mla="factors"): refused by default,
 # read through each head's map by test_latent_attention_by_factors.
-MLA_FACTORS = ("multi-head latent attention: refused by default; with mla=\"factors\" each head's map is read "
-               "by test_latent_attention_by_factors")
+MLA_FACTORS = ("multi-head latent attention (Q, K, V products of low-rank factors): refused by default; conditioned "
+               "by factors with mla=\"factors\" (condinit init --mla factors), each head's effective map checked "
+               "from the module's forward")
 
 REFUSED = {
     "timm:xcit": "XCiT's cross-covariance attention is a softmax over channels (k^T q), not over tokens",
