@@ -140,14 +140,22 @@ def run(args) -> int:
     con = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)  # piped: 120 columns, cells wrap
     for task in summary["tasks"]:
         header, rows = table_rows(summary, task)
-        table = Table(title=f"{task}: {task_caption(task, summary['tasks'][task])}", title_justify="left")
-        for col in header:
-            table.add_column(col, overflow="fold")
-        for r in rows:
-            table.add_row(*r)
-        con.print(table)
+        # two tables of at most 120 columns: training (the init, then its results), then the Jacobian
+        # at init and at the end, each row again led by its init
+        cut = next((i for i, col in enumerate(header) if col.startswith("κ(J)")), len(header))
+        for part, (lo, hi) in enumerate(((0, cut), (cut, len(header)))):
+            if lo == hi:
+                continue
+            cols = ([0] if lo else []) + list(range(lo, hi))
+            table = Table(title=f"{task}: {task_caption(task, summary['tasks'][task])}" if part == 0 else None,
+                          title_justify="left")
+            for i in cols:
+                table.add_column(header[i])
+            for r in rows:
+                table.add_row(*(r[i] for i in cols))
+            con.print(table)
     con.print("*: best LR of the sweep; the other columns are at each init's best LR. "
               "κ(J) is a diagnostic, not a predictor of training speed (see the Spearman line per task).")
     con.print(f"{len(written)} files written to {out} in {summary['meta']['seconds']:.0f} s: "
-              + ", ".join(os.path.basename(w) for w in written))
+              + ", ".join(os.path.basename(w) for w in written), overflow="fold")
     return 0
