@@ -140,7 +140,8 @@ def run(args) -> int:
         raise CLIError("--torchtitan: only with --format dcp (a torchtitan seed checkpoint)")
     # every check on the input happens before any work
     to_directory = args.out.endswith(("/", os.sep)) or os.path.isdir(args.out)
-    out = check_output_dir(args.out) if to_directory else check_output_path(args.out)
+    # a missing parent directory: refused by the write (the dry run plans past it), with the same message
+    out = check_output_dir(args.out, missing_parent_ok=True) if to_directory else check_output_path(args.out)
     if args.preset is not None and args.preset not in PRESETS:
         raise CLIError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     check_seed("--seed", args.seed)

@@ -116,9 +116,10 @@ def check_output_path(path, follow_symlinks: bool = True) -> str:
     return _resolve_output(path, follow_symlinks)[0]
 
 
-def check_output_dir(path) -> str:
+def check_output_dir(path, missing_parent_ok: bool = False) -> str:
     """Raise ValueError unless ``path`` is a writable directory or can be created as one in an existing
-    writable directory (its parent). Writes nothing."""
+    writable directory (its parent; ``missing_parent_ok``: in any existing writable ancestor, for a
+    caller that refuses a missing parent itself, later). Writes nothing."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"out must be a directory path, got {path!r}")
     path = os.path.abspath(os.fspath(path))
@@ -128,7 +129,7 @@ def check_output_dir(path) -> str:
     if not os.path.isdir(probe):
         what = "is" if probe == path else f"cannot be created: {probe!r} is"
         raise ValueError(f"out directory {path!r} {what} not a directory")
-    if probe not in (path, os.path.dirname(path)):
+    if probe not in (path, os.path.dirname(path)) and not missing_parent_ok:
         raise ValueError(f"out directory {path!r}: its parent directory {os.path.dirname(path)!r} does not exist")
     why = _not_writable(probe)
     if why is not None:
