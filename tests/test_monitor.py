@@ -144,3 +144,42 @@ def test_distributed_needs_a_process_group():
     mon = JacobianMonitor(mha, every=1)
     assert mon.distributed is False
     mon.close()
+
+
+def test_call_mask_rows_reads_the_mask_forms_models_pass():
+    """Which sequences a call's attention mask treats otherwise than the layer's own pattern: additive
+    and boolean 4-D masks (HF eager / sdpa), a broadcast key mask, causal and windowed patterns, and
+    nn.MultiheadAttention's key_padding_mask / attn_mask by position."""
+    from condinit.probe.capture import call_mask_rows
+
+    B, N, lin = 3, 6, torch.nn.Linear(2, 2)
+    low = torch.finfo(torch.float32).min
+    i = torch.arange(N)
+    causal = (i[None, :] > i[:, None])
+    window = causal | (i[:, None] - i[None, :] >= 3)
+
+    def rows(mask, causal_layer, win=None, module=lin, args=()):
+        got, unread = call_mask_rows(module, (args, {} if mask is None else {"attention_mask": mask}), B, N,
+                                     causal_layer, win)
+        assert unread is None
+        return None if got is None else got.tolist()
+
+    assert rows(None, True) is None
+    additive = torch.where(causal, low, 0.0)[None, None].expand(B, 1, N, N).clone()
+    assert rows(additive, True) == [False] * 3 and rows(additive, False) == [True] * 3
+    additive[2, :, :, 0] = low                                   # left padding of sequence 2
+    assert rows(additive, True) == [False, False, True]
+    allowed = (~window)[None, None].expand(B, 1, N, N).clone()
+    assert rows(allowed, True, 3) == [False] * 3 and rows(allowed, True) == [True] * 3
+    keys = torch.zeros(B, 1, 1, N)
+    keys[0, ..., 4:] = low
+    assert rows(keys, False) == [True, False, False]
+    mha = torch.nn.MultiheadAttention(4, 1, batch_first=True)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -1] = True
+    got, _ = call_mask_rows(mha, ((None, None, None, pad), {}), B, N, False, None)
+    assert got.tolist() == [False, True, False]
+    got, _ = call_mask_rows(mha, ((None, None, None, None, True, causal), {}), B, N, True, None)
+    assert got.tolist() == [False] * 3
+    _, unread = call_mask_rows(lin, ((), {"attention_mask": object()}), B, N, True, None)
+    assert "object" in unread

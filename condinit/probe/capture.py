@@ -165,6 +165,8 @@ def call_mask_rows(module: nn.Module, call, B: int, N: int, causal: bool, window
             m = m[None, None]                               # [N, N] for every sequence
         elif m.dim() == 3 and m.shape[0] % max(B, 1) == 0 and m.shape[-2] >= N and m.shape[-1] >= N:
             m = m.reshape(B, -1, *m.shape[-2:]) if m.shape[0] >= B else m[None]
+        if m.dim() == 4 and m.shape[-2] == 1:              # [B, 1, 1, N_k]: one key mask for every query
+            m = m.expand(*m.shape[:2], N, m.shape[-1])
         if m.dim() != 4 or m.shape[-2] < N or m.shape[-1] < N or (m.shape[0] != 1 and m.shape[0] < B):
             return None, f"its {name} of shape {tuple(m.shape)} is not one the monitor reads"
         m = m[:B, :, :N, :N]
