@@ -34,11 +34,12 @@ is first asked for.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Callable, Optional
 
 import torch
+
+from condinit._util import memoized
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "Op", "ops", "available", "reset",
            "report"]
@@ -174,7 +175,7 @@ def get(name: str) -> Op:
     return _OPS[name]
 
 
-@functools.lru_cache(maxsize=None)
+@memoized
 def forced_from_env() -> dict:
     """``CONDINIT_BACKEND`` parsed: op name -> forced backend."""
     env = os.environ.get(ENV_VAR, "").strip()
@@ -202,7 +203,7 @@ class _AllOps(dict):
         return self.backend
 
 
-@functools.lru_cache(maxsize=None)
+@memoized
 def _triton_import() -> tuple[bool, str]:
     try:
         import triton
@@ -211,7 +212,7 @@ def _triton_import() -> tuple[bool, str]:
     return True, f"triton {triton.__version__}"
 
 
-@functools.lru_cache(maxsize=None)
+@memoized
 def available(backend: str, device_type: str, native_op: Optional[str] = None,
               native_fn: Optional[str] = None) -> tuple[bool, str]:
     """(available, reason) for ``backend`` on ``device_type``; cached (see :func:`reset`)."""

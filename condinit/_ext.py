@@ -7,13 +7,14 @@ Loading never initializes CUDA.
 """
 from __future__ import annotations
 
-import functools
 import warnings
+
+from condinit._util import memoized
 
 __all__ = ["load", "status", "has_op"]
 
 
-@functools.lru_cache(maxsize=None)
+@memoized
 def _load():
     try:
         import torch  # noqa: F401  (the extension links against libtorch)

@@ -1,15 +1,17 @@
-"""Small helpers shared across condinit: the bytes of a tensor, byte counts as people read them, and
-handing freed memory back to the system between the steps of a long command."""
+"""Small helpers shared across condinit: the bytes of a tensor, byte counts as people read them,
+handing freed memory back to the system between the steps of a long command, and a memo that
+torch.compile traces quietly."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import sys
 
 import torch
 
-__all__ = ["format_bytes", "release_memory", "tensor_bytes"]
+__all__ = ["format_bytes", "memoized", "release_memory", "tensor_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -53,3 +55,19 @@ def release_memory() -> None:
     trim = getattr(_LIBC, "malloc_trim", None) if _LIBC else None
     if trim is not None:
         trim(0)
+
+
+def memoized(fn):
+    """``fn`` (positional, hashable arguments) computed once per arguments, with ``cache_clear()``: what
+    ``functools.lru_cache(maxsize=None)`` does, as a plain dict. The backend choice runs inside
+    ``torch.compile`` traces, where Dynamo ignores an lru_cache wrapper and warns each time."""
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        if args not in cache:
+            cache[args] = fn(*args)
+        return cache[args]
+
+    wrapper.cache_clear = cache.clear
+    return wrapper
