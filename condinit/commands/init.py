@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 
 NAME = "init"
 HELP = "build a model (preset or HF config.json) on meta, apply conditioned init, write .safetensors"
@@ -383,7 +384,10 @@ def _print_plan(rep, where: str, quiet: bool, rank_rate) -> None:
                      f"attention layer, measured now in one process); writing overlaps it, so the run takes the longer "
                      f"of that and {format_bytes(max(s.bytes for s in plan.ranks))} at the disk's write speed "
                      f"(not measured: nothing is written)")
-    print("\n".join(lines))
+    # the long explanations wrapped to 120 columns (a refusal stays one line: it is the write's own message)
+    print("\n".join(line if line.startswith("the write would be refused") else
+                    textwrap.fill(line, width=120, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 2))
+                    for line in lines))
 
 
 def _rank_lines(plan, rank_rate, quiet: bool) -> list:
