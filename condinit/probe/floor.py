@@ -58,14 +58,15 @@ class Floor:
     ceiling: Optional[float] = None
 
 
-def _less(v: Tensor, top: Tensor) -> Tensor:
-    """``v`` lowered by the rounding allowance of a float64 factorization of norm ``top``, clamped at 0."""
-    return (v - _ROUNDING * torch.finfo(torch.float64).eps * top).clamp_min(0.0)
+def _less(v: Tensor, top: Tensor, eps: float = torch.finfo(torch.float64).eps) -> Tensor:
+    """``v`` lowered by the rounding allowance of a factorization of norm ``top`` (``eps``: of float64, or
+    of the coarser precision the matrix was computed in), clamped at 0."""
+    return (v - _ROUNDING * eps * top).clamp_min(0.0)
 
 
-def _smallest(sv: Tensor) -> Tensor:
+def _smallest(sv: Tensor, eps: float = torch.finfo(torch.float64).eps) -> Tensor:
     """Lower bound on the smallest singular value from ``svdvals`` output ``[..., r]`` (descending)."""
-    return _less(sv[..., -1], sv[..., 0])
+    return _less(sv[..., -1], sv[..., 0], eps)
 
 
 def _group(op, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,7 +89,8 @@ def _group(op, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     vk = (v.unsqueeze(-1) * k.unsqueeze(-2)).reshape(N, d * d)        # v_j k_j^T
     o = P @ v                                                           # the output rows
     M = (w @ vk).reshape(-1, N, d, d) - o.unsqueeze(-1) * (w @ k).unsqueeze(-2)
-    return P.reshape(-1, N), _smallest(torch.linalg.svdvals(op.scale * M)).reshape(-1) ** 2
+    eps = torch.finfo(op.rounding_dtype).eps          # q, k, v are exact to the products' precision
+    return P.reshape(-1, N), _smallest(torch.linalg.svdvals(op.scale * M), eps).reshape(-1) ** 2
 
 
 def floor_flops(op) -> float:
@@ -146,7 +148,8 @@ def _floor(op) -> Floor:
             # C = F F^T with F = [P_s | D^(1/2)]: sigma_min(F) = sqrt(lambda_min(C)), to an absolute rounding
             # of eps ||F|| (an eigensolver on C would lose it below eps ||C||)
             F = torch.cat([Ps, torch.diag(D.sqrt())], dim=1)
-            low = float(_smallest(torch.linalg.svdvals(F)))
+            # P_s is float32-exact where a QK-norm computes in float32 (op.rounding_dtype): allowed for
+            low = float(_smallest(torch.linalg.svdvals(F), torch.finfo(op.rounding_dtype).eps))
             if low < lam:
                 lam, weakest = low, (b, g, F)
     if lam == 0.0:
