@@ -468,3 +468,18 @@ def test_output_checks_leave_the_directory_untouched(tmp_path):
     check_output_dir(tmp_path)
     check_output_dir(tmp_path / "new")
     assert os.stat(tmp_path).st_mtime_ns == before and os.listdir(tmp_path) == []
+
+
+def test_an_error_writing_the_temporary_file_names_the_output(tmp_path):
+    """An OSError on the temporary file (a full disk, say) names the output it was for, and no
+    temporary file is left."""
+    import errno
+
+    from condinit.io.atomic import atomic_output
+
+    out = tmp_path / "probe.json"
+    with pytest.raises(OSError) as info:
+        with atomic_output(out) as tmp:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)
+    assert info.value.filename == str(out) and info.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []

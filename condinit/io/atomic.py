@@ -349,9 +349,15 @@ def atomic_output(path, follow_symlinks: bool = True):
             with open(tmp, "rb+", opener=open_nofollow) as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, dest)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if isinstance(exc, OSError) and exc.filename == tmp:
+                # the temporary file is an internal detail: the error names the output it was for
+                named = OSError(exc.errno, exc.strerror, dest)
+                for note in getattr(exc, "__notes__", ()):
+                    named.add_note(note)
+                raise named from exc
             raise
         finally:
             with _TEMPS_LOCK:
