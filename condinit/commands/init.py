@@ -155,7 +155,6 @@ def run(args) -> int:
         for flag, given in (("--max-shard-size", args.max_shard_size is not None), ("--resume", args.resume)):
             if given:
                 raise CLIError(f"{flag}: only with a directory --out (ending in {os.sep}); {args.out} is a file")
-
     shard = parse_shard_size(args.max_shard_size if args.max_shard_size is not None else "5GB", "--max-shard-size")
     launched = launched_world_size()
     check_int("--nproc", args.nproc, min=1, allow_none=True)

@@ -43,7 +43,9 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
     Jacobian", "Brackets"); ``floor`` / ``ceiling``: certified lower / upper bounds on sigma_min
     (:mod:`condinit.probe.floor`; the ceiling before the products' rounding), taken where tighter;
     ``settled``: whether the smallest Ritz value has settled (:func:`_settled`), without which the
-    residual / Kato-Temple lower bound on sigma_min (which assumes it approximates sigma_min) is not used."""
+    residual / Kato-Temple lower bound on sigma_min (which assumes it approximates sigma_min) is not used.
+    ``short``: the ceiling lies under the Ritz values' lower bound (the run stopped short of J's weakest
+    direction, so it is not exact even where the Krylov space is invariant)."""
     eta = [r / math.sqrt(2.0) for r in res]        # residual of the augmented [[0, A], [A^T, 0]]
     s1, sk = s[0], s[-1]
     # the rounding of k products and reorthogonalizations (assumed at most this, as a norm: it grows with
@@ -63,14 +65,16 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
         smin = (max(lo - fl, 0.0), sk + fl)
     if floor is not None:
         smin = (max(smin[0], floor), smin[1])
+    short = False
     if ceiling is not None:
         smin = (smin[0], min(smin[1], ceiling + fl))
-        if smin[0] > smin[1]:
-            # the ceiling (J is onto) finds a direction weaker than every Ritz value: the Krylov space stopped
-            # short of it (it lies at the rounding floor), so only the certified floor stands below
+        short = smin[0] > smin[1]
+        if short:
+            # the ceiling (J is onto) finds a direction weaker than every Ritz value: the Krylov space
+            # stopped short of it (it lies at the rounding floor), so only the certified floor stands below
             smin = (floor if floor is not None else 0.0, smin[1])
     kappa = (smax[0] / smin[1] if smin[1] > 0 else math.inf, smax[1] / smin[0] if smin[0] > 0 else math.inf)
-    return {"sigma_max": smax, "sigma_min": smin, "kappa": kappa}
+    return {"sigma_max": smax, "sigma_min": smin, "kappa": kappa, "short": short}
 
 
 def _ritz(alphas: list, betas: list):

@@ -110,8 +110,7 @@ def _lanczos_one(op: JacobianOperator, *, steps: int, seed: int, rank_rtol: Opti
         history.append((k, s[-1]))
     bracket = _bracket(s, res, k, exhausted, eff.size_in, confidence, eps, floor.value, floor.ceiling,
                        _settled(history, tol))
-    # a ceiling below the smallest Ritz value: the run ended short of J's weakest direction (not exact)
-    exhausted = exhausted and bracket["sigma_min"][1] >= s[-1] - 8 * _FLOOR * eps * s[0] * math.sqrt(k)
+    exhausted = exhausted and not bracket["short"]     # ended short of J's weakest direction: not exact
     smax, smin = _inside(s[0], bracket["sigma_max"]), _inside(s[-1], bracket["sigma_min"])
     rank_def = smax == 0.0 or smin <= rtol * smax    # holds too where the bracket alone says so
     converged = _converged(bracket, tol, rtol)

@@ -81,15 +81,8 @@ def _hf_gpt_bigcode(m: nn.Module) -> AttentionSpec:
 
 
 def _hf_phi3(m: nn.Module) -> AttentionSpec:
-    """Phi-3 ``qkv_proj``: ``qkv[..., :H d]``, then ``H_kv d`` key rows, then the values."""
-    H, _ = int_attr(m.config, ("num_attention_heads",))
-    return _fused_linear(m, "qkv_proj", "contiguous", num_heads=H, num_kv_heads=m.num_key_value_heads,
-                         head_dim=m.head_dim)
-
-
-def _hf_ergo(m: nn.Module) -> AttentionSpec:
-    """Ergo ``qkv_proj``: ``view(..., -1, head_dim).split((H, H_kv, H_kv), dim=-2)``, so ``[Q; K; V]``
-    in contiguous runs of whole heads."""
+    """Phi-3 (and Phi-4-multimodal, Ergo) ``qkv_proj``: ``qkv[..., :H d]``, then ``H_kv d`` key rows, then
+    the values (Ergo: ``view(..., -1, head_dim).split((H, H_kv, H_kv), dim=-2)``, the same rows)."""
     H, _ = int_attr(m.config, ("num_attention_heads",))
     Hkv, _ = int_attr(m.config, ("num_key_value_heads",))
     return _fused_linear(m, "qkv_proj", "contiguous", num_heads=H, num_kv_heads=Hkv, head_dim=m.head_dim)
@@ -218,7 +211,7 @@ def _register():
                      ("gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention", _hf_gpt_bigcode),
                      ("phi3.modeling_phi3.Phi3Attention", _hf_phi3),
                      ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention", _hf_phi3),
-                     ("ergo.modeling_ergo.ErgoAttention", _hf_ergo),
+                     ("ergo.modeling_ergo.ErgoAttention", _hf_phi3),
                      ("minicpm5_moe.modeling_minicpm5_moe.MiniCPM5MoeAttention", _hf_minicpm5),
                      ("deberta.modeling_deberta.DisentangledSelfAttention", _hf_deberta),
                      ("codegen.modeling_codegen.CodeGenAttention", _hf_codegen),
