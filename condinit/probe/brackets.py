@@ -21,10 +21,11 @@ _BRACKET_KRYLOV = (
     "sigma_min >= max(s_k - eta_k, s_k - eta_k^2 / (s_{k-1} - eta_{k-1} - s_k)) - f once s_k has settled, assuming "
     "the two smallest Ritz values approximate the two smallest nonzero singular values (residual bound and "
     "Kato-Temple with that gap; before s_k settles, no lower bound from the Ritz values)")
-_BRACKET_FLOOR = ("; sigma_min >= {floor:.6g}, a certified floor from the {terms} (J J^T >= (D + P_s P_s^T) (x) I; "
+_BRACKET_FLOOR = ("; sigma_min >= {floor:.6g}, a certified floor on the nonzero spectrum from the {terms} (J J^T >= "
+                  "the sum over the value-subspace directions m of (D_m + P_s P_s^T), each bounded on its range; "
                   "condinit.probe.floor), where it is the higher lower bound")
 _BRACKET_CEILING = ("; sigma_min <= {ceiling:.6g} + f, the Rayleigh quotient of J J^T on the floor's weakest "
-                    "directions (J is onto), where it is the lower upper bound")
+                    "directions (they lie in range(J)), where it is the lower upper bound")
 _BRACKET_NO_FLOOR = "; no certified floor under sigma_min: {reason}"
 
 
@@ -70,7 +71,7 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
         smin = (smin[0], min(smin[1], ceiling + fl))
         short = smin[0] > smin[1]
         if short:
-            # the ceiling (J is onto) finds a direction weaker than every Ritz value: the Krylov space
+            # the ceiling (a direction in range(J)) finds one weaker than every Ritz value: the Krylov space
             # stopped short of it (it lies at the rounding floor), so only the certified floor stands below
             smin = (floor if floor is not None else 0.0, smin[1])
     kappa = (smax[0] / smin[1] if smin[1] > 0 else math.inf, smax[1] / smin[0] if smin[0] > 0 else math.inf)

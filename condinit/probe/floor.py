@@ -8,27 +8,29 @@ output tangent of query row ``i`` of head ``h`` is
 
 with ``a_hi`` the row's query tangent (after RoPE: a rotation, which leaves singular values alone),
 ``b``, ``c`` the key and value tangents, ``Lambda(p) = Diag(p) - p p^T`` the softmax Jacobian and ``tau``
-the soft-cap's derivative (1 without one). Since ``1^T Lambda(p) = 0``, the query and key terms of row
-``i`` lie in ``S_i = span{v_j - v_j0 : j, j0 keys the row attends}``. Where the rows that do not reach
-all of ``R^d`` attend prefixes of the keys (causal attention, the first rows of a left window, or every
-key), the ``S_i`` are nested: one orthonormal basis ``q_1, ..., q_d`` of ``R^d`` has ``S_i =
-span(q_1 .. q_{n_i})``. Writing each output row in that basis splits the bound into ``d`` independent
-pieces. With ``M_hi = s V^T Lambda(p_hi) diag(tau_hi) K`` (range ``S_i`` when ``sigma_{n_i}(M_hi) > 0``)
-and leaving out the key term,
+the soft-cap's derivative (1 without one). Since ``1^T Lambda(p) = 0``, the query and key terms of a
+row that attends a prefix ``0 .. c_i - 1`` of the keys (causal rows, the first rows of a left window,
+every row without a mask) lie in ``S_i = span{v_j - v_0 : j < c_i}``, those of any other row in
+``R^d``. Prefix sets are nested, so one orthonormal basis ``q_1 .. q_d`` (Gram-Schmidt on the value
+differences in key order) has ``S_i`` inside ``span(q_1 .. q_{n_i})``. Written in that basis the
+output splits into ``d`` pieces, and range(J) lies in ``R = (+)_m R_m``, ``R_m = span{e_hi : n_i >= m} +
+range(P_s)`` with ``P_s = [P_1; ...; P_G]``. With ``M_hi = s V^T Lambda(p_hi) diag(tau_hi) K`` and
+``sigma_hi = sigma_{n_i}(M_hi)`` on its subspace, leaving out the key term,
 
     J J^T >= J_Q J_Q^T + J_V J_V^T >= (+)_m C_m,     C_m = D_m + P_s P_s^T,
-    D_m = diag_(h,i) [m <= n_i] sigma_{n_i}(M_hi)^2,  P_s = [P_1; ...; P_G]
+    D_m = diag_(h,i) [n_i >= m] sigma_hi^2
 
-and both sides have the same range, so ``sigma_min(J)^2 >= min_m lambda_min(C_m on its range)`` over
-the nonzero spectrum: the bound holds on range(J), whatever output directions no tangent reaches. For
-``wrt="weights"`` the tangents are ``X dW^T`` and ``J J^T >= sigma_min(X)^2 (...)`` with the same range
-(``X``, the ``B N x D`` stacked input, of full row rank only when ``B N <= D``); ``W_O`` multiplies the
-floor by its smallest singular value when it has full rank.
+so ``sigma_min(J)^2 >= min_m lambda_min(C_m on R_m)`` over the nonzero spectrum: the bound holds on
+range(J) whatever output directions no tangent reaches (causal grouped queries have many). A subspace
+taken too large only lowers the bound, so rank decisions err that way. For ``wrt="weights"`` the
+tangents are ``X dW^T`` and ``J J^T >= sigma_min(X)^2 (...)`` with the same range (``X``, the ``B N x
+D`` stacked input, of full row rank only when ``B N <= D``); ``W_O`` multiplies the floor by its
+smallest singular value when it has full rank.
 
 Where no floor exists, :func:`sigma_min_floor` says why: ``wrt="input"`` (the three projections share
 ``dX``, so the terms are not independent), a QK-norm on the queries with ``G > 1`` (its Jacobian can be
 nearly singular, so the query term is left out, and the value term alone does not reach all of
-range(J)), a windowed row of rank below ``d``, ``B N > D``, or a factor singular to rounding.
+range(J)), ``B N > D``, or a bound that is 0 to rounding.
 """
 from __future__ import annotations
 
