@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .autocast import autocast_disabled
+from .transforms import rope
 
 __all__ = ["Floor", "MAX_FLOOR_FLOPS", "floor_flops", "sigma_min_floor"]
 
@@ -249,12 +250,30 @@ def _schur(Ps, n, sig, E, L, F_L, top, eps):
     return sigma, c / c.norm(), pieces[a][0]
 
 
-def _group(op, q: Tensor, k: Tensor, v: Tensor):
-    """For one sequence and key/value group (``q`` ``[G, N, d]``, ``k``, ``v`` ``[N, d]``, float64): the
-    group's floor, its weakest direction ``c`` ``[G N]``, the chain basis and the pieces ``c`` is weakest
-    for (module doc)."""
+def _primal64(op) -> tuple[Tensor, Tensor, Tensor, float]:
+    """``q``, ``k``, ``v`` (after RoPE) at the linearization point in float64, and the ``eps`` they are
+    exact to. Recomputed in float64 from the operator's input and weights (exact copies of the layer's)
+    where no QK-norm is in the way, so that a float32 operator's floor is that of the layer's exact
+    Jacobian (the brackets allow for the products' rounding separately); else the operator's own, exact
+    to the precision it computes in."""
+    f64 = torch.float64
+    if op.dtype == f64 or op._qkv_given is not None or op.q_norm is not None or op.k_norm is not None:
+        q, k, v, _, _ = op._primal()
+        return q.to(f64), k.to(f64), v.to(f64), torch.finfo(op.rounding_dtype).eps
+    X = op.X.to(f64)
+    q, k, v = (op._heads(op._lin(X, w.to(f64), None if b is None else b.to(f64)), h) for w, b, h in
+               ((op.Wq, op.bq, op.H), (op.Wk, op.bk, op.Hkv), (op.Wv, op.bv, op.Hkv)))
+    if op._rope_cs is not None:
+        cs = tuple(t.to(f64) for t in op._rope_cs)
+        q, k = rope(q, *cs), rope(k, *cs)
+    return q, k, v, torch.finfo(f64).eps
+
+
+def _group(op, q: Tensor, k: Tensor, v: Tensor, eps: float):
+    """For one sequence and key/value group (``q`` ``[G, N, d]``, ``k``, ``v`` ``[N, d]``, float64, exact
+    to ``eps``): the group's floor, its weakest direction ``c`` ``[G N]``, the chain basis and the pieces
+    ``c`` is weakest for (module doc)."""
     N, d = op.N, op.d
-    eps = torch.finfo(op.rounding_dtype).eps          # q, k, v are exact to the products' precision
     s = op.scale * (q @ k.T)
     tau = None
     if op.softcap is not None:
@@ -323,7 +342,7 @@ def _floor(op) -> Floor:
             return Floor(None, "wrt='weights': X is rank-deficient to rounding")
     if floor_flops(op) > MAX_FLOOR_FLOPS:
         return Floor(None, f"not computed: about {floor_flops(op):.1e} flops, above {MAX_FLOOR_FLOPS:.0e}")
-    q, k, v, _, _ = op._primal()
+    q, k, v, eps = _primal64(op)
     if not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
         return Floor(None, "the linearization point is not finite")
     G = op.G
@@ -333,7 +352,7 @@ def _floor(op) -> Floor:
     for b in range(op.B):
         for g in range(op.Hkv):
             try:
-                low, c, Q, ms = _group(op, q[b, g * G:(g + 1) * G].to(f64), k[b, g].to(f64), v[b, g].to(f64))
+                low, c, Q, ms = _group(op, q[b, g * G:(g + 1) * G], k[b, g], v[b, g], eps)
             except _NoFloor as e:
                 return Floor(None, f"{e} ({terms})")
             if low < lam:
