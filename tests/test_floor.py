@@ -187,3 +187,23 @@ def test_float32_operator_floor_is_the_layers(seed):
     f32 = sigma_min_floor(JacobianOperator(m, x, wrt="weights", causal=True, dtype=torch.float32))
     assert f64.value is not None, f64.reason
     assert f32.value == pytest.approx(f64.value, rel=1e-9) and f32.value <= _smallest_nonzero(J) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("N", [6, 20])
+def test_floor_paths_agree(N, seed):
+    """The two ways to bound the pieces (one eigensolver per piece on all rows; bisection on the Schur
+    complement of the rows of full rank) agree to the bisection's tolerance."""
+    import condinit.probe.floor as fl
+
+    _, _, op = make("qkv", True, N=N, H=4, Hkv=1, d=4, seed=seed)
+    q, k, v, eps = fl._primal64(op)
+    s = (op.scale * (q[0] @ k[0, 0].T)).masked_fill(~op.allowed_keys(0, N), -math.inf)
+    P = torch.softmax(s, -1)
+    vk = (v[0, 0].unsqueeze(-1) * k[0, 0].unsqueeze(-2)).reshape(N, -1)
+    M = op.scale * ((P @ vk).reshape(4, N, 4, 4) - (P @ v[0, 0]).unsqueeze(-1) * (P @ k[0, 0]).unsqueeze(-2))
+    n, sig, _ = fl._rows(op, M, v[0, 0], eps)
+    Ps, top = P.reshape(-1, N), int(n.max())
+    E = (n < top) | (sig == 0)
+    F_L = torch.cat([Ps[~E], torch.diag(sig[~E])], 1)
+    a, b = fl._direct(Ps, n, sig, top, eps), fl._schur(Ps, n, sig, E, ~E, F_L, top, eps)
+    assert a[0] == pytest.approx(b[0], rel=3e-3), (a[0], b[0])

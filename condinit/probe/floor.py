@@ -49,8 +49,8 @@ __all__ = ["Floor", "MAX_FLOOR_FLOPS", "floor_flops", "sigma_min_floor"]
 # Rounding allowance: each float64 factorization is taken to move its matrix by at most this many eps
 # of its norm (Weyl), as for the dense path.
 _ROUNDING = 64
-# Bisection steps for lambda_min of the pieces with rows below full rank (relative 1e-4 in sigma).
-_BISECT = 24
+# Bisection steps for lambda_min of the pieces with rows below full rank (relative 1e-3 in sigma).
+_BISECT = 12
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,9 @@ def _pieces(op, Ps: Tensor, n: Tensor, sig: Tensor, eps: float) -> tuple[float, 
             found.append((low, c, list(range(top))))
         else:
             tries, why = [], None
-            try:
-                tries.append(_schur(Ps, n, sig, E, L, F_L, top, eps))
+            try:                 # the Schur complement pays where few rows are below the top rank
+                tries.append(_schur(Ps, n, sig, E, L, F_L, top, eps) if 2 * int(E.sum()) < len(n)
+                             else _direct(Ps, n, sig, top, eps))
             except _NoFloor as e:
                 why = e
             if Ps.shape[0] == Ps.shape[1]:
@@ -180,6 +181,57 @@ def _pieces(op, Ps: Tensor, n: Tensor, sig: Tensor, eps: float) -> tuple[float, 
             found.append(max(tries, key=lambda f: f[0]))
     low, c, ms = min(found, key=lambda f: f[0])
     return low, c, ms
+
+
+def _piece_sets(P: Tensor, n: Tensor, top: int, eps: float):
+    """The distinct pieces over the rows ``P`` (their attention rows) with subspace dimensions ``n``:
+    ``(ms, out, Pi)`` with ``ms`` the pieces ``m < top`` (0-based) that leave out the same rows ``out``
+    (``n_i <= m``), and ``Pi`` the projector on the complement of ``R_m`` (``x`` on the rows left out
+    with ``P_out^T x = 0``; a range too large only lowers the floor, so directions above rounding stay)."""
+    sets = []
+    for m in range(top):
+        out = n <= m
+        if sets and torch.equal(sets[-1][1], out):
+            sets[-1][0].append(m)
+            continue
+        Pi = P.new_zeros(len(n), len(n))
+        if bool(out.any()):
+            Uz, sz, _ = torch.linalg.svd(P[out], full_matrices=False)
+            Uz, idx = Uz[:, sz > _ROUNDING * eps * sz[0]], out.nonzero().squeeze(1)
+            Pi[idx.unsqueeze(1), idx.unsqueeze(0)] = torch.eye(len(idx), dtype=P.dtype, device=P.device) - Uz @ Uz.T
+        sets.append(([m], out, Pi))
+    return sets
+
+
+def _direct(Ps, n, sig, top, eps):
+    """The pieces ``m < top`` on all rows at once, where most rows are below the top rank:
+    ``lambda_min(C_m + rho Pi_m)`` by an eigensolver for every eighth piece, the first and the last; every
+    other piece passes a Cholesky test at that minimum or gets its own eigensolve."""
+    f64, dev = Ps.dtype, Ps.device
+    top2 = float(torch.linalg.matrix_norm(Ps, 2)) + float(sig.max())       # >= ||F_m||, F_m F_m^T = C_m
+    rho = 2 * top2 ** 2                                                     # > ||C_m||
+    delta = _ROUNDING * torch.finfo(f64).eps * top2 ** 2                    # the products' rounding
+    C0, eye = Ps @ Ps.T, torch.eye(len(n), dtype=f64, device=dev)
+    sets = _piece_sets(Ps, n, top, eps)
+
+    def build(a: int) -> Tensor:
+        _, out, Pi = sets[a]
+        return C0 + torch.diag(torch.where(out, torch.zeros_like(sig), sig) ** 2) + rho * Pi
+
+    lam = {a: float(torch.linalg.eigvalsh(build(a))[0]) for a in sorted({0, len(sets) - 1, *range(0, len(sets), 8)})}
+    for a in range(len(sets)):
+        bar = min(lam.values()) * (1 - 1e-6)
+        if a not in lam and int(torch.linalg.cholesky_ex(build(a) - bar * eye).info) != 0:
+            lam[a] = float(torch.linalg.eigvalsh(build(a))[0])
+    bar = min(lam.values()) * (1 - 1e-6)
+    a = min(lam, key=lam.get)
+    low = math.sqrt(max(min(bar, lam[a]) - delta, 0.0)) - _ROUNDING * eps * top2
+    if low <= 0.0:
+        raise _NoFloor("D + P_s P_s^T is singular to rounding on its range")
+    ms, out, Pi = sets[a]
+    c = torch.linalg.eigh(build(a))[1][:, 0]
+    c = c - Pi @ c                                # exactly in R_m: the complement projected out
+    return low, c / c.norm(), ms
 
 
 def _schur(Ps, n, sig, E, L, F_L, top, eps):
@@ -202,19 +254,9 @@ def _schur(Ps, n, sig, E, L, F_L, top, eps):
         mu = U = Bt = None
         start = top2 ** 2
     A0 = PE @ PE.T
-    pieces, Pis, Ts = [], [], []                  # pieces with the same rows left out (n_i <= m) share C_m
-    for m in range(top):
-        out = nE <= m
-        if pieces and torch.equal(pieces[-1][1], out):
-            pieces[-1][0].append(m)
-            continue
-        Pi = torch.zeros_like(A0)
-        if bool(out.any()):                       # null(C_m) = {x on the rows left out : P_Z^T x = 0}
-            Uz, sz, _ = torch.linalg.svd(PE[out], full_matrices=False)
-            keep = sz > _ROUNDING * eps * sz[0]         # a range too large only lowers the floor
-            Uz, idx = Uz[:, keep], out.nonzero().squeeze(1)
-            Pi[idx.unsqueeze(1), idx.unsqueeze(0)] = torch.eye(len(idx), dtype=f64, device=dev) - Uz @ Uz.T
-        pieces.append(([m], out))
+    pieces, Pis, Ts = [], [], []
+    for ms, out, Pi in _piece_sets(PE, nE, top, eps):
+        pieces.append((ms, out))
         Pis.append(Pi)
         Ts.append(A0 + torch.diag(torch.where(out, torch.zeros_like(sE), sE) ** 2) + rho * Pi)
     T0, eye = torch.stack(Ts), torch.eye(len(sE), dtype=f64, device=dev)
@@ -300,11 +342,16 @@ def _group(op, q: Tensor, k: Tensor, v: Tensor, eps: float):
 
 def floor_flops(op) -> float:
     """The floor's approximate cost in flops: per query head two ``N x N x d^2`` products and ``N`` SVDs of
-    ``d x d``; per key/value group one eigendecomposition of ``G N x G N`` and, for the rows below rank
-    ``d`` (``G d`` of them under a causal mask), the bisection's Cholesky factorizations of ``d`` pieces."""
+    ``d x d``; per key/value group, where the rows below rank ``d`` (``G d`` of them under a causal mask)
+    are at least half of the ``G N``, a Cholesky factorization of ``G N x G N`` per piece and an
+    eigensolve for every eighth, else one eigendecomposition of ``G N x G N`` and the bisection's
+    factorizations of the Schur complements (``G d x G d``, ``d`` pieces)."""
     B, H, N, d, G = op.B, op.H, op.N, op.d, op.G
     e = G * min(d, N) if (op.causal or op.window is not None) else 0
-    per_group = 10.0 * (G * N) ** 3 + (_BISECT + 8) * (2.0 * e * e * G * N + d * e ** 3 / 3.0)
+    if 2 * e >= G * N:
+        per_group = (min(d, N) / 3.0 + d / 2.0 + 8.0) * (G * N) ** 3
+    else:
+        per_group = 10.0 * (G * N) ** 3 + (_BISECT + 8) * (2.0 * e * e * G * N + d * e ** 3 / 3.0)
     return B * H * (2.0 * N * N * d * d + 10.0 * N * d ** 3) + B * op.Hkv * per_group
 
 
