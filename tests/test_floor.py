@@ -207,3 +207,15 @@ def test_floor_paths_agree(N, seed):
     F_L = torch.cat([Ps[~E], torch.diag(sig[~E])], 1)
     a, b = fl._direct(Ps, n, sig, top, eps), fl._schur(Ps, n, sig, E, ~E, F_L, top, eps)
     assert a[0] == pytest.approx(b[0], rel=3e-3), (a[0], b[0])
+
+
+def test_floor_cost_is_checked_on_the_rows_found(seed, monkeypatch):
+    """The pieces' cost is checked again once the rows below full rank are known (a window can leave
+    more of them than the shapes foretell): above the limit the floor is refused with its cost."""
+    import condinit.probe.floor as fl
+
+    _, _, op = make("qkv", True, N=12, H=4, Hkv=1, d=4, seed=seed)
+    monkeypatch.setattr(fl, "floor_flops", lambda op: 0.0)
+    monkeypatch.setattr(fl, "MAX_FLOOR_FLOPS", 1.0)
+    f = sigma_min_floor(op)
+    assert f.value is None and "not computed" in f.reason and "rows below full rank" in f.reason, f.reason

@@ -24,8 +24,9 @@ _BRACKET_KRYLOV = (
 _BRACKET_FLOOR = ("; sigma_min >= {floor:.6g}, a certified floor on the nonzero spectrum from the {terms} (J J^T >= "
                   "the sum over the value-subspace directions m of (D_m + P_s P_s^T), each bounded on its range; "
                   "condinit.probe.floor), where it is the higher lower bound")
-_BRACKET_CEILING = ("; sigma_min <= {ceiling:.6g} + f, the Rayleigh quotient of J J^T on the floor's weakest "
-                    "directions (they lie in range(J)), where it is the lower upper bound")
+_BRACKET_CEILING = ("; sigma_min <= {ceiling:.6g} + f_1, the Rayleigh quotient of J J^T on the floor's weakest "
+                    "directions (they lie in range(J)), f_1 = 512 eps s_1 the rounding of the one product that "
+                    "computes it, where it is the lower upper bound")
 _BRACKET_NO_FLOOR = "; no certified floor under sigma_min: {reason}"
 
 
@@ -42,7 +43,8 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
     """Lower / upper bounds on sigma_max, sigma_min and kappa from the Ritz values ``s`` (descending)
     and residuals ``res`` (``||A^T u_i - s_i v_i||``) after ``k`` steps (docs/design.md, "The attention
     Jacobian", "Brackets"); ``floor`` / ``ceiling``: certified lower / upper bounds on sigma_min
-    (:mod:`condinit.probe.floor`; the ceiling before the products' rounding), taken where tighter;
+    (:mod:`condinit.probe.floor`; the ceiling before the rounding of the one product that computes it),
+    taken where tighter;
     ``settled``: whether the smallest Ritz value has settled (:func:`_settled`), without which the
     residual / Kato-Temple lower bound on sigma_min (which assumes it approximates sigma_min) is not used.
     ``short``: the ceiling lies under the Ritz values' lower bound (the run stopped short of J's weakest
@@ -67,8 +69,8 @@ def _bracket(s: list, res: list, k: int, exhausted: bool, dim: int, confidence: 
     if floor is not None:
         smin = (max(smin[0], floor), smin[1])
     short = False
-    if ceiling is not None:
-        smin = (smin[0], min(smin[1], ceiling + fl))
+    if ceiling is not None:          # one product (a VJP launch) computed it: its rounding is that of one step
+        smin = (smin[0], min(smin[1], ceiling + 8 * _FLOOR * eps * s1))
         short = smin[0] > smin[1]
         if short:
             # the ceiling (a direction in range(J)) finds one weaker than every Ritz value: the Krylov space

@@ -161,11 +161,15 @@ def _pieces(op, Ps: Tensor, n: Tensor, sig: Tensor, eps: float) -> tuple[float, 
             found.append((low, c, list(range(top))))
         else:
             tries, why = [], None
-            try:                 # the Schur complement pays where few rows are below the top rank
-                tries.append(_schur(Ps, n, sig, E, L, F_L, top, eps) if 2 * int(E.sum()) < len(n)
-                             else _direct(Ps, n, sig, top, eps))
-            except _NoFloor as e:
-                why = e
+            e, rows = int(E.sum()), len(n)   # the Schur complement pays where few rows are below the top rank
+            cost = (10.0 * rows ** 3 + (_BISECT + 8) * (2.0 * e * e * rows + top * e ** 3 / 3.0) if 2 * e < rows
+                    else (top / 3.0 + top / 2.0 + 8.0) * rows ** 3)
+            try:
+                if cost > MAX_FLOOR_FLOPS:   # more rows below full rank than the shapes foretold (windows)
+                    raise _NoFloor(f"not computed: {e} of {rows} rows below full rank, about {cost:.1e} flops")
+                tries.append(_schur(Ps, n, sig, E, L, F_L, top, eps) if 2 * e < rows else _direct(Ps, n, sig, top, eps))
+            except _NoFloor as err:
+                why = err
             if Ps.shape[0] == Ps.shape[1]:
                 # one query head per group: D + P P^T with the query term of the rows below top rank left
                 # out is positive definite, and its floor (resolved to eps ||F|| by an SVD, where the
