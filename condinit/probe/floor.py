@@ -160,31 +160,39 @@ def _pieces(op, Ps: Tensor, n: Tensor, sig: Tensor, eps: float) -> tuple[float, 
             low, c = _smallest(F_L, eps, "D + P_s P_s^T")
             found.append((low, c, list(range(top))))
         else:
-            tries, why = [], None
-            e, rows = int(E.sum()), len(n)   # the Schur complement pays where few rows are below the top rank
-            cost = (10.0 * rows ** 3 + (_BISECT + 8) * (2.0 * e * e * rows + top * e ** 3 / 3.0) if 2 * e < rows
-                    else (top / 3.0 + top / 2.0 + 8.0) * rows ** 3)
-            try:
-                if cost > MAX_FLOOR_FLOPS:   # more rows below full rank than the shapes foretold (windows)
-                    raise _NoFloor(f"not computed: {e} of {rows} rows below full rank, about {cost:.1e} flops")
-                tries.append(_schur(Ps, n, sig, E, L, F_L, top, eps) if 2 * e < rows else _direct(Ps, n, sig, top, eps))
-            except _NoFloor as err:
-                why = err
-            if Ps.shape[0] == Ps.shape[1]:
-                # one query head per group: D + P P^T with the query term of the rows below top rank left
-                # out is positive definite, and its floor (resolved to eps ||F|| by an SVD, where the
-                # bisection resolves lambda to eps ||F||^2) holds for every piece m < top
-                try:
-                    low, c = _smallest(torch.cat([Ps, torch.diag(torch.where(L, sig, torch.zeros_like(sig)))], 1),
-                                       eps, "D + P P^T")
-                    tries.append((low, c, list(range(top))))
-                except _NoFloor:
-                    pass
-            if not tries:
-                raise why
-            found.append(max(tries, key=lambda f: f[0]))
+            found.append(_below_top(Ps, n, sig, E, L, F_L, top, eps))
     low, c, ms = min(found, key=lambda f: f[0])
     return low, c, ms
+
+
+def _below_top(Ps, n, sig, E, L, F_L, top: int, eps: float):
+    """The pieces ``m < top`` where some rows (``E``) are below the top rank or have no query term:
+    on all rows at once (:func:`_direct`) where ``E`` is at least half of them, else by bisection on the
+    Schur complement of the other rows (:func:`_schur`); with one query head per group also the SVD
+    floor of ``D + P P^T`` without the rows of ``E``, the higher one taken."""
+    tries, why = [], None
+    e, rows = int(E.sum()), len(n)   # the Schur complement pays where few rows are below the top rank
+    cost = (10.0 * rows ** 3 + (_BISECT + 8) * (2.0 * e * e * rows + top * e ** 3 / 3.0) if 2 * e < rows
+            else (top / 3.0 + top / 2.0 + 8.0) * rows ** 3)
+    try:
+        if cost > MAX_FLOOR_FLOPS:   # more rows below full rank than the shapes foretold (windows)
+            raise _NoFloor(f"not computed: {e} of {rows} rows below full rank, about {cost:.1e} flops")
+        tries.append(_schur(Ps, n, sig, E, L, F_L, top, eps) if 2 * e < rows else _direct(Ps, n, sig, top, eps))
+    except _NoFloor as err:
+        why = err
+    if Ps.shape[0] == Ps.shape[1]:
+        # one query head per group: D + P P^T with the query term of the rows below top rank left
+        # out is positive definite, and its floor (resolved to eps ||F|| by an SVD, where the
+        # bisection resolves lambda to eps ||F||^2) holds for every piece m < top
+        try:
+            low, c = _smallest(torch.cat([Ps, torch.diag(torch.where(L, sig, torch.zeros_like(sig)))], 1),
+                               eps, "D + P P^T")
+            tries.append((low, c, list(range(top))))
+        except _NoFloor:
+            pass
+    if not tries:
+        raise why
+    return max(tries, key=lambda f: f[0])
 
 
 def _piece_sets(P: Tensor, n: Tensor, top: int, eps: float):
