@@ -247,11 +247,11 @@ def _direct(Ps, n, sig, top, eps):
 
 
 def _schur(Ps, n, sig, E, L, F_L, top, eps):
-    """The pieces where some rows (``E``) reach fewer than ``top`` directions: the largest ``lambda`` with
-    every ``C_m + rho Pi_m - lambda I`` positive definite (``Pi_m`` the projector on the null space of
-    ``C_m``, which lies on the rows of ``E`` that piece ``m`` leaves out; ``rho >= ||C_m||`` moves it
-    above the range's eigenvalues), by bisection on the Schur complement of the rows in ``L``, where
-    ``C_LL = F_L F_L^T`` is positive definite and the same in every piece."""
+    """The pieces ``m < top`` where few rows (``E``) are below the top rank: the largest ``lambda`` with
+    every ``C_m + rho Pi_m - lambda I`` positive definite (``Pi_m`` the projector on the complement of
+    ``R_m``, which lies on the rows of ``E`` that piece ``m`` leaves out; ``rho > ||C_m||`` moves it above
+    the eigenvalues on ``R_m``), by bisection on the Schur complement of the rows in ``L``, where ``C_LL =
+    F_L F_L^T`` is positive definite and the same in every piece."""
     f64, dev = Ps.dtype, Ps.device
     PE, PL, nE, sE = Ps[E], Ps[L], n[E], sig[E]
     top2 = float(torch.linalg.matrix_norm(Ps, 2)) + float(sig.max())       # >= ||F_m||, F_m F_m^T = C_m
