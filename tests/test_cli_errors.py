@@ -291,5 +291,6 @@ def test_unknown_model_type_is_a_short_line_with_suggestions(tmp_path, capsys):
     cfg.write_text(json.dumps({"model_type": "lama", "hidden_size": 8}))
     rc, _, err = run_cli(capsys, "init", "--config", str(cfg), "--out", str(tmp_path / "m.safetensors"))
     line = _one_line(err)
-    assert rc == 2 and len(line) < 200 and "model_type 'lama'" in line and "llama" in line, line
+    # short apart from the path it names (pytest's temporary directories grow with the runs)
+    assert rc == 2 and len(line) - len(str(cfg)) < 160 and "model_type 'lama'" in line and "llama" in line, line
     assert sorted(os.listdir(tmp_path)) == ["c.json"]
