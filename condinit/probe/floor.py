@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 
 from .autocast import autocast_disabled
-from .transforms import rope
 
 __all__ = ["Floor", "MAX_FLOOR_FLOPS", "floor_flops", "sigma_min_floor"]
 
@@ -172,8 +171,7 @@ def _below_top(Ps, n, sig, E, L, F_L, top: int, eps: float):
     floor of ``D + P P^T`` without the rows of ``E``, the higher one taken."""
     tries, why = [], None
     e, rows = int(E.sum()), len(n)   # the Schur complement pays where few rows are below the top rank
-    cost = (10.0 * rows ** 3 + (_BISECT + 8) * (2.0 * e * e * rows + top * e ** 3 / 3.0) if 2 * e < rows
-            else (top / 3.0 + top / 2.0 + 8.0) * rows ** 3)
+    cost = _pieces_flops(rows, e, top)
     try:
         if cost > MAX_FLOOR_FLOPS:   # more rows below full rank than the shapes foretold (windows)
             raise _NoFloor(f"not computed: {e} of {rows} rows below full rank, about {cost:.1e} flops")
@@ -215,14 +213,19 @@ def _piece_sets(P: Tensor, n: Tensor, top: int, eps: float):
     return sets
 
 
+def _scales(Ps: Tensor, sig: Tensor) -> tuple[float, float, float]:
+    """``||F_m||`` bounded above (``F_m F_m^T = C_m``), ``rho > ||C_m||`` and the rounding of the products
+    forming ``C_m`` (``64 eps ||C_m||`` of float64)."""
+    top2 = float(torch.linalg.matrix_norm(Ps, 2)) + float(sig.max())
+    return top2, 2 * top2 ** 2, _ROUNDING * torch.finfo(Ps.dtype).eps * top2 ** 2
+
+
 def _direct(Ps, n, sig, top, eps):
     """The pieces ``m < top`` on all rows at once, where most rows are below the top rank:
     ``lambda_min(C_m + rho Pi_m)`` by an eigensolver for every eighth piece, the first and the last; every
     other piece passes a Cholesky test at that minimum or gets its own eigensolve."""
     f64, dev = Ps.dtype, Ps.device
-    top2 = float(torch.linalg.matrix_norm(Ps, 2)) + float(sig.max())       # >= ||F_m||, F_m F_m^T = C_m
-    rho = 2 * top2 ** 2                                                     # > ||C_m||
-    delta = _ROUNDING * torch.finfo(f64).eps * top2 ** 2                    # the products' rounding
+    top2, rho, delta = _scales(Ps, sig)
     C0, eye = Ps @ Ps.T, torch.eye(len(n), dtype=f64, device=dev)
     sets = _piece_sets(Ps, n, top, eps)
 
@@ -254,9 +257,7 @@ def _schur(Ps, n, sig, E, L, F_L, top, eps):
     F_L F_L^T`` is positive definite and the same in every piece."""
     f64, dev = Ps.dtype, Ps.device
     PE, PL, nE, sE = Ps[E], Ps[L], n[E], sig[E]
-    top2 = float(torch.linalg.matrix_norm(Ps, 2)) + float(sig.max())       # >= ||F_m||, F_m F_m^T = C_m
-    rho = 2 * top2 ** 2                                                     # > ||C_m||
-    delta = _ROUNDING * torch.finfo(f64).eps * top2 ** 2                    # the products' rounding
+    top2, rho, delta = _scales(Ps, sig)
     if bool(L.any()):
         mu, U = torch.linalg.eigh(F_L @ F_L.T)
         if float(mu[0]) <= 2 * delta:
@@ -315,12 +316,11 @@ def _primal64(op) -> tuple[Tensor, Tensor, Tensor, float]:
         q, k, v, _, _ = op._primal()
         return q.to(f64), k.to(f64), v.to(f64), torch.finfo(op.rounding_dtype).eps
     X = op.X.to(f64)
-    q, k, v = (op._heads(op._lin(X, w.to(f64), None if b is None else b.to(f64)), h) for w, b, h in
-               ((op.Wq, op.bq, op.H), (op.Wk, op.bk, op.Hkv), (op.Wv, op.bv, op.Hkv)))
-    if op._rope_cs is not None:
-        cs = tuple(t.to(f64) for t in op._rope_cs)
-        q, k = rope(q, *cs), rope(k, *cs)
-    return q, k, v, torch.finfo(f64).eps
+    q_lin, k_lin, v_lin = (op._lin(X, w.to(f64), None if b is None else b.to(f64)) for w, b in
+                           ((op.Wq, op.bq), (op.Wk, op.bk), (op.Wv, op.bv)))
+    # RoPE by the operator's own tables (exact in its dtype; the products promote to float64)
+    q, k = op._qk_primal(q_lin, None, op.H), op._qk_primal(k_lin, None, op.Hkv)
+    return q, k, op._heads(v_lin, op.Hkv), torch.finfo(f64).eps
 
 
 def _group(op, q: Tensor, k: Tensor, v: Tensor, eps: float):
@@ -360,11 +360,15 @@ def floor_flops(op) -> float:
     factorizations of the Schur complements (``G d x G d``, ``d`` pieces)."""
     B, H, N, d, G = op.B, op.H, op.N, op.d, op.G
     e = G * min(d, N) if (op.causal or op.window is not None) else 0
-    if 2 * e >= G * N:
-        per_group = (min(d, N) / 3.0 + d / 2.0 + 8.0) * (G * N) ** 3
-    else:
-        per_group = 10.0 * (G * N) ** 3 + (_BISECT + 8) * (2.0 * e * e * G * N + d * e ** 3 / 3.0)
-    return B * H * (2.0 * N * N * d * d + 10.0 * N * d ** 3) + B * op.Hkv * per_group
+    return B * H * (2.0 * N * N * d * d + 10.0 * N * d ** 3) + B * op.Hkv * _pieces_flops(G * N, e, min(d, N))
+
+
+def _pieces_flops(rows: int, e: int, pieces: int) -> float:
+    """One group's pieces with ``e`` of its ``rows`` below the top rank: on all rows (:func:`_direct`) or
+    by the Schur complement (:func:`_schur`), as :func:`_below_top` chooses."""
+    if 2 * e >= rows:
+        return (pieces / 3.0 + pieces / 2.0 + 8.0) * rows ** 3
+    return 10.0 * rows ** 3 + (_BISECT + 8) * (2.0 * e * e * rows + pieces * e ** 3 / 3.0)
 
 
 # The floor is not computed above this cost (a few seconds of float64 on two cores).
